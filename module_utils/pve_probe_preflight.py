@@ -1,0 +1,84 @@
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Preflight probe: everything preflight needs from inside a target, gathered in ONE run.
+
+In a CT this file's source is fed to the CT's python3 on stdin by ``Target.run_probe`` (one ``pct exec``);
+on a bare host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, no
+imports from ansible, and the answer is plain JSON. It only reads; the module decides what is wrong.
+"""
+
+import glob
+import os
+import platform
+import socket
+import stat
+import subprocess
+
+
+def _device(path):
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return {
+        "path": path,
+        "char": stat.S_ISCHR(info.st_mode),
+        "major": os.major(info.st_rdev),
+        "minor": os.minor(info.st_rdev),
+        "mode": oct(stat.S_IMODE(info.st_mode)),
+    }
+
+
+def _read(path):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def _space(path):
+    """Free and total bytes of the filesystem that would hold ``path`` (its first existing ancestor)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    usage = os.statvfs(existing)
+    return {
+        "path": path,
+        "existing": existing,
+        "free_bytes": usage.f_bavail * usage.f_frsize,
+        "total_bytes": usage.f_blocks * usage.f_frsize,
+    }
+
+
+def _run(argv, timeout):
+    env = dict(os.environ, LC_ALL="C", LANG="C")
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    except FileNotFoundError:
+        return {"rc": 127, "stdout": "", "stderr": f"{argv[0]}: command not found", "missing": True}
+    except subprocess.TimeoutExpired:
+        return {"rc": 124, "stdout": "", "stderr": f"{argv[0]} timed out after {timeout} s", "timed_out": True}
+    return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+
+
+def probe(payload):
+    """Answer ``payload`` (device globs, version file, library globs, nvidia-smi argv, space path) as a dict."""
+    devices = []
+    for pattern in payload["device_globs"]:
+        for path in sorted(glob.glob(pattern)):
+            found = _device(path)
+            if found:
+                devices.append(found)
+    libraries = []
+    for pattern in payload["library_globs"]:
+        libraries.extend(sorted(glob.glob(pattern)))
+    return {
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "devices": devices,
+        "kernel_version_text": _read(payload["kernel_version_file"]),
+        "nvml_libraries": libraries,
+        "nvidia_smi": _run(payload["nvidia_smi_argv"], payload.get("timeout", 30)),
+        "space": _space(payload["space_path"]),
+    }

@@ -1,0 +1,354 @@
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Run commands in a Proxmox VE container (``pct exec``) or on a host: the ONE place that builds those argvs.
+
+Every module of this project that touches a container or a host goes through :class:`Target`:
+
+* with a vmid, a command runs inside the container as
+  ``pct exec <vmid> --keep-env 0 -- timeout -k 5 <secs> env LC_ALL=C LANG=C <argv...>``
+  (``--keep-env 0`` so the node's environment never leaks in; ``timeout`` inside the CT so that a command that
+  hangs is killed in the CT too, not only the ``pct`` client on the node);
+* without a vmid, the same command runs on this host (the module already runs there).
+
+argv is always a list and never reaches a shell; the vmid is an integer in Proxmox's range before it is ever
+formatted. Failures of ``pct`` itself (container missing or stopped, ``pct`` missing, a command missing inside)
+become :class:`TargetError` with one line that says what was found and what to do.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+VMID_MIN = 100
+VMID_MAX = 999_999_999
+DEFAULT_TIMEOUT = 60
+KILL_GRACE = 5  # seconds `timeout -k` waits after SIGTERM before SIGKILL
+C_LOCALE = {"LC_ALL": "C", "LANG": "C"}
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Messages of Proxmox's pct (pve-container: src/PVE/CLI/pct.pm, src/PVE/LXC/Config.pm) and of lxc-attach.
+PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running!")
+PCT_NO_CONFIG = re.compile(r"Configuration file '([^']+)' does not exist")
+PCT_PARAM_ERROR = re.compile(r"400 Parameter verification failed")
+# rc 127 from lxc-attach, timeout(1) or env(1) when the command does not exist where it should run.
+NOT_FOUND = (
+    re.compile(r'Failed to exec "([^"]+)"'),
+    re.compile(r"failed to run command [‘'`]([^’'`]+)[’'`]"),
+    re.compile(r"env: [‘'`]([^’'`]+)[’'`]: No such file or directory"),
+)
+EXIT_NOT_FOUND = 127
+EXIT_NOT_EXECUTABLE = 126
+EXIT_TIMEOUT = 124
+EXIT_PCT_DIED = 255
+
+
+class TargetError(Exception):
+    """A command could not be run where it should, or failed: one line for people, details in separate keys.
+
+    ``kind`` is stable for code (``invalid``, ``missing``, ``stopped``, ``no_pct``, ``not_found``, ``timeout``,
+    ``failed``, ``probe``); ``str(error)`` is the message for ``fail_json(msg=...)``.
+    """
+
+    def __init__(self, message, *, kind, cmd=None, rc=None, stdout=None, stderr=None):
+        super().__init__(message)
+        self.kind = kind
+        self.cmd = cmd
+        self.rc = rc
+        self.stdout = stdout
+        self.stderr = stderr
+
+    def to_result(self):
+        """Keyword arguments for ``module.fail_json``: msg plus the command, rc and output tails apart from it."""
+        result = {"msg": str(self), "error": self.kind}
+        if self.cmd is not None:
+            result["cmd"] = list(self.cmd)
+        if self.rc is not None:
+            result["rc"] = self.rc
+        if self.stdout:
+            result["stdout_tail"] = tail(self.stdout)
+        if self.stderr:
+            result["stderr_tail"] = tail(self.stderr)
+        return result
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What one command did: the argv actually executed (pct wrapper included), exit code, output, duration."""
+
+    argv: list
+    rc: int
+    stdout: str
+    stderr: str
+    seconds: float = 0.0
+    timed_out: bool = field(default=False)
+
+
+def tail(text, lines=20):
+    """The last ``lines`` lines of ``text`` (what fail_json shows of a long stderr)."""
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+def validate_vmid(value):
+    """Return ``value`` as a Proxmox CT id (int 100..999999999) or None; raise TargetError for anything else.
+
+    ``validate_vmid(200)`` is 200; ``validate_vmid("200; touch /tmp/x")`` raises: a vmid is formatted into a pct
+    argv only after this check, so no string a user writes ever becomes part of a command.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not VMID_MIN <= value <= VMID_MAX:
+        raise TargetError(
+            f"vmid must be an integer from {VMID_MIN} to {VMID_MAX} (a Proxmox VE CT id), got {value!r}",
+            kind="invalid",
+        )
+    return value
+
+
+def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None):
+    """Run argv on this host without a shell; kill its whole process group when ``timeout`` passes.
+
+    Raises FileNotFoundError when argv[0] does not exist (the caller turns it into a clear TargetError).
+    """
+    started = time.monotonic()
+    full_env = dict(os.environ)
+    full_env.update(C_LOCALE)
+    full_env.update(env or {})
+    with subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=full_env,
+        start_new_session=True,  # so a timeout can kill pct and everything it started
+    ) as proc:
+        timed_out = False
+        try:
+            out, err = proc.communicate(stdin.encode() if isinstance(stdin, str) else stdin, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            out, err = proc.communicate()
+    return CommandResult(
+        argv=list(argv),
+        rc=proc.returncode,
+        stdout=out.decode(errors="replace"),
+        stderr=err.decode(errors="replace"),
+        seconds=round(time.monotonic() - started, 3),
+        timed_out=timed_out,
+    )
+
+
+class Target:
+    """A Proxmox CT seen from its node (``vmid`` given) or a bare host (``vmid`` None).
+
+    ``runner`` executes an argv on the node and returns a CommandResult (tests inject a fake that asserts the
+    exact argvs); ``node`` names the node in messages.
+    """
+
+    def __init__(self, vmid=None, *, node=None, runner=None, pct="pct", timeout=DEFAULT_TIMEOUT):
+        self.vmid = validate_vmid(vmid)
+        self.node = node or socket.gethostname()
+        self.runner = runner or run_local
+        self.pct = pct
+        self.timeout = timeout
+
+    @property
+    def is_container(self):
+        return self.vmid is not None
+
+    @property
+    def label(self):
+        """How messages name this target: ``CT 200 on pve1`` or ``host pve1``."""
+        return f"CT {self.vmid} on {self.node}" if self.is_container else f"host {self.node}"
+
+    # -- argv shapes ---------------------------------------------------------------------------------------
+    def command_argv(self, argv, *, timeout=None, env=None):
+        """The argv that runs ``argv`` in the target with a deadline (pure; unit tests assert it exactly)."""
+        argv = [str(a) for a in argv]
+        if not argv:
+            raise TargetError(f"{self.label}: empty command", kind="invalid")
+        seconds = int(timeout or self.timeout)
+        guarded = ["timeout", "-k", str(KILL_GRACE), str(seconds)]
+        if not self.is_container:
+            return [*guarded, *argv]
+        extra = []
+        for name, value in sorted((env or {}).items()):
+            if not ENV_NAME.match(name):
+                raise TargetError(f"{self.label}: invalid environment variable name {name!r}", kind="invalid")
+            extra.append(f"{name}={value}")
+        if "=" in argv[0]:
+            # env(1) would read it as an assignment, not as the command.
+            raise TargetError(f"{self.label}: command name {argv[0]!r} contains '='", kind="invalid")
+        inner = ["env", *(f"{k}={v}" for k, v in C_LOCALE.items()), *extra, *argv]
+        return [self.pct, "exec", str(self.vmid), "--keep-env", "0", "--", *guarded, *inner]
+
+    def pct_argv(self, *args):
+        """A plain ``pct <subcommand> <vmid> ...`` call (status, push, pull)."""
+        return [self.pct, args[0], str(self.vmid), *[str(a) for a in args[1:]]]
+
+    # -- running -------------------------------------------------------------------------------------------
+    def run(self, argv, *, stdin=None, timeout=None, env=None, check=True):
+        """Run ``argv`` in the target; return CommandResult. With ``check``, a non-zero exit raises TargetError."""
+        seconds = int(timeout or self.timeout)
+        wrapped = self.command_argv(argv, timeout=seconds, env=env)
+        result = self._execute(wrapped, argv, stdin=stdin, timeout=seconds + KILL_GRACE + 10,
+                               env=None if self.is_container else env)
+        self._raise_for_wrapper(result, argv, seconds)
+        if check and result.rc != 0:
+            raise TargetError(
+                f"{self.label}: `{' '.join(map(str, argv))}` failed with exit code {result.rc}: "
+                f"{first_line(result.stderr) or first_line(result.stdout) or 'no output'}",
+                kind="failed", cmd=wrapped, rc=result.rc, stdout=result.stdout, stderr=result.stderr,
+            )
+        return result
+
+    def run_on_node(self, argv, *, stdin=None, timeout=None, env=None, check=True):
+        """Run ``argv`` on the node itself (NVML, /proc and cgroups are only visible there), never in the CT."""
+        node_target = self if not self.is_container else Target(node=self.node, runner=self.runner,
+                                                                  timeout=self.timeout)
+        return node_target.run(argv, stdin=stdin, timeout=timeout, env=env, check=check)
+
+    def status(self):
+        """``running`` or ``stopped`` as ``pct status`` says; TargetError when the CT does not exist."""
+        argv = self.pct_argv("status")
+        result = self._execute(argv, argv, timeout=self.timeout)
+        self._raise_for_pct(result)
+        match = re.search(r"^status: (\S+)", result.stdout, re.MULTILINE)
+        if result.rc != 0 or not match:
+            raise TargetError(
+                f"{self.label}: `pct status {self.vmid}` gave no status (exit {result.rc}): "
+                f"{first_line(result.stderr) or first_line(result.stdout)}",
+                kind="failed", cmd=argv, rc=result.rc, stdout=result.stdout, stderr=result.stderr,
+            )
+        return match.group(1)
+
+    def read_file(self, path, *, timeout=None):
+        """Content of ``path`` in the target, or None when it does not exist."""
+        result = self.run(["cat", "--", path], timeout=timeout, check=False)
+        if result.rc != 0:
+            if "No such file or directory" in result.stderr:
+                return None
+            raise TargetError(
+                f"{self.label}: cannot read {path}: {first_line(result.stderr)}",
+                kind="failed", cmd=result.argv, rc=result.rc, stderr=result.stderr,
+            )
+        return result.stdout
+
+    def write_file(self, path, content, *, mode=0o644, timeout=None):
+        """Write ``content`` to ``path`` in the target atomically (temp file + rename); the path stays an argv."""
+        script = 'umask 077 && t="$1.tmp.$$" && cat > "$t" && chmod "$2" "$t" && mv -f "$t" "$1"'
+        self.run(["sh", "-c", script, "sh", path, f"{mode:o}"], stdin=content, timeout=timeout)
+
+    def run_probe(self, probe_module, payload, *, python="python3", timeout=None):
+        """Run ``probe_module.probe(payload)`` in the target and return its JSON-able answer.
+
+        In a CT the module's source is fed to the CT's python on stdin through ONE ``pct exec`` (the payload is
+        argv[1] as JSON); on a bare host the function runs in this process (the module already runs there).
+        """
+        if not self.is_container:
+            return probe_module.probe(payload)
+        source = inspect.getsource(probe_module) + PROBE_MAIN
+        result = self.run([python, "-I", "-", json.dumps(payload)], stdin=source, timeout=timeout, check=False)
+        try:
+            answer = json.loads(result.stdout)
+        except ValueError:
+            answer = None
+        if result.rc != 0 or not isinstance(answer, dict):
+            raise TargetError(
+                f"{self.label}: the {probe_module.__name__.rsplit('.', 1)[-1]} probe failed "
+                f"(exit {result.rc}): {last_line(result.stderr) or 'no JSON on stdout'}",
+                kind="probe", cmd=result.argv, rc=result.rc, stdout=result.stdout, stderr=result.stderr,
+            )
+        return answer
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _execute(self, wrapped, argv, *, stdin=None, timeout, env=None):
+        try:
+            return self.runner(wrapped, stdin=stdin, timeout=timeout, env=env)
+        except FileNotFoundError:
+            if self.is_container:
+                raise TargetError(
+                    f"pct not found in PATH of node {self.node}: this is not a Proxmox VE node; set pve_node to "
+                    f"the node that hosts CT {self.vmid}, or leave pve_vmid unset for a bare GPU host",
+                    kind="no_pct", cmd=wrapped,
+                ) from None
+            raise TargetError(
+                f"{self.label}: `{wrapped[0]}` not found in PATH (coreutils `timeout` is needed to run "
+                f"`{argv[0]}` with a deadline)",
+                kind="not_found", cmd=wrapped,
+            ) from None
+
+    def _raise_for_pct(self, result):
+        if not self.is_container or result.rc != EXIT_PCT_DIED:
+            return
+        err = result.stderr
+        if PCT_NOT_RUNNING.search(err):
+            raise TargetError(
+                f"{self.label} is not running (pct: container '{self.vmid}' not running!); "
+                f"start it with `pct start {self.vmid}` on {self.node} and run again",
+                kind="stopped", cmd=result.argv, rc=result.rc, stderr=err,
+            )
+        missing = PCT_NO_CONFIG.search(err)
+        if missing:
+            raise TargetError(
+                f"CT {self.vmid} does not exist on node {self.node} ({missing.group(1)} is missing); "
+                f"check pve_vmid and pve_node in the inventory (`pct list` on the node shows its CTs)",
+                kind="missing", cmd=result.argv, rc=result.rc, stderr=err,
+            )
+        if PCT_PARAM_ERROR.search(err):
+            raise TargetError(
+                f"{self.label}: pct rejected the call: {' '.join(err.split())[:300]}",
+                kind="invalid", cmd=result.argv, rc=result.rc, stderr=err,
+            )
+
+    def _raise_for_wrapper(self, result, argv, seconds):
+        self._raise_for_pct(result)
+        if result.timed_out or (result.rc == EXIT_TIMEOUT and result.seconds >= seconds - 0.5):
+            raise TargetError(
+                f"{self.label}: `{' '.join(map(str, argv))}` timed out after {seconds} s and was killed",
+                kind="timeout", cmd=result.argv, rc=result.rc, stdout=result.stdout, stderr=result.stderr,
+            )
+        if result.rc in (EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE):
+            for pattern in NOT_FOUND:
+                found = pattern.search(result.stderr)
+                if found and found.group(1) == str(argv[0]):
+                    where = f"inside CT {self.vmid}" if self.is_container else f"on host {self.node}"
+                    raise TargetError(
+                        f"{self.label}: `{argv[0]}` not found {where} (PATH of a non-login root shell); "
+                        f"install it there or give its full path",
+                        kind="not_found", cmd=result.argv, rc=result.rc, stderr=result.stderr,
+                    )
+
+
+# Appended to a probe module's source when it runs in a CT: call probe(payload) and print JSON.
+PROBE_MAIN = """
+
+if __name__ == "__main__":
+    import json as _json
+    import sys as _sys
+
+    _sys.stdout.write(_json.dumps(probe(_json.loads(_sys.argv[1]))))
+"""
+
+
+def first_line(text):
+    for line in (text or "").splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def last_line(text):
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""

@@ -1,0 +1,45 @@
+"""Test doubles of the target's runner and a harness that runs a library/ module's main() in-process."""
+
+import json
+
+import pytest
+from ansible.module_utils import pve_target
+from ansible.module_utils.pve_target import CommandResult
+from ansible.module_utils.testing import patch_module_args
+
+
+class FakeRunner:
+    """Answers each expected argv in order with (rc, stdout, stderr[, seconds[, timed_out]]) or raises an exception.
+
+    Any other argv, or a call beyond the list, fails the test: round trips are the cost of this project, so
+    every test pins exactly which commands run and how many.
+    """
+
+    def __init__(self, *calls):
+        self.calls = list(calls)
+        self.stdin = []
+
+    def __call__(self, argv, *, stdin=None, timeout=None, env=None):
+        assert self.calls, f"unexpected extra call {argv}"
+        want, answer = self.calls.pop(0)
+        assert argv == want
+        self.stdin.append(stdin)
+        if isinstance(answer, Exception):
+            raise answer
+        rc, out, err, *rest = answer
+        return CommandResult(argv=argv, rc=rc, stdout=out, stderr=err, seconds=rest[0] if rest else 0.01,
+                             timed_out=bool(rest[1:]) and rest[1])
+
+    def assert_done(self):
+        assert self.calls == [], f"expected calls not made: {[c[0] for c in self.calls]}"
+
+
+def run_module(module, args, runner, monkeypatch, capsys, check_mode=False):
+    """Run ``module.main()`` with ``args`` and the fake runner; return the JSON it exited with."""
+    monkeypatch.setattr(pve_target, "run_local", runner)
+    if check_mode:
+        args = dict(args, _ansible_check_mode=True)
+    with patch_module_args(args), pytest.raises(SystemExit):
+        module.main()
+    runner.assert_done()
+    return json.loads(capsys.readouterr().out)

@@ -1,0 +1,564 @@
+#!/usr/bin/python3
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Build, break and tear down the pve-gpu-recover lab: a Proxmox VE node as real as this machine allows.
+
+* Real privileged LXC containers (CT 200 with eight GPUs, CT 201 beside it) from a cached debootstrap rootfs,
+  placed in cgroup ``lxc/<vmid>/ns`` like Proxmox does, each with its own pid namespace.
+* A real sshd on 127.0.0.1 playing the Proxmox node, in a private mount namespace where ``/usr/sbin`` carries
+  the ``pct`` and ``nvidia-smi`` stand-ins and ``/proc/driver/nvidia/version`` the "kernel module" version.
+* GPUs are the one thing that cannot be real: the nvidia-smi stand-in (standins/nvidia_smi.py) answers from a
+  state shared by node and CTs in the H200 formats of tests/fixtures/h200, and standins/gpu_holder.py starts
+  real processes that "hold" GPU memory until they die.
+
+Everything lives under LAB_DIR (default /var/lib/pve-gpu-recover-lab); the rootfs cache under CACHE_DIR (default
+/var/cache/pve-gpu-recover-lab) survives ``destroy`` so a second ``create`` takes seconds. Run as root.
+
+    labctl.py create            build (or repair) the lab; idempotent
+    labctl.py destroy           stop and remove everything but the rootfs cache; checks nothing is left behind
+    labctl.py status            what runs
+    labctl.py inventory         the Ansible inventory of the lab (YAML)
+    labctl.py stop-ct VMID / start-ct VMID
+    labctl.py fault VIEW MODE [--gpu N]   break it: driver_mismatch, driver_not_loaded, no_nvml, gpu_lost,
+                                          inforom, no_permission, no_devices
+    labctl.py repair            undo every fault
+    labctl.py hold WHERE --gpu N [--gpu N] --mib M [--ignore-term] [--name NAME]
+                                start a GPU holder in WHERE (ct200, ct201 or node); prints its host pid
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STANDINS = os.path.join(HERE, "standins")
+sys.path.insert(0, STANDINS)
+import gpulab  # noqa: E402  (the stand-ins' shared state library lives beside this script)
+
+LAB_DIR = os.environ.get("PVE_GPU_LAB_DIR", "/var/lib/pve-gpu-recover-lab")
+CACHE_DIR = os.environ.get("PVE_GPU_LAB_CACHE", "/var/cache/pve-gpu-recover-lab")
+SSH_PORT = int(os.environ.get("PVE_GPU_LAB_SSH_PORT", "2222"))
+NODE_NAME = "pve-lab"
+DRIVER_VERSION = "580.159.04"
+MISMATCHED_LIBRARY = "580.95.05"
+SUITE = "bookworm"
+# What the CT rootfs needs now: python3 for probes and venvs, git for the training code, procps/psmisc for people.
+PACKAGES = ("python3", "python3-venv", "git", "psmisc", "procps", "ca-certificates", "coreutils")
+RECIPE_VERSION = "1"  # bump when the rootfs recipe changes so the cache is rebuilt
+# CTs of the lab: CT 200 is the training container with the node's eight GPUs; CT 201 is a neighbour with none.
+DEFAULT_CTS = {200: list(range(8)), 201: []}
+CT_LIB = "/usr/local/lib/pve-gpu-lab"
+CT_STATE = "/run/pve-gpu-lab/gpu"
+CT_HOSTPROC = "/run/pve-gpu-lab/hostproc"
+NVML_DIR = "usr/lib/x86_64-linux-gnu"
+UVM_MAJOR = 238  # the fixture machine's dynamic nvidia-uvm major
+
+
+def path(*parts):
+    return os.path.join(LAB_DIR, *parts)
+
+
+def log(message):
+    print(f"labctl: {message}", file=sys.stderr, flush=True)
+
+
+def run(argv, check=True, **kwargs):
+    return subprocess.run(argv, check=check, text=True, **kwargs)
+
+
+def write(file, content, mode=0o644):
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    with open(file, "w", encoding="utf-8") as handle:
+        handle.write(content)
+    os.chmod(file, mode)
+
+
+@contextlib.contextmanager
+def lab_lock():
+    """One labctl at a time changes the lab (two molecule runs at once would clash on cgroup lxc/200)."""
+    os.makedirs(os.path.dirname(LAB_DIR), exist_ok=True)
+    with open(f"{LAB_DIR}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+# -- rootfs cache ------------------------------------------------------------------------------------------
+def debian_mirror():
+    """The Debian mirror this machine's apt already uses (LAB-NOTES: debootstrap works against it)."""
+    for source in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
+        with open(source, encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("URIs:") and line.rstrip().endswith("/debian"):
+                    return line.split(None, 1)[1].strip()
+    return "http://deb.debian.org/debian"
+
+
+def rootfs_cache():
+    """Path of the cached rootfs, built once per recipe (debootstrap about 40 s) and reused by every create."""
+    key = hashlib.sha256(f"{RECIPE_VERSION} {SUITE} {' '.join(PACKAGES)}".encode()).hexdigest()[:12]
+    rootfs = os.path.join(CACHE_DIR, f"rootfs-{SUITE}-{key}")
+    if os.path.exists(os.path.join(rootfs, ".complete")):
+        return rootfs
+    building = f"{rootfs}.building"
+    shutil.rmtree(building, ignore_errors=True)
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    log(f"building the CT rootfs cache {rootfs} with debootstrap (once; about a minute)")
+    run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, building, debian_mirror()],
+        stdout=subprocess.DEVNULL)
+    # The rootfs inherits this machine's hostname and an unreachable nameserver; both make commands wait 10 s.
+    write(os.path.join(building, "etc/resolv.conf"), "")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(building, "etc/hostname"))
+    shutil.copy("/etc/ssl/certs/ca-certificates.crt", os.path.join(building, "etc/ssl/certs/ca-certificates.crt"))
+    run(["chroot", building, "apt-get", "clean"])
+    write(os.path.join(building, ".complete"), f"{SUITE} {' '.join(PACKAGES)}\n")
+    shutil.rmtree(rootfs, ignore_errors=True)
+    os.rename(building, rootfs)
+    return rootfs
+
+
+# -- GPU state, stand-ins ------------------------------------------------------------------------------------
+def ct_views(cts):
+    return {f"ct{vmid}": gpus for vmid, gpus in cts.items()}
+
+
+def install_standins(cts):
+    """Copy the stand-ins into the lab and write the node's wrappers and view config."""
+    shutil.rmtree(path("standins"), ignore_errors=True)
+    shutil.copytree(STANDINS, path("standins"), ignore=shutil.ignore_patterns("__pycache__"))
+    gpu_count = max([8, *(max(g) + 1 for g in cts.values() if g)])
+    state = path("gpu")
+    if not os.path.exists(os.path.join(state, "config.json")):
+        gpulab.write_config(state, gpu_count=gpu_count, views=ct_views(cts))
+    node_config = {
+        "view": "node",
+        "state_dir": state,
+        "proc_root": "/proc",
+        "kernel_version_file": "/proc/driver/nvidia/version",
+        "nvml_library_glob": path("node/lib/libnvidia-ml.so.*"),
+    }
+    write(path("node/standin.json"), json.dumps(node_config, indent=1))
+    write(path("node/pct.json"), json.dumps({"lxcpath": path("lxc"), "node": NODE_NAME,
+                                             "log": path("pct-calls.log")}, indent=1))
+    write(path("node/bin/nvidia-smi"), wrapper(path("node/standin.json"), path("standins/nvidia_smi.py")), 0o755)
+    write(path("node/bin/pct"),
+          f'#!/bin/sh\nPVE_GPU_LAB_PCT={path("node/pct.json")} exec /usr/bin/python3 {path("standins/pct.py")} "$@"\n',
+          0o755)
+    write(path("node/lib", f"libnvidia-ml.so.{DRIVER_VERSION}"), "placeholder of the NVIDIA userspace library\n")
+    if not os.path.exists(path("node/proc-driver/nvidia/version")):
+        write_kernel_version(DRIVER_VERSION)
+
+
+def wrapper(config, script):
+    return f'#!/bin/sh\nPVE_GPU_LAB_CONFIG={config} exec /usr/bin/python3 {script} "$@"\n'
+
+
+def write_kernel_version(version):
+    """The "loaded kernel module", as the real driver prints it in /proc/driver/nvidia/version."""
+    write(path("node/proc-driver/nvidia/version"),
+          f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  Tue Nov 11 09:53:03 UTC 2025\n"
+          "GCC version:  gcc version 13.3.0 (Ubuntu 13.3.0-6ubuntu2~24.04)\n")
+
+
+# -- containers ----------------------------------------------------------------------------------------------
+def ct_config(vmid, rootfs):
+    """An LXC config close to what Proxmox generates for a privileged CT with GPUs passed through."""
+    delta = path("lxc", str(vmid), "delta")
+    return "\n".join([
+        f"lxc.uts.name = ct{vmid}",
+        "lxc.include = /usr/share/lxc/config/common.conf",
+        "lxc.arch = linux64",
+        f"lxc.rootfs.path = overlay:{rootfs}:{delta}",
+        "lxc.apparmor.profile = unconfined",
+        "lxc.init.cmd = /bin/sleep infinity",
+        "lxc.net.0.type = empty",
+        # Proxmox's cgroup layout: the node maps processes to CTs by /lxc/<vmid>/ in /proc/<pid>/cgroup.
+        f"lxc.cgroup.dir.container = lxc/{vmid}",
+        f"lxc.cgroup.dir.monitor = lxc.monitor/{vmid}",
+        "lxc.cgroup.dir.container.inner = ns",
+        # What Proxmox's GPU passthrough recipe allows: the NVIDIA majors.
+        "lxc.cgroup.devices.allow = c 195:* rwm",
+        f"lxc.cgroup.devices.allow = c {UVM_MAJOR}:* rwm",
+        "lxc.cgroup2.devices.allow = c 195:* rwm",
+        f"lxc.cgroup2.devices.allow = c {UVM_MAJOR}:* rwm",
+        # Lab plumbing: the shared GPU state, the host's /proc for the stand-in (NVML reports host pids), the
+        # kernel module version (one kernel for node and CTs), the stand-ins themselves.
+        f"lxc.mount.entry = {path('gpu')} {CT_STATE[1:]} none bind,create=dir 0 0",
+        f"lxc.mount.entry = /proc {CT_HOSTPROC[1:]} none rbind,create=dir 0 0",
+        f"lxc.mount.entry = {path('node/proc-driver')} proc/driver none bind,optional 0 0",
+        f"lxc.mount.entry = {path('standins')} {CT_LIB[1:]} none bind,ro,create=dir 0 0",
+        "",
+    ])
+
+
+def prepare_ct(vmid, gpus, rootfs):
+    """Write the CT's config and its own files (hostname, stand-in wrapper, userspace driver) into its delta."""
+    ct = path("lxc", str(vmid))
+    delta = os.path.join(ct, "delta")
+    os.makedirs(delta, exist_ok=True)
+    write(os.path.join(ct, "config"), ct_config(vmid, rootfs))
+    write(os.path.join(delta, "etc/hostname"), f"ct{vmid}\n")
+    write(os.path.join(delta, "etc/hosts"), f"127.0.0.1 localhost ct{vmid}\n::1 localhost\n")
+    view = {
+        "view": f"ct{vmid}",
+        "state_dir": CT_STATE,
+        "proc_root": CT_HOSTPROC,
+        "kernel_version_file": "/proc/driver/nvidia/version",
+        "nvml_library_glob": f"/{NVML_DIR}/libnvidia-ml.so.*",
+        "dev_dir": "/dev",  # a GPU whose /dev/nvidiaN is missing is invisible to NVML in the CT, as for real
+    }
+    write(os.path.join(delta, "etc/pve-gpu-lab/standin.json"), json.dumps(view, indent=1))
+    write(os.path.join(delta, "usr/bin/nvidia-smi"),
+          wrapper("/etc/pve-gpu-lab/standin.json", f"{CT_LIB}/nvidia_smi.py"), 0o755)
+    write(os.path.join(delta, "usr/local/bin/gpu-holder"),
+          f'#!/bin/sh\nPVE_GPU_LAB_CONFIG=/etc/pve-gpu-lab/standin.json exec /usr/bin/python3 '
+          f'{CT_LIB}/gpu_holder.py "$@"\n', 0o755)
+    if gpus:
+        set_ct_library(vmid, DRIVER_VERSION)
+
+
+def set_ct_library(vmid, version):
+    """Install the placeholder of the NVIDIA userspace library of ``version`` in the CT (only that one)."""
+    lib_dir = path("lxc", str(vmid), "delta", NVML_DIR)
+    os.makedirs(lib_dir, exist_ok=True)
+    for old in glob.glob(os.path.join(lib_dir, "libnvidia-ml.so.*")):
+        os.unlink(old)
+    if version:
+        write(os.path.join(lib_dir, f"libnvidia-ml.so.{version}"), "placeholder of the NVIDIA userspace library\n")
+
+
+def lxc(command, vmid, *args, check=True):
+    return run([command, "-P", path("lxc"), "-n", str(vmid), *args], check=check, capture_output=True)
+
+
+def ct_running(vmid):
+    state = lxc("lxc-info", vmid, "-s", check=False)
+    return "RUNNING" in state.stdout
+
+
+def start_ct(vmid):
+    """Start the CT (if stopped) and create its GPU device nodes the way passthrough bind-mounts them."""
+    if not ct_running(vmid):
+        lxc("lxc-start", vmid)
+    gpus = gpulab.read_config(path("gpu"))["views"].get(f"ct{vmid}", [])
+    if not gpus:
+        return
+    minors = [gpulab.global_index(path("gpu"), uuid) for uuid in gpus]
+    nodes = [(f"/dev/nvidia{m}", 195, m) for m in minors]
+    nodes += [("/dev/nvidiactl", 195, 255), ("/dev/nvidia-uvm", UVM_MAJOR, 0), ("/dev/nvidia-uvm-tools", UVM_MAJOR, 1)]
+    script = "; ".join(f"[ -e {p} ] || mknod -m 666 {p} c {ma} {mi}" for p, ma, mi in nodes)
+    lxc("lxc-attach", vmid, "--clear-env", "--", "sh", "-c", script)
+
+
+def stop_ct(vmid):
+    if ct_running(vmid):
+        lxc("lxc-stop", vmid, "-k")
+
+
+def remove_cgroups(vmids):
+    """LXC leaves empty cgroup directories behind; remove ours deepest first (and the parents if empty)."""
+    for hierarchy in glob.glob("/sys/fs/cgroup/*/") + ["/sys/fs/cgroup/"]:
+        for vmid in vmids:
+            for top in (f"lxc/{vmid}", f"lxc.monitor/{vmid}"):
+                base = os.path.join(hierarchy, top)
+                for dirpath, _, _ in sorted(os.walk(base), key=lambda w: -w[0].count("/")):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(dirpath)
+        for parent in ("lxc", "lxc.monitor", "lxc.pivot"):
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(hierarchy, parent))
+
+
+# -- the node (sshd) -----------------------------------------------------------------------------------------
+def sshd_pid():
+    try:
+        with open(path("ssh/sshd.pid"), encoding="utf-8") as handle:
+            pid = int(handle.read().strip())
+        os.kill(pid, 0)
+        return pid
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return None
+
+
+def start_node():
+    """A real sshd on 127.0.0.1 as the Proxmox node, with pct and nvidia-smi on its /usr/sbin."""
+    ssh = path("ssh")
+    os.makedirs(ssh, mode=0o700, exist_ok=True)
+    for key in ("host_ed25519", "id_ed25519"):
+        if not os.path.exists(os.path.join(ssh, key)):
+            run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"pve-gpu-lab-{key}", "-f",
+                 os.path.join(ssh, key)])
+    shutil.copy(os.path.join(ssh, "id_ed25519.pub"), os.path.join(ssh, "authorized_keys"))
+    with open(os.path.join(ssh, "host_ed25519.pub"), encoding="utf-8") as handle:
+        host_key = " ".join(handle.read().split()[:2])
+    write(os.path.join(ssh, "known_hosts"), f"[127.0.0.1]:{SSH_PORT} {host_key}\n")
+    write(os.path.join(ssh, "sshd_config"), "\n".join([
+        f"Port {SSH_PORT}",
+        "ListenAddress 127.0.0.1",
+        f"HostKey {ssh}/host_ed25519",
+        f"PidFile {ssh}/sshd.pid",
+        f"AuthorizedKeysFile {ssh}/authorized_keys",
+        "PermitRootLogin prohibit-password",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",
+        "MaxSessions 50",
+        "MaxStartups 50:30:100",
+        "Subsystem sftp internal-sftp",
+        "",
+    ]))
+    if sshd_pid():
+        return
+    os.makedirs("/run/sshd", exist_ok=True)
+    script = (
+        f"mount -t overlay overlay -o lowerdir={path('node/bin')}:/usr/sbin /usr/sbin && "
+        f"mount --bind {path('node/proc-driver')} /proc/driver && "
+        f"exec /usr/sbin/sshd -f {ssh}/sshd_config"
+    )
+    run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script])
+    deadline = time.monotonic() + 10
+    while not sshd_pid():
+        if time.monotonic() > deadline:
+            sys.exit("labctl: sshd of the lab node did not start; see its config in " + ssh)
+        time.sleep(0.05)
+
+
+def ssh_argv(*command):
+    ssh = path("ssh")
+    return ["ssh", "-i", f"{ssh}/id_ed25519", "-o", f"UserKnownHostsFile={ssh}/known_hosts", "-o",
+            "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-p", str(SSH_PORT), "root@127.0.0.1", *command]
+
+
+# -- commands --------------------------------------------------------------------------------------------------
+def parse_cts(specs):
+    """``200:0-7`` ``201:`` -> {200: [0..7], 201: []}; no spec gives the default lab."""
+    if not specs:
+        return dict(DEFAULT_CTS)
+    cts = {}
+    for spec in specs:
+        vmid, _, gpus = spec.partition(":")
+        indexes = []
+        for part in filter(None, gpus.split(",")):
+            first, _, last = part.partition("-")
+            indexes.extend(range(int(first), int(last or first) + 1))
+        cts[int(vmid)] = indexes
+    return cts
+
+
+def create(args):
+    cts = parse_cts(args.ct)
+    rootfs = rootfs_cache()
+    existing = saved_cts()
+    if existing and existing != cts:
+        sys.exit(f"labctl: a lab with CTs {existing} exists; run `labctl.py destroy` before creating {cts}")
+    for vmid in cts:
+        busy = glob.glob(f"/sys/fs/cgroup/*/lxc/{vmid}") + glob.glob(f"/sys/fs/cgroup/lxc/{vmid}")
+        if busy and not os.path.exists(path("lxc", str(vmid), "config")):
+            sys.exit(f"labctl: cgroup lxc/{vmid} is in use by another container on this machine; stop it first")
+    os.makedirs(LAB_DIR, exist_ok=True)
+    write(path("cts.json"), json.dumps({str(k): v for k, v in cts.items()}))
+    install_standins(cts)
+    for vmid, gpus in cts.items():
+        prepare_ct(vmid, gpus, rootfs)
+        start_ct(vmid)
+    start_node()
+    check = run(ssh_argv("pct", "exec", str(min(cts)), "--keep-env", "0", "--", "nvidia-smi", "-L"),
+                capture_output=True, check=False)
+    if check.returncode != 0:
+        sys.exit(f"labctl: the lab is up but `pct exec ... nvidia-smi -L` through its sshd failed:\n{check.stderr}")
+    write(path("inventory.yml"), inventory_yaml(cts))
+    log(f"lab ready: node {NODE_NAME} = root@127.0.0.1:{SSH_PORT}, CTs {', '.join(map(str, cts))}")
+    print(check.stdout, end="")
+
+
+def saved_cts():
+    try:
+        with open(path("cts.json"), encoding="utf-8") as handle:
+            return {int(k): v for k, v in json.load(handle).items()}
+    except FileNotFoundError:
+        return {}
+
+
+def inventory_yaml(cts):
+    lines = [
+        "# Written by tests/lab/labctl.py create: the lab's node and containers.",
+        "all:",
+        "  children:",
+        "    pve_nodes:",
+        "      hosts:",
+        f"        {NODE_NAME}:",
+        "          ansible_host: 127.0.0.1",
+        f"          ansible_port: {SSH_PORT}",
+        "          ansible_user: root",
+        f"          ansible_ssh_private_key_file: {path('ssh/id_ed25519')}",
+        f"          ansible_ssh_common_args: -o UserKnownHostsFile={path('ssh/known_hosts')}",
+        "          ansible_python_interpreter: /usr/bin/python3",
+        "    gpu_targets:",
+        "      hosts:",
+    ]
+    for vmid in cts:
+        lines += [f"        ct{vmid}:", f"          pve_node: {NODE_NAME}", f"          pve_vmid: {vmid}"]
+    return "\n".join(lines) + "\n"
+
+
+def kill_holders():
+    """Every GPU holder the lab started, wherever it runs (their host pids are in the shared state)."""
+    for pid in gpulab.holder_pids(path("gpu")) if os.path.isdir(path("gpu")) else []:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def destroy(_args):
+    cts = saved_cts() or dict(DEFAULT_CTS)
+    kill_holders()
+    pid = sshd_pid()
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            if not os.path.exists(f"/proc/{pid}"):
+                break
+            time.sleep(0.05)
+    # sshd's session children (ControlPersist masters of a controller) go with their connections.
+    for proc in glob.glob("/proc/[0-9]*/cmdline"):
+        with contextlib.suppress(OSError), open(proc, "rb") as handle:
+            if f"{path('ssh')}/sshd_config".encode() in handle.read():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(proc.split("/")[2]), signal.SIGKILL)
+    for vmid in cts:
+        if os.path.exists(path("lxc", str(vmid), "config")):
+            stop_ct(vmid)
+    remove_cgroups(cts)
+    shutil.rmtree(LAB_DIR, ignore_errors=True)
+    leftovers = leftover_report()
+    if leftovers:
+        sys.exit("labctl: destroy left things behind:\n" + "\n".join(leftovers))
+    log("lab destroyed (rootfs cache kept in " + CACHE_DIR + ")")
+
+
+def leftover_report():
+    """Processes, mounts and cgroups of the lab still present: destroy must leave none."""
+    found = []
+    for proc in glob.glob("/proc/[0-9]*"):
+        with contextlib.suppress(OSError):
+            with open(os.path.join(proc, "cmdline"), "rb") as handle:
+                cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace")
+            if LAB_DIR in cmdline and "labctl" not in cmdline:
+                found.append(f"process {proc[6:]}: {cmdline.strip()}")
+    with open("/proc/self/mountinfo", encoding="utf-8") as handle:
+        found += [f"mount: {line.strip()}" for line in handle if LAB_DIR in line]
+    found += [f"cgroup: {d}" for d in glob.glob("/sys/fs/cgroup/**/lxc/2[0-9][0-9]", recursive=True)]
+    if os.path.exists(LAB_DIR):
+        found.append(f"directory {LAB_DIR}")
+    return found
+
+
+def status(_args):
+    cts = saved_cts()
+    if not cts:
+        print("no lab")
+        return
+    for vmid in cts:
+        print(f"CT {vmid}: {'running' if ct_running(vmid) else 'stopped'}")
+    print(f"node {NODE_NAME}: sshd {'pid ' + str(sshd_pid()) if sshd_pid() else 'not running'} on port {SSH_PORT}")
+
+
+def fault(args):
+    """Break the lab the way real nodes break; ``repair`` undoes all of it."""
+    view, mode = args.view, args.mode
+    vmid = int(view[2:]) if view.startswith("ct") else None
+    if mode == "driver_mismatch":
+        set_ct_library(vmid, MISMATCHED_LIBRARY)
+    elif mode == "no_nvml":
+        set_ct_library(vmid, None)
+    elif mode == "driver_not_loaded":
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path("node/proc-driver/nvidia/version"))
+    elif mode == "no_devices":
+        lxc("lxc-attach", vmid, "--clear-env", "--", "sh", "-c", "rm -f /dev/nvidia*")
+    else:
+        config = gpulab.read_config(path("gpu"))
+        gpu = config["views"][view][args.gpu] if args.gpu is not None else None
+        gpulab.set_fault(path("gpu"), view, mode, gpu=gpu)
+    log(f"fault {mode} set on {view}")
+
+
+def repair(_args):
+    write_kernel_version(DRIVER_VERSION)
+    gpulab.clear_faults(path("gpu"))
+    gpulab.clear_leaks(path("gpu"))
+    for vmid, gpus in saved_cts().items():
+        if gpus:
+            set_ct_library(vmid, DRIVER_VERSION)
+        start_ct(vmid)
+    log("every fault repaired")
+
+
+def hold(args):
+    """Start a GPU holder in a CT (through lxc-attach, like a training run) or on the node; print its host pid."""
+    holder = [*(["--name", args.name] if args.name else []), *sum((["--gpu", g] for g in args.gpu), []),
+              "--mib", str(args.mib), *(["--ignore-term"] if args.ignore_term else [])]
+    if args.where == "node":
+        env = dict(os.environ, PVE_GPU_LAB_CONFIG=path("node/standin.json"))
+        argv = ["/usr/bin/python3", path("standins/gpu_holder.py"), *holder]
+    else:
+        env = dict(os.environ)
+        argv = ["lxc-attach", "-P", path("lxc"), "-n", args.where[2:], "--clear-env", "--",
+                "/usr/local/bin/gpu-holder", *holder]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                            env=env, start_new_session=True, text=True)
+    line = proc.stdout.readline()
+    match = re.match(r"held (\d+)", line)
+    if not match:
+        sys.exit(f"labctl: the holder did not start (exit {proc.poll()}): {line!r}")
+    print(match.group(1))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("create")
+    p.add_argument("--ct", action="append", help="VMID:GPU-INDEXES, e.g. 200:0-7 (repeat; default 200:0-7 201:)")
+    p.set_defaults(func=create)
+    sub.add_parser("destroy").set_defaults(func=destroy)
+    sub.add_parser("status").set_defaults(func=status)
+    sub.add_parser("inventory").set_defaults(func=lambda _a: print(inventory_yaml(saved_cts()), end=""))
+    for name, func in (("stop-ct", lambda a: stop_ct(a.vmid)), ("start-ct", lambda a: start_ct(a.vmid))):
+        p = sub.add_parser(name)
+        p.add_argument("vmid", type=int)
+        p.set_defaults(func=func)
+    p = sub.add_parser("fault")
+    p.add_argument("view", help="node or ct<vmid>")
+    p.add_argument("mode", choices=["driver_mismatch", "no_nvml", "driver_not_loaded", "no_devices", "gpu_lost",
+                                    "inforom", "no_permission"])
+    p.add_argument("--gpu", type=int, help="index of the GPU in that view (gpu_lost, inforom)")
+    p.set_defaults(func=fault)
+    sub.add_parser("repair").set_defaults(func=repair)
+    p = sub.add_parser("hold")
+    p.add_argument("where", help="ct<vmid> or node")
+    p.add_argument("--gpu", action="append", required=True)
+    p.add_argument("--mib", type=int, required=True)
+    p.add_argument("--ignore-term", action="store_true")
+    p.add_argument("--name")
+    p.set_defaults(func=hold)
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit("labctl: run as root (the lab starts LXC containers and an sshd)")
+    with lab_lock():
+        args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""The one target: exact pct argvs, Proxmox's failures as clear errors, payloads that stay inert."""
+
+import time
+from pathlib import Path
+
+import pytest
+from ansible.module_utils import pve_probe_preflight, pve_target
+from ansible.module_utils.pve_target import Target, TargetError
+
+from tests.fakes import FakeRunner
+
+CT_PREFIX = ["pct", "exec", "200", "--keep-env", "0", "--", "timeout", "-k", "5", "60", "env", "LC_ALL=C", "LANG=C"]
+
+
+def ct(runner, **kwargs):
+    return Target(200, node="pve1", runner=runner, **kwargs)
+
+
+# -- argv shapes ---------------------------------------------------------------------------------------------
+def test_container_argv_is_pct_exec_with_clear_env_and_a_deadline_inside():
+    assert ct(None).command_argv(["nvidia-smi", "-L"]) == [*CT_PREFIX, "nvidia-smi", "-L"]
+
+
+def test_host_argv_only_adds_the_deadline():
+    assert Target(node="gpu1").command_argv(["nvidia-smi", "-L"], timeout=5) == [
+        "timeout", "-k", "5", "5", "nvidia-smi", "-L"]
+
+
+def test_extra_environment_is_passed_through_env_not_a_shell():
+    argv = ct(None).command_argv(["python3", "-V"], env={"HOME": "/root", "A_B": "x y"})
+    assert argv[-5:] == ["LANG=C", "A_B=x y", "HOME=/root", "python3", "-V"]
+
+
+@pytest.mark.parametrize("name", ["A B", "1X", "X;Y", ""])
+def test_bad_environment_names_are_rejected(name):
+    with pytest.raises(TargetError, match="invalid environment variable name"):
+        ct(None).command_argv(["true"], env={name: "v"})
+
+
+def test_a_command_that_looks_like_an_assignment_is_rejected():
+    with pytest.raises(TargetError, match="contains '='"):
+        ct(None).command_argv(["A=B", "true"])
+
+
+@pytest.mark.parametrize("vmid", ["200; touch /tmp/x", "$(touch /tmp/x)", "200", 99, 1_000_000_000, True, 200.0])
+def test_vmid_payloads_and_out_of_range_ids_are_rejected_before_any_command(vmid):
+    with pytest.raises(TargetError, match="vmid must be an integer from 100 to 999999999") as error:
+        Target(vmid, runner=FakeRunner())
+    assert error.value.kind == "invalid"
+
+
+def test_labels():
+    assert ct(None).label == "CT 200 on pve1"
+    assert Target(node="gpu1").label == "host gpu1"
+
+
+# -- Proxmox failures ----------------------------------------------------------------------------------------
+def test_stopped_container():
+    runner = FakeRunner(([*CT_PREFIX, "true"], (255, "", "container '200' not running!\n")))
+    with pytest.raises(TargetError) as error:
+        ct(runner).run(["true"])
+    assert error.value.kind == "stopped"
+    assert str(error.value) == ("CT 200 on pve1 is not running (pct: container '200' not running!); start it with "
+                                "`pct start 200` on pve1 and run again")
+
+
+def test_missing_container():
+    runner = FakeRunner(([*CT_PREFIX, "true"],
+                         (255, "", "Configuration file 'nodes/pve1/lxc/200.conf' does not exist\n")))
+    with pytest.raises(TargetError) as error:
+        ct(runner).run(["true"])
+    assert error.value.kind == "missing"
+    assert "CT 200 does not exist on node pve1 (nodes/pve1/lxc/200.conf is missing)" in str(error.value)
+    assert "pve_vmid and pve_node" in str(error.value)
+
+
+def test_pct_missing_on_the_node():
+    runner = FakeRunner(([*CT_PREFIX, "true"], FileNotFoundError("pct")))
+    with pytest.raises(TargetError, match="pct not found in PATH of node pve1: this is not a Proxmox VE node") as e:
+        ct(runner).run(["true"])
+    assert e.value.kind == "no_pct"
+
+
+@pytest.mark.parametrize("stderr", [
+    'lxc-attach: 200: ../src/lxc/attach.c: lxc_attach_run_command: 1841 No such file or directory - Failed to exec '
+    '"nvidia-smi"\n',
+    "env: 'nvidia-smi': No such file or directory\n",
+    "timeout: failed to run command ‘nvidia-smi’: No such file or directory\n",
+])
+def test_command_missing_inside(stderr):
+    runner = FakeRunner(([*CT_PREFIX, "nvidia-smi"], (127, "", stderr)))
+    with pytest.raises(TargetError) as error:
+        ct(runner).run(["nvidia-smi"])
+    assert error.value.kind == "not_found"
+    assert str(error.value).startswith("CT 200 on pve1: `nvidia-smi` not found inside CT 200")
+
+
+def test_inner_exit_127_of_another_command_is_just_a_failure():
+    runner = FakeRunner(([*CT_PREFIX, "sh", "-c", "x"], (127, "", "sh: 1: x: not found\n")))
+    with pytest.raises(TargetError) as error:
+        ct(runner).run(["sh", "-c", "x"])
+    assert error.value.kind == "failed"
+
+
+def test_timeout_inside_the_container():
+    runner = FakeRunner(([*CT_PREFIX[:-4], "1", *CT_PREFIX[-3:], "sleep", "9"], (124, "", "", 1.02)))
+    with pytest.raises(TargetError, match=r"`sleep 9` timed out after 1 s and was killed") as error:
+        ct(runner).run(["sleep", "9"], timeout=1)
+    assert error.value.kind == "timeout"
+
+
+def test_nonzero_exit_with_check_names_the_command_and_its_first_error_line():
+    runner = FakeRunner(([*CT_PREFIX, "false"], (1, "", "boom\nmore\n")))
+    with pytest.raises(TargetError) as error:
+        ct(runner).run(["false"])
+    result = error.value.to_result()
+    assert result["msg"] == "CT 200 on pve1: `false` failed with exit code 1: boom"
+    assert result["rc"] == 1
+    assert result["stderr_tail"] == "boom\nmore"
+    assert result["cmd"] == [*CT_PREFIX, "false"]
+
+
+def test_nonzero_exit_without_check_is_returned():
+    runner = FakeRunner(([*CT_PREFIX, "false"], (1, "", "")))
+    assert ct(runner).run(["false"], check=False).rc == 1
+
+
+def test_run_on_node_never_uses_pct():
+    runner = FakeRunner((["timeout", "-k", "5", "60", "nvidia-smi", "-L"], (0, "GPU 0\n", "")))
+    assert ct(runner).run_on_node(["nvidia-smi", "-L"]).stdout == "GPU 0\n"
+
+
+# -- status, files, probes -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("state", ["running", "stopped"])
+def test_status(state):
+    runner = FakeRunner((["pct", "status", "200"], (0, f"status: {state}\n", "")))
+    assert ct(runner).status() == state
+
+
+def test_status_of_a_missing_container():
+    runner = FakeRunner((["pct", "status", "200"],
+                         (255, "", "Configuration file 'nodes/pve1/lxc/200.conf' does not exist\n")))
+    with pytest.raises(TargetError) as error:
+        ct(runner).status()
+    assert error.value.kind == "missing"
+
+
+def test_read_file_missing_is_none():
+    runner = FakeRunner(([*CT_PREFIX, "cat", "--", "/etc/x"], (1, "", "cat: /etc/x: No such file or directory\n")))
+    assert ct(runner).read_file("/etc/x") is None
+
+
+def test_write_file_keeps_the_path_an_argument():
+    path = "/opt/a b/$(touch /tmp/pwned);x"
+    script = 'umask 077 && t="$1.tmp.$$" && cat > "$t" && chmod "$2" "$t" && mv -f "$t" "$1"'
+    runner = FakeRunner(([*CT_PREFIX, "sh", "-c", script, "sh", path, "640"], (0, "", "")))
+    ct(runner).write_file(path, "data", mode=0o640)
+    assert runner.stdin == ["data"]
+
+
+def test_probe_in_a_container_is_one_pct_exec_with_the_source_on_stdin():
+    runner = FakeRunner(([*CT_PREFIX, "python3", "-I", "-", '{"a": 1}'], (0, '{"ok": true}', "")))
+    assert ct(runner).run_probe(pve_probe_preflight, {"a": 1}) == {"ok": True}
+    source = runner.stdin[0]
+    assert source.startswith("# Copyright")
+    assert "def probe(payload):" in source
+    assert source.endswith(pve_target.PROBE_MAIN)
+
+
+def test_probe_failure_says_which_probe_and_why():
+    runner = FakeRunner(([*CT_PREFIX, "python3", "-I", "-", "{}"], (1, "", "Traceback\nKeyError: 'x'\n")))
+    with pytest.raises(TargetError, match=r"the pve_probe_preflight probe failed \(exit 1\): KeyError: 'x'"):
+        ct(runner).run_probe(pve_probe_preflight, {})
+
+
+def test_probe_on_a_bare_host_runs_in_process(tmp_path):
+    payload = {"device_globs": [str(tmp_path / "nvidia*")], "kernel_version_file": str(tmp_path / "none"),
+               "library_globs": [], "nvidia_smi_argv": ["true"], "space_path": str(tmp_path / "new" / "dir")}
+    answer = Target(runner=FakeRunner()).run_probe(pve_probe_preflight, payload)
+    assert answer["devices"] == []
+    assert answer["kernel_version_text"] is None
+    assert answer["nvidia_smi"]["rc"] == 0
+    assert answer["space"]["existing"] == str(tmp_path)
+
+
+# -- the real runner -----------------------------------------------------------------------------------------
+def test_real_runner_returns_exit_code_and_output():
+    result = Target().run(["sh", "-c", "echo out; echo err >&2; exit 3"], check=False)
+    assert (result.rc, result.stdout, result.stderr) == (3, "out\n", "err\n")
+
+
+def test_real_runner_kills_the_whole_group_on_timeout(tmp_path):
+    marker = tmp_path / "child.pid"
+    started = time.monotonic()
+    result = pve_target.run_local(["sh", "-c", f"sleep 30 & echo $! > {marker}; wait"], timeout=1)
+    assert result.timed_out
+    assert time.monotonic() - started < 10
+    child = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not Path(f"/proc/{child}").exists()
+
+
+def test_real_runner_passes_payload_paths_literally(tmp_path):
+    pwned = tmp_path / "pwned"
+    weird = f"$(touch {pwned}); touch {pwned}"
+    result = Target().run(["ls", "--", weird], check=False)
+    assert result.rc != 0
+    assert "No such file or directory" in result.stderr
+    assert not pwned.exists()
+
+
+def test_real_runner_missing_command_on_a_host():
+    with pytest.raises(TargetError) as error:
+        Target(node="gpu1").run(["no-such-command-pgr"])
+    assert error.value.kind == "not_found"
+    assert "`no-such-command-pgr` not found on host gpu1" in str(error.value)
+
+
+def test_c_locale_is_forced():
+    result = Target().run(["sh", "-c", "echo $LC_ALL"])
+    assert result.stdout == "C\n"
