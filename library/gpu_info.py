@@ -190,6 +190,7 @@ def main():
     module = AnsibleModule(
         argument_spec={
             "vmid": {"type": "int"},
+            "node_name": {"type": "str"},
             "timeout": {"type": "int", "default": 60},
             "processes": {"type": "bool", "default": True},
         },
@@ -197,7 +198,7 @@ def main():
     )
     timeout = module.params["timeout"]
     try:
-        target = Target(module.params["vmid"], timeout=timeout)
+        target = Target(module.params["vmid"], node=module.params["node_name"], timeout=timeout)
     except TargetError as error:
         module.fail_json(**error.to_result())
     smi = NvidiaSmi(target.run, timeout=timeout)

@@ -296,6 +296,7 @@ def main():
     module = AnsibleModule(
         argument_spec={
             "vmid": {"type": "int"},
+            "node_name": {"type": "str"},
             "timeout": {"type": "int", "default": 60},
             "space_path": {"type": "path", "default": "/opt"},
             "min_free_gib": {"type": "float", "default": 20},
@@ -310,7 +311,7 @@ def main():
     )
     params = module.params
     try:
-        target = Target(params["vmid"], timeout=params["timeout"])
+        target = Target(params["vmid"], node=params["node_name"], timeout=params["timeout"])
         answer = target.run_probe(pve_probe_preflight, probe_payload(params), python=params["python"])
     except TargetError as error:
         module.fail_json(**error.to_result())

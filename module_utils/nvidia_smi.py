@@ -100,7 +100,9 @@ EXIT_CODES = {
         "the driver is older or newer than expected; run `nvidia-smi --help-query-gpu` on it"),
     3: ("not_supported", "the requested operation is not available on this GPU", "nothing to fix on the node"),
     4: ("no_permission", "no permission to query the GPUs", "run as root (become: true)"),
-    6: ("not_found", "a GPU query found no such object", "check the GPU index/UUID"),
+    6: ("no_devices", "nvidia-smi found no GPU (No devices were found)",
+        "check that the GPUs are passed through to the target (device nodes and cgroup device rules of a CT) and "
+        "that the node sees them (`nvidia-smi -L` there)"),
     8: ("power_cables", "a GPU's external power cables are not attached", "check the GPU power cabling"),
     9: ("driver_not_loaded", "the NVIDIA kernel driver is not loaded",
         "load it (`modprobe nvidia`, or reboot after a driver update) and check `dmesg | grep -i nvrm`"),
@@ -313,7 +315,7 @@ def classify_failure(rc, stdout, stderr):
         return NvidiaSmiError(f"{what} (nvidia-smi exit 15)", kind=kind, hint=hint, rc=rc, stdout=stdout,
                               stderr=stderr, details={"lost_bus_ids": lost})
     said = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    message = f"{what} (nvidia-smi exit {rc})" + (f": {said}" if said and rc not in (9, 12) else "")
+    message = f"{what} (nvidia-smi exit {rc})" + (f": {said}" if said and rc not in (6, 9, 12) else "")
     return NvidiaSmiError(message, kind=kind, hint=hint, rc=rc, stdout=stdout, stderr=stderr)
 
 

@@ -13,6 +13,11 @@ options:
       - Omit for a bare GPU host; commands then run on the host itself.
       - An integer from 100 to 999999999; anything else is rejected before any command is built.
     type: int
+  node_name:
+    description:
+      - How messages name the node (C(CT 200 on <node_name>)); the roles pass the node's inventory name.
+      - Defaults to the node's hostname.
+    type: str
   timeout:
     description:
       - Seconds one command may run in the target before it is killed (inside the CT too, by C(timeout -k 5)).

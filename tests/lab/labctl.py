@@ -334,6 +334,26 @@ def start_node():
         if time.monotonic() > deadline:
             sys.exit("labctl: sshd of the lab node did not start; see its config in " + ssh)
         time.sleep(0.05)
+    write(os.path.join(ssh, "mntns"), os.readlink(f"/proc/{sshd_pid()}/ns/mnt") + "\n")
+
+
+def node_namespace():
+    """The mount namespace of the node's sshd (recorded at start), e.g. ``mnt:[4026532301]``, or None."""
+    try:
+        with open(path("ssh/mntns"), encoding="utf-8") as handle:
+            return handle.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def node_namespace_pids(namespace):
+    """Every process living in the node's mount namespace: the sshd listener and all its sessions."""
+    pids = []
+    for entry in glob.glob("/proc/[0-9]*/ns/mnt") if namespace else []:
+        with contextlib.suppress(OSError):
+            if os.readlink(entry) == namespace:
+                pids.append(int(entry.split("/")[2]))
+    return pids
 
 
 def ssh_argv(*command):
@@ -423,6 +443,7 @@ def kill_holders():
 
 def destroy(_args):
     cts = saved_cts() or dict(DEFAULT_CTS)
+    namespace = node_namespace()
     kill_holders()
     pid = sshd_pid()
     if pid:
@@ -431,24 +452,23 @@ def destroy(_args):
             if not os.path.exists(f"/proc/{pid}"):
                 break
             time.sleep(0.05)
-    # sshd's session children (ControlPersist masters of a controller) go with their connections.
-    for proc in glob.glob("/proc/[0-9]*/cmdline"):
-        with contextlib.suppress(OSError), open(proc, "rb") as handle:
-            if f"{path('ssh')}/sshd_config".encode() in handle.read():
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(proc.split("/")[2]), signal.SIGKILL)
+    # The node's sessions (one sshd per connection, kept open by a controller's ControlPersist) outlive the
+    # listener and keep the old namespace, and with it a /proc/driver of a deleted lab: end every process in it.
+    for pid in node_namespace_pids(namespace):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     for vmid in cts:
         if os.path.exists(path("lxc", str(vmid), "config")):
             stop_ct(vmid)
     remove_cgroups(cts)
     shutil.rmtree(LAB_DIR, ignore_errors=True)
-    leftovers = leftover_report()
+    leftovers = leftover_report(namespace)
     if leftovers:
         sys.exit("labctl: destroy left things behind:\n" + "\n".join(leftovers))
     log("lab destroyed (rootfs cache kept in " + CACHE_DIR + ")")
 
 
-def leftover_report():
+def leftover_report(namespace):
     """Processes, mounts and cgroups of the lab still present: destroy must leave none."""
     found = []
     for proc in glob.glob("/proc/[0-9]*"):
@@ -457,6 +477,7 @@ def leftover_report():
                 cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace")
             if LAB_DIR in cmdline and "labctl" not in cmdline:
                 found.append(f"process {proc[6:]}: {cmdline.strip()}")
+    found += [f"process {pid} in the node's mount namespace" for pid in node_namespace_pids(namespace)]
     with open("/proc/self/mountinfo", encoding="utf-8") as handle:
         found += [f"mount: {line.strip()}" for line in handle if LAB_DIR in line]
     found += [f"cgroup: {d}" for d in glob.glob("/sys/fs/cgroup/**/lxc/2[0-9][0-9]", recursive=True)]
