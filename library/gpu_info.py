@@ -8,9 +8,9 @@ module: gpu_info
 short_description: Facts of the GPUs a Proxmox CT or bare host sees, and of the processes holding them
 description:
   - Queries C(nvidia-smi) inside the target (one C(pct exec) for a CT) for every GPU it sees. The facts are
-    index, name, UUID, PCI bus id, driver, memory total/used/free, utilization and temperature, plus health:
-    uncorrected volatile ECC errors, pending retired pages, pending or failed row remaps, the recovery action the
-    driver recommends, PCIe link generation and width (current and max), persistence and compute mode.
+    index, name, UUID, PCI bus id, driver, memory total/used/free, utilization and temperature. Health facts
+    are the uncorrected volatile ECC errors, pending retired pages, pending or failed row remaps, the recovery
+    action the driver recommends, PCIe link generation and width (current and max), persistence and compute mode.
   - Lists the compute processes NVML knows on those GPUs. NVML reports HOST pids, so they are read on the node
     and mapped by UUID to the target's GPUs. For each, C(/proc/<pid>/cgroup) on the node names its owner
     (C(ct:<vmid>) for a Proxmox CT, C(host) for the node itself) and C(NSpid) gives its pid inside the CT.
@@ -19,7 +19,6 @@ version_added: "0.1.0"
 author: pve-gpu-recover contributors
 extends_documentation_fragment:
   - action_common_attributes
-  - action_common_attributes.info_module
   - pve_target
 attributes:
   check_mode:
@@ -143,17 +142,19 @@ def map_processes(apps, gpus, processes):
         if app["gpu_uuid"] not in index_of:
             continue
         info = processes.get(app["pid"])
-        mapped.append({
-            "pid": app["pid"],
-            "ns_pid": info.ns_pid if info else None,
-            "process_name": app["process_name"],
-            "comm": info.comm if info else None,
-            "state": info.state if info else None,
-            "owner": info.owner if info else "unknown",
-            "used_memory_mib": app["used_memory_mib"],
-            "gpu_uuid": app["gpu_uuid"],
-            "gpu_index": index_of[app["gpu_uuid"]],
-        })
+        mapped.append(
+            {
+                "pid": app["pid"],
+                "ns_pid": info.ns_pid if info else None,
+                "process_name": app["process_name"],
+                "comm": info.comm if info else None,
+                "state": info.state if info else None,
+                "owner": info.owner if info else "unknown",
+                "used_memory_mib": app["used_memory_mib"],
+                "gpu_uuid": app["gpu_uuid"],
+                "gpu_index": index_of[app["gpu_uuid"]],
+            }
+        )
     return sorted(mapped, key=lambda p: (p["gpu_index"], p["pid"]))
 
 
@@ -169,8 +170,10 @@ def summarize(gpus, processes):
         if g["recovery_action"] not in (None, "None"):
             health.append(f"recovery action {g['recovery_action']}")
         link = f"PCIe {g['pcie_link_gen']}x{g['pcie_link_width']}"
-        if (g["pcie_link_gen_max"], g["pcie_link_width_max"]) not in ((None, None),
-                                                                      (g["pcie_link_gen"], g["pcie_link_width"])):
+        if (g["pcie_link_gen_max"], g["pcie_link_width_max"]) not in (
+            (None, None),
+            (g["pcie_link_gen"], g["pcie_link_width"]),
+        ):
             link += f" (max {g['pcie_link_gen_max']}x{g['pcie_link_width_max']})"
         lines.append(
             f"GPU {g['index']} {g['name']} {g['uuid']} {g['bus_id']}: {g['memory_used_mib']}/"

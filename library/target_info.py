@@ -18,7 +18,6 @@ version_added: "0.1.0"
 author: pve-gpu-recover contributors
 extends_documentation_fragment:
   - action_common_attributes
-  - action_common_attributes.info_module
   - pve_target
 attributes:
   check_mode:
@@ -216,13 +215,14 @@ def evaluate(label, node, facts, *, container, node_driver_version, min_free_gib
     check(
         "node_driver",
         node_driver_version,
-        f"node {node} runs NVIDIA kernel module {node_driver_version}" if node_driver_version else
-        f"node {node} has no NVIDIA kernel module loaded (its /proc/driver/nvidia/version is missing): load it "
+        f"node {node} runs NVIDIA kernel module {node_driver_version}"
+        if node_driver_version
+        else f"node {node} has no NVIDIA kernel module loaded (its /proc/driver/nvidia/version is missing): load it "
         f"with `modprobe nvidia`, or reboot the node after a driver update",
     )
     # 2. Device nodes: GPUs passed through, plus the control and UVM devices CUDA opens.
     devices = {d["path"]: d for d in facts["devices"]}
-    gpu_nodes = sorted((int(m.group(1)) for m in map(GPU_DEVICE.match, devices) if m))
+    gpu_nodes = sorted(int(m.group(1)) for m in map(GPU_DEVICE.match, devices) if m)
     missing = [p for p in REQUIRED_CONTROL_DEVICES if p not in devices]
     not_char = sorted(p for p, d in devices.items() if not d["char"])
     want = f"{expected_gpu_count} GPU device nodes" if expected_gpu_count is not None else "at least one GPU"
@@ -235,41 +235,62 @@ def evaluate(label, node, facts, *, container, node_driver_version, min_free_gib
     if count_ok and not missing and not not_char:
         check("devices", True, f"{label} has {found[0]} and {', '.join(REQUIRED_CONTROL_DEVICES)}")
     else:
-        fix = ("pass the GPUs through in /etc/pve/lxc/<vmid>.conf (lxc.cgroup2.devices.allow: c 195:* rwm, plus "
-               "one lxc.mount.entry per /dev/nvidia* node) and restart the CT" if container else
-               "load the driver (`modprobe nvidia nvidia-uvm`; `nvidia-modprobe -u -c=0` creates the nodes)")
-        check("devices", False,
-              f"{label} has {'; '.join(found)}; expected {want} and {', '.join(REQUIRED_CONTROL_DEVICES)}: {fix}")
+        fix = (
+            "pass the GPUs through in /etc/pve/lxc/<vmid>.conf (lxc.cgroup2.devices.allow: c 195:* rwm, plus "
+            "one lxc.mount.entry per /dev/nvidia* node) and restart the CT"
+            if container
+            else "load the driver (`modprobe nvidia nvidia-uvm`; `nvidia-modprobe -u -c=0` creates the nodes)"
+        )
+        check(
+            "devices",
+            False,
+            f"{label} has {'; '.join(found)}; expected {want} and {', '.join(REQUIRED_CONTROL_DEVICES)}: {fix}",
+        )
     # 3. The driver NVML reports inside must be the node's kernel module.
     failure = facts["nvidia_smi_failure"]
     libraries = facts["nvml_library_versions"]
     if failure is not None and failure.kind == "driver_mismatch":
         library = ", ".join(libraries) or "an unknown version"
-        check("driver", False,
-              f"{label}: NVML says Driver/library version mismatch: the NVIDIA userspace library inside is "
-              f"{library}, the node's kernel module is {node_driver_version or 'not loaded'}; install driver "
-              f"{node_driver_version or '<node version>'} in the target without its kernel module "
-              f"(NVIDIA-Linux-x86_64-{node_driver_version or '<version>'}.run --no-kernel-module), or reboot the "
-              f"node if its driver was just updated")
+        check(
+            "driver",
+            False,
+            f"{label}: NVML says Driver/library version mismatch: the NVIDIA userspace library inside is "
+            f"{library}, the node's kernel module is {node_driver_version or 'not loaded'}; install driver "
+            f"{node_driver_version or '<node version>'} in the target without its kernel module "
+            f"(NVIDIA-Linux-x86_64-{node_driver_version or '<version>'}.run --no-kernel-module), or reboot the "
+            f"node if its driver was just updated",
+        )
     elif failure is not None and failure.kind == "missing":
-        check("driver", False,
-              f"{label}: nvidia-smi is not installed; install the NVIDIA userspace driver "
-              f"{node_driver_version or ''} (without kernel module) in the target".replace("  ", " "))
+        check(
+            "driver",
+            False,
+            f"{label}: nvidia-smi is not installed; install the NVIDIA userspace driver "
+            f"{node_driver_version or ''} (without kernel module) in the target".replace("  ", " "),
+        )
     elif failure is not None:
         check("driver", False, f"{label}: nvidia-smi failed: {failure}" + (f"; {failure.hint}" if failure.hint else ""))
     elif node_driver_version and facts["target_driver_version"] != node_driver_version:
-        check("driver", False,
-              f"{label}: NVML reports driver {facts['target_driver_version']}, the node's kernel module is "
-              f"{node_driver_version}; install the node's driver version in the target")
+        check(
+            "driver",
+            False,
+            f"{label}: NVML reports driver {facts['target_driver_version']}, the node's kernel module is "
+            f"{node_driver_version}; install the node's driver version in the target",
+        )
     elif [v for v in libraries if v != node_driver_version] and node_driver_version:
-        check("driver", False,
-              f"{label}: userspace library {', '.join(libraries)} differs from the node's kernel module "
-              f"{node_driver_version}; NVML will fail after the next library load: install "
-              f"{node_driver_version} in the target")
+        check(
+            "driver",
+            False,
+            f"{label}: userspace library {', '.join(libraries)} differs from the node's kernel module "
+            f"{node_driver_version}; NVML will fail after the next library load: install "
+            f"{node_driver_version} in the target",
+        )
     else:
-        check("driver", True,
-              f"NVML in {label} reports {facts['target_driver_version']}, the node's kernel module"
-              + (f", with {len(facts['gpu_uuids'])} GPUs visible" if facts["gpu_uuids"] else ""))
+        check(
+            "driver",
+            True,
+            f"NVML in {label} reports {facts['target_driver_version']}, the node's kernel module"
+            + (f", with {len(facts['gpu_uuids'])} GPUs visible" if facts["gpu_uuids"] else ""),
+        )
     # 4. Disk: the new venv is built beside the old one, which is kept.
     space = facts["space"]
     free_gib = space["free_bytes"] / GIB
@@ -277,8 +298,11 @@ def evaluate(label, node, facts, *, container, node_driver_version, min_free_gib
         "disk",
         free_gib >= min_free_gib,
         f"{label} has {free_gib:.1f} GiB free at {space_path} (its filesystem at {space['existing']}); "
-        + ("enough for a new venv" if free_gib >= min_free_gib else
-           f"a new venv needs {min_free_gib:g} GiB: free space there or lower preflight_min_free_gib"),
+        + (
+            "enough for a new venv"
+            if free_gib >= min_free_gib
+            else f"a new venv needs {min_free_gib:g} GiB: free space there or lower preflight_min_free_gib"
+        ),
     )
     return checks
 
@@ -302,9 +326,16 @@ def main():
             "min_free_gib": {"type": "float", "default": 20},
             "expected_gpu_count": {"type": "int"},
             "kernel_version_file": {"type": "path", "default": "/proc/driver/nvidia/version"},
-            "library_globs": {"type": "list", "elements": "str", "default": [
-                "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.*", "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.*",
-                "/usr/lib64/libnvidia-ml.so.*", "/usr/lib/libnvidia-ml.so.*"]},
+            "library_globs": {
+                "type": "list",
+                "elements": "str",
+                "default": [
+                    "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.*",
+                    "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.*",
+                    "/usr/lib64/libnvidia-ml.so.*",
+                    "/usr/lib/libnvidia-ml.so.*",
+                ],
+            },
             "python": {"type": "str", "default": "python3"},
         },
         supports_check_mode=True,
@@ -317,10 +348,16 @@ def main():
         module.fail_json(**error.to_result())
     node_driver = read_node_driver_version(params["kernel_version_file"])
     facts = parse_probe(answer)
-    checks = evaluate(target.label, target.node, facts, container=target.is_container,
-                      node_driver_version=node_driver,
-                      min_free_gib=params["min_free_gib"], expected_gpu_count=params["expected_gpu_count"],
-                      space_path=params["space_path"])
+    checks = evaluate(
+        target.label,
+        target.node,
+        facts,
+        container=target.is_container,
+        node_driver_version=node_driver,
+        min_free_gib=params["min_free_gib"],
+        expected_gpu_count=params["expected_gpu_count"],
+        space_path=params["space_path"],
+    )
     failure = facts.pop("nvidia_smi_failure")
     module.exit_json(
         changed=False,

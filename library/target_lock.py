@@ -58,8 +58,8 @@ options:
     type: path
     default: /run/lock/pve-gpu-recover
 notes:
-  - recover.yml takes the lock with C(check_mode: false) so a C(--check) drift run never reads a target that a
-    real run is changing, and releases it in an C(always:) section so a failed run does not leave it behind.
+  - "recover.yml takes the lock with C(check_mode: false) so a C(--check) drift run never reads a target that a
+    real run is changing, and releases it in an C(always:) section so a failed run does not leave it behind."
 seealso:
   - module: target_info
 """
@@ -145,8 +145,12 @@ def read_lock(path):
     except FileNotFoundError:
         return None
     except ValueError:
-        return {"run_id": "unknown (unreadable lock file)", "owner": "unknown", "created": os.stat(path).st_mtime,
-                "ttl": None}
+        return {
+            "run_id": "unknown (unreadable lock file)",
+            "owner": "unknown",
+            "created": os.stat(path).st_mtime,
+            "ttl": None,
+        }
 
 
 def create_lock(path, content):
@@ -192,21 +196,26 @@ def main():
     if action == "locked":
         module.fail_json(
             msg=f"{what} is locked by {describe_holder(current, now)}: another recover run is working on it; wait "
-                f"for it to finish or, if it died, remove {path} on this node (it expires after "
-                f"{current.get('ttl') or p['ttl']} s)",
-            path=path, holder=current, action=action,
+            f"for it to finish or, if it died, remove {path} on this node (it expires after "
+            f"{current.get('ttl') or p['ttl']} s)",
+            path=path,
+            holder=current,
+            action=action,
         )
     mine = {"run_id": p["run_id"], "owner": p["owner"], "created": now, "ttl": p["ttl"], "pid": os.getpid()}
     if module.check_mode or not changed:
         holder = mine if (p["state"] == "present" and current is None) else current
-        module.exit_json(changed=changed, path=path, holder=holder if p["state"] == "present" else None,
-                         action=action)
+        module.exit_json(changed=changed, path=path, holder=holder if p["state"] == "present" else None, action=action)
     if action == "taken_over":
         module.warn(f"taking over the stale lock of {describe_holder(current, now)} on {what}")
         os.replace(path, f"{path}.stale.{int(now)}")
     if action in ("taken", "taken_over") and not create_lock(path, mine):
-        module.fail_json(msg=f"{what} was locked by {describe_holder(read_lock(path) or {}, now)} a moment ago; "
-                             f"another recover run started at the same time", path=path, action="locked")
+        module.fail_json(
+            msg=f"{what} was locked by {describe_holder(read_lock(path) or {}, now)} a moment ago; "
+            f"another recover run started at the same time",
+            path=path,
+            action="locked",
+        )
     if action == "released":
         os.unlink(path)
         mine = None

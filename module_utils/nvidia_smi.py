@@ -87,8 +87,8 @@ EVENT_PREFIX = "clocks_event_reasons."
 NO_VALUE = re.compile(r"^\[(N/A|Not Supported|Unknown Error|Insufficient Permissions|GPU is lost|Requested .*)\]$")
 UNIT_VALUE = re.compile(r"^(-?\d+(?:\.\d+)?) (MiB|KiB|GiB|%|W|MHz|us|C)$")
 HEADER_UNIT = re.compile(r"^(.*?) \[[^\]]+\]$")
-GPU_LOST = re.compile(r"Unable to determine the device handle for GPU ?([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d)"
-                      r": (.*)")
+PCI_BUS_ID = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d"
+GPU_LOST = re.compile(rf"Unable to determine the device handle for GPU ?({PCI_BUS_ID}): (.*)")
 INFOROM = re.compile(r"WARNING: infoROM is corrupted at gpu ([0-9A-Fa-f:.]+)")
 BAD_FIELD = re.compile(r'Field "([^"]+)" is not a valid field to query')
 KERNEL_MODULE = re.compile(r"NVRM version: .*?Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)")
@@ -96,28 +96,52 @@ NVML_LIBRARY = re.compile(r"libnvidia-ml\.so\.(\d+\.\d+(?:\.\d+)?)$")
 
 # nvidia-smi exit codes (nvidia-smi(1), RETURN VALUE) and what a tired person should do about each.
 EXIT_CODES = {
-    2: ("bad_argument", "a field or argument is invalid for this driver",
-        "the driver is older or newer than expected; run `nvidia-smi --help-query-gpu` on it"),
+    2: (
+        "bad_argument",
+        "a field or argument is invalid for this driver",
+        "the driver is older or newer than expected; run `nvidia-smi --help-query-gpu` on it",
+    ),
     3: ("not_supported", "the requested operation is not available on this GPU", "nothing to fix on the node"),
     4: ("no_permission", "no permission to query the GPUs", "run as root (become: true)"),
-    6: ("no_devices", "nvidia-smi found no GPU (No devices were found)",
+    6: (
+        "no_devices",
+        "nvidia-smi found no GPU (No devices were found)",
         "check that the GPUs are passed through to the target (device nodes and cgroup device rules of a CT) and "
-        "that the node sees them (`nvidia-smi -L` there)"),
+        "that the node sees them (`nvidia-smi -L` there)",
+    ),
     8: ("power_cables", "a GPU's external power cables are not attached", "check the GPU power cabling"),
-    9: ("driver_not_loaded", "the NVIDIA kernel driver is not loaded",
-        "load it (`modprobe nvidia`, or reboot after a driver update) and check `dmesg | grep -i nvrm`"),
-    10: ("interrupt", "the NVIDIA kernel driver detected an interrupt issue with a GPU",
-         "check `dmesg` for Xid errors; a reboot is likely needed"),
-    12: ("no_nvml", "the NVML library (libnvidia-ml.so) was not found",
-         "install the NVIDIA userspace driver (in a CT: the same version as the node, without the kernel module)"),
-    13: ("nvml_function", "this NVML does not implement the requested function",
-         "the userspace driver is older than expected; install the node's driver version"),
+    9: (
+        "driver_not_loaded",
+        "the NVIDIA kernel driver is not loaded",
+        "load it (`modprobe nvidia`, or reboot after a driver update) and check `dmesg | grep -i nvrm`",
+    ),
+    10: (
+        "interrupt",
+        "the NVIDIA kernel driver detected an interrupt issue with a GPU",
+        "check `dmesg` for Xid errors; a reboot is likely needed",
+    ),
+    12: (
+        "no_nvml",
+        "the NVML library (libnvidia-ml.so) was not found",
+        "install the NVIDIA userspace driver (in a CT: the same version as the node, without the kernel module)",
+    ),
+    13: (
+        "nvml_function",
+        "this NVML does not implement the requested function",
+        "the userspace driver is older than expected; install the node's driver version",
+    ),
     14: ("inforom", "a GPU's InfoROM is corrupted", "the GPU still works but needs an RMA/firmware check"),
-    15: ("gpu_lost", "a GPU has fallen off the bus or is otherwise inaccessible",
-         "reboot the node (a GPU that fell off the bus does not come back without one)"),
-    18: ("driver_mismatch", "Driver/library version mismatch",
-         "the NVIDIA userspace library differs from the loaded kernel module: install the node's driver "
-         "version (without kernel module) in the CT, or reboot the node after a driver update"),
+    15: (
+        "gpu_lost",
+        "a GPU has fallen off the bus or is otherwise inaccessible",
+        "reboot the node (a GPU that fell off the bus does not come back without one)",
+    ),
+    18: (
+        "driver_mismatch",
+        "Driver/library version mismatch",
+        "the NVIDIA userspace library differs from the loaded kernel module: install the node's driver "
+        "version (without kernel module) in the CT, or reboot the node after a driver update",
+    ),
     255: ("internal", "nvidia-smi failed with an internal or driver error", "check `dmesg` for Xid errors"),
 }
 
@@ -172,7 +196,7 @@ def canonical_field(name, apps=False):
     if unit:
         name = unit.group(1)
     if name.startswith(THROTTLE_PREFIX):
-        name = EVENT_PREFIX + name[len(THROTTLE_PREFIX):]
+        name = EVENT_PREFIX + name[len(THROTTLE_PREFIX) :]
     table = APP_ALIASES if apps else ALIASES
     return table.get(name, name)
 
@@ -224,7 +248,8 @@ def parse_csv(text, fields, *, header=True, apps=False):
         if got != want:
             raise NvidiaSmiError(
                 f"nvidia-smi csv header is {lines[0]!r}, expected the fields {', '.join(want)}",
-                kind="format", stdout=text,
+                kind="format",
+                stdout=text,
             )
         lines = lines[1:]
     rows = []
@@ -233,11 +258,12 @@ def parse_csv(text, fields, *, header=True, apps=False):
         if len(cells) > len(names) and "process_name" in [canonical_field(n, apps) for n in names]:
             at = [canonical_field(n, apps) for n in names].index("process_name")
             extra = len(cells) - len(names)
-            cells[at:at + extra + 1] = [", ".join(cells[at:at + extra + 1])]
+            cells[at : at + extra + 1] = [", ".join(cells[at : at + extra + 1])]
         if len(cells) != len(names):
             raise NvidiaSmiError(
                 f"nvidia-smi csv row has {len(cells)} cells, expected {len(names)}: {line!r}",
-                kind="format", stdout=text,
+                kind="format",
+                stdout=text,
             )
         rows.append({f[1]: parse_value(cell) for f, cell in zip(fields, cells, strict=True)})
     return rows
@@ -293,9 +319,12 @@ def classify_failure(rc, stdout, stderr):
     if "Driver/library version mismatch" in text:
         library = re.search(r"NVML library version: (\S+)", text)
         return NvidiaSmiError(
-            "NVML says Driver/library version mismatch"
-            + (f" (NVML library {library.group(1)})" if library else ""),
-            kind="driver_mismatch", hint=EXIT_CODES[18][2], rc=rc, stdout=stdout, stderr=stderr,
+            "NVML says Driver/library version mismatch" + (f" (NVML library {library.group(1)})" if library else ""),
+            kind="driver_mismatch",
+            hint=EXIT_CODES[18][2],
+            rc=rc,
+            stdout=stdout,
+            stderr=stderr,
         )
     if rc in (0, 14):
         return None
@@ -304,7 +333,11 @@ def classify_failure(rc, stdout, stderr):
         if bad:
             return NvidiaSmiError(
                 f"this driver does not know the query field {bad.group(1)!r} (nvidia-smi exit 2)",
-                kind="bad_field", hint=EXIT_CODES[2][2], rc=rc, stdout=stdout, stderr=stderr,
+                kind="bad_field",
+                hint=EXIT_CODES[2][2],
+                rc=rc,
+                stdout=stdout,
+                stderr=stderr,
                 details={"field": bad.group(1)},
             )
     kind, what, hint = EXIT_CODES.get(rc, ("failed", f"nvidia-smi failed with exit code {rc}", None))
@@ -312,8 +345,15 @@ def classify_failure(rc, stdout, stderr):
         lost = sorted({n["bus_id"] for n in split_notices(text)[1] if n["kind"] == "gpu_lost"})
         if lost:
             what = f"GPU {', '.join(lost)} has fallen off the bus or is otherwise inaccessible"
-        return NvidiaSmiError(f"{what} (nvidia-smi exit 15)", kind=kind, hint=hint, rc=rc, stdout=stdout,
-                              stderr=stderr, details={"lost_bus_ids": lost})
+        return NvidiaSmiError(
+            f"{what} (nvidia-smi exit 15)",
+            kind=kind,
+            hint=hint,
+            rc=rc,
+            stdout=stdout,
+            stderr=stderr,
+            details={"lost_bus_ids": lost},
+        )
     said = next((line.strip() for line in text.splitlines() if line.strip()), "")
     message = f"{what} (nvidia-smi exit {rc})" + (f": {said}" if said and rc not in (6, 9, 12) else "")
     return NvidiaSmiError(message, kind=kind, hint=hint, rc=rc, stdout=stdout, stderr=stderr)

@@ -12,17 +12,36 @@ Parsing functions are pure; :func:`read_process` reads one pid under a proc root
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
+import stat as stat_module
 from dataclasses import asdict, dataclass
 
 PROXMOX_CGROUP = re.compile(r"^/lxc/(\d+)(?:/|$)")
 LXC_PAYLOAD_CGROUP = re.compile(r"^/lxc\.payload\.([^/]+)")
+# On a bare host: processes of Docker/Podman containers and Kubernetes pods are not the host's own.
+OTHER_CONTAINER_CGROUPS = (
+    (re.compile(r"/docker[-/]([0-9a-f]{12})[0-9a-f]*(?:\.scope)?(?:/|$)"), "docker:{}"),
+    (re.compile(r"/libpod-([0-9a-f]{12})[0-9a-f]*(?:\.scope)?(?:/|$)"), "podman:{}"),
+    (re.compile(r"/kubepods[/.]"), "kubernetes"),
+)
 # /proc/<pid>/stat: "pid (comm) state ..." where comm may itself contain spaces and parentheses.
 STAT = re.compile(r"^\d+ \((.*)\) (\S) ", re.DOTALL)
+# Character device major of /dev/nvidia<N> and /dev/nvidiactl; nvidia-uvm and nvidia-caps get dynamic majors
+# that /proc/devices names.
+NVIDIA_MAJOR = 195
 STATES = {
-    "R": "running", "S": "sleeping", "D": "uninterruptible (disk sleep)", "Z": "zombie", "T": "stopped",
-    "t": "tracing stop", "X": "dead", "I": "idle", "P": "parked", "W": "paging",
+    "R": "running",
+    "S": "sleeping",
+    "D": "uninterruptible (disk sleep)",
+    "Z": "zombie",
+    "T": "stopped",
+    "t": "tracing stop",
+    "X": "dead",
+    "I": "idle",
+    "P": "parked",
+    "W": "paging",
 }
 
 
@@ -61,6 +80,10 @@ def parse_cgroup_owner(text):
         payload = LXC_PAYLOAD_CGROUP.match(path)
         if payload:
             return f"lxc:{payload.group(1)}"
+        for pattern, owner in OTHER_CONTAINER_CGROUPS:
+            found = pattern.search(path)
+            if found:
+                return owner.format(*found.groups())
     return "host"
 
 
@@ -77,7 +100,7 @@ def parse_stat(text):
     match = STAT.match(text or "")
     if not match:
         return None
-    rest = text[match.end():].split()
+    rest = text[match.end() :].split()
     # After "pid (comm) state " the fields start at field 4 (ppid); starttime is field 22.
     start_time = int(rest[22 - 4]) if len(rest) > 22 - 4 else 0
     return match.group(1), match.group(2), start_time
@@ -117,9 +140,105 @@ def read_process(pid, proc_root="/proc"):
 
 
 def owner_label(owner, node):
-    """Words for an owner: ``CT 201``, ``LXC container x``, ``node pve1 itself``."""
-    if owner.startswith("ct:"):
-        return f"CT {owner[3:]}"
-    if owner.startswith("lxc:"):
-        return f"LXC container {owner[4:]}"
+    """Words for an owner: ``CT 201``, ``LXC container x``, ``Docker container 0123456789ab``, ``node pve1 itself``."""
+    kind, _, name = owner.partition(":")
+    words = {"ct": "CT", "lxc": "LXC container", "docker": "Docker container", "podman": "Podman container"}
+    if kind in words:
+        return f"{words[kind]} {name}"
+    if kind == "kubernetes":
+        return "a Kubernetes pod"
     return f"node {node} itself"
+
+
+def parse_proc_devices(text):
+    """Majors of NVIDIA character devices from /proc/devices (``195 nvidia-frontend``, ``238 nvidia-uvm``).
+
+    195 is always included: it is NVIDIA's registered major, whatever /proc/devices says.
+    """
+    majors = {NVIDIA_MAJOR}
+    in_char = False
+    for line in (text or "").splitlines():
+        if line.startswith("Character devices:"):
+            in_char = True
+        elif line.startswith("Block devices:"):
+            in_char = False
+        elif in_char:
+            parts = line.split()
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].startswith("nvidia"):
+                majors.add(int(parts[0]))
+    return majors
+
+
+def nvidia_device_majors(proc_root="/proc"):
+    return parse_proc_devices(_read(os.path.join(proc_root, "devices")))
+
+
+def device_fds(pid, majors, proc_root="/proc"):
+    """``[(major, minor), ...]`` of the NVIDIA character devices ``pid`` has open.
+
+    Compares the devices themselves (st_rdev of each /proc/<pid>/fd/N), like fuser does, so it works for a
+    process in a CT whose /dev is not the node's.
+    """
+    fd_dir = os.path.join(proc_root, str(pid), "fd")
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return []
+    found = []
+    for fd in fds:
+        try:
+            info = os.stat(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        if stat_module.S_ISCHR(info.st_mode) and os.major(info.st_rdev) in majors:
+            found.append((os.major(info.st_rdev), os.minor(info.st_rdev)))
+    return sorted(set(found))
+
+
+def list_pids(proc_root="/proc"):
+    try:
+        return sorted(int(e) for e in os.listdir(proc_root) if e.isdigit())
+    except OSError:
+        return []
+
+
+def read_owner(pid, proc_root="/proc"):
+    """Owner of ``pid`` from its cgroup alone (one small read: enough to skip other CTs' processes quickly)."""
+    return parse_cgroup_owner(_read(os.path.join(proc_root, str(pid), "cgroup")))
+
+
+def device_holders(owner, proc_root="/proc", exclude=()):
+    """ProcessInfo and NVIDIA device fds of every process of ``owner`` that holds one; ``exclude`` pids skipped."""
+    majors = nvidia_device_majors(proc_root)
+    holders = []
+    for pid in list_pids(proc_root):
+        if pid in exclude or read_owner(pid, proc_root) != owner:
+            continue
+        devices = device_fds(pid, majors, proc_root)
+        if devices:
+            info = read_process(pid, proc_root)
+            if info is not None:
+                holders.append((info, devices))
+    return holders
+
+
+def still_there(info, proc_root="/proc"):
+    """True while the process of ``info`` lives: same pid, same start time, not a zombie (a zombie freed its GPU)."""
+    now = read_process(info.pid, proc_root)
+    return now is not None and now.start_time == info.start_time and now.state not in ("Z", "X")
+
+
+def matches_name(info, patterns):
+    """The first of ``patterns`` (fnmatch) naming this process by comm, argv[0] or its basename; else None.
+
+    comm is cut to 15 characters by the kernel, so a pattern is also compared cut to 15
+    (``nvidia-persistenced`` -> comm ``nvidia-persiste``).
+    """
+    names = {info.comm}
+    if info.cmdline:
+        names.update({info.cmdline[0], os.path.basename(info.cmdline[0])})
+    for pattern in patterns:
+        for name in names:
+            if fnmatch.fnmatchcase(name, pattern) or (name == info.comm and fnmatch.fnmatchcase(name, pattern[:15])):
+                return pattern
+    return None

@@ -17,6 +17,7 @@ become :class:`TargetError` with one line that says what was found and what to d
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -41,8 +42,8 @@ PCT_PARAM_ERROR = re.compile(r"400 Parameter verification failed")
 # rc 127 from lxc-attach, timeout(1) or env(1) when the command does not exist where it should run.
 NOT_FOUND = (
     re.compile(r'Failed to exec "([^"]+)"'),
-    re.compile(r"failed to run command [‘'`]([^’'`]+)[’'`]"),
-    re.compile(r"env: [‘'`]([^’'`]+)[’'`]: No such file or directory"),
+    re.compile(r"failed to run command [\u2018'`]([^\u2019'`]+)[\u2019'`]"),  # quotes: typographic or plain
+    re.compile(r"env: [\u2018'`]([^\u2019'`]+)[\u2019'`]: No such file or directory"),
 )
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
@@ -134,10 +135,8 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None):
             out, err = proc.communicate(stdin.encode() if isinstance(stdin, str) else stdin, timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             out, err = proc.communicate()
     return CommandResult(
         argv=list(argv),
@@ -202,21 +201,27 @@ class Target:
         """Run ``argv`` in the target; return CommandResult. With ``check``, a non-zero exit raises TargetError."""
         seconds = int(timeout or self.timeout)
         wrapped = self.command_argv(argv, timeout=seconds, env=env)
-        result = self._execute(wrapped, argv, stdin=stdin, timeout=seconds + KILL_GRACE + 10,
-                               env=None if self.is_container else env)
+        result = self._execute(
+            wrapped, argv, stdin=stdin, timeout=seconds + KILL_GRACE + 10, env=None if self.is_container else env
+        )
         self._raise_for_wrapper(result, argv, seconds)
         if check and result.rc != 0:
             raise TargetError(
                 f"{self.label}: `{' '.join(map(str, argv))}` failed with exit code {result.rc}: "
                 f"{first_line(result.stderr) or first_line(result.stdout) or 'no output'}",
-                kind="failed", cmd=wrapped, rc=result.rc, stdout=result.stdout, stderr=result.stderr,
+                kind="failed",
+                cmd=wrapped,
+                rc=result.rc,
+                stdout=result.stdout,
+                stderr=result.stderr,
             )
         return result
 
     def run_on_node(self, argv, *, stdin=None, timeout=None, env=None, check=True):
         """Run ``argv`` on the node itself (NVML, /proc and cgroups are only visible there), never in the CT."""
-        node_target = self if not self.is_container else Target(node=self.node, runner=self.runner,
-                                                                  timeout=self.timeout)
+        node_target = (
+            self if not self.is_container else Target(node=self.node, runner=self.runner, timeout=self.timeout)
+        )
         return node_target.run(argv, stdin=stdin, timeout=timeout, env=env, check=check)
 
     def status(self):
@@ -229,7 +234,11 @@ class Target:
             raise TargetError(
                 f"{self.label}: `pct status {self.vmid}` gave no status (exit {result.rc}): "
                 f"{first_line(result.stderr) or first_line(result.stdout)}",
-                kind="failed", cmd=argv, rc=result.rc, stdout=result.stdout, stderr=result.stderr,
+                kind="failed",
+                cmd=argv,
+                rc=result.rc,
+                stdout=result.stdout,
+                stderr=result.stderr,
             )
         return match.group(1)
 
@@ -241,7 +250,10 @@ class Target:
                 return None
             raise TargetError(
                 f"{self.label}: cannot read {path}: {first_line(result.stderr)}",
-                kind="failed", cmd=result.argv, rc=result.rc, stderr=result.stderr,
+                kind="failed",
+                cmd=result.argv,
+                rc=result.rc,
+                stderr=result.stderr,
             )
         return result.stdout
 
@@ -268,7 +280,11 @@ class Target:
             raise TargetError(
                 f"{self.label}: the {probe_module.__name__.rsplit('.', 1)[-1]} probe failed "
                 f"(exit {result.rc}): {last_line(result.stderr) or 'no JSON on stdout'}",
-                kind="probe", cmd=result.argv, rc=result.rc, stdout=result.stdout, stderr=result.stderr,
+                kind="probe",
+                cmd=result.argv,
+                rc=result.rc,
+                stdout=result.stdout,
+                stderr=result.stderr,
             )
         return answer
 
@@ -281,12 +297,14 @@ class Target:
                 raise TargetError(
                     f"pct not found in PATH of node {self.node}: this is not a Proxmox VE node; set pve_node to "
                     f"the node that hosts CT {self.vmid}, or leave pve_vmid unset for a bare GPU host",
-                    kind="no_pct", cmd=wrapped,
+                    kind="no_pct",
+                    cmd=wrapped,
                 ) from None
             raise TargetError(
                 f"{self.label}: `{wrapped[0]}` not found in PATH (coreutils `timeout` is needed to run "
                 f"`{argv[0]}` with a deadline)",
-                kind="not_found", cmd=wrapped,
+                kind="not_found",
+                cmd=wrapped,
             ) from None
 
     def _raise_for_pct(self, result):
@@ -297,19 +315,28 @@ class Target:
             raise TargetError(
                 f"{self.label} is not running (pct: container '{self.vmid}' not running!); "
                 f"start it with `pct start {self.vmid}` on {self.node} and run again",
-                kind="stopped", cmd=result.argv, rc=result.rc, stderr=err,
+                kind="stopped",
+                cmd=result.argv,
+                rc=result.rc,
+                stderr=err,
             )
         missing = PCT_NO_CONFIG.search(err)
         if missing:
             raise TargetError(
                 f"CT {self.vmid} does not exist on node {self.node} ({missing.group(1)} is missing); "
                 f"check pve_vmid and pve_node in the inventory (`pct list` on the node shows its CTs)",
-                kind="missing", cmd=result.argv, rc=result.rc, stderr=err,
+                kind="missing",
+                cmd=result.argv,
+                rc=result.rc,
+                stderr=err,
             )
         if PCT_PARAM_ERROR.search(err):
             raise TargetError(
                 f"{self.label}: pct rejected the call: {' '.join(err.split())[:300]}",
-                kind="invalid", cmd=result.argv, rc=result.rc, stderr=err,
+                kind="invalid",
+                cmd=result.argv,
+                rc=result.rc,
+                stderr=err,
             )
 
     def _raise_for_wrapper(self, result, argv, seconds):
@@ -317,7 +344,11 @@ class Target:
         if result.timed_out or (result.rc == EXIT_TIMEOUT and result.seconds >= seconds - 0.5):
             raise TargetError(
                 f"{self.label}: `{' '.join(map(str, argv))}` timed out after {seconds} s and was killed",
-                kind="timeout", cmd=result.argv, rc=result.rc, stdout=result.stdout, stderr=result.stderr,
+                kind="timeout",
+                cmd=result.argv,
+                rc=result.rc,
+                stdout=result.stdout,
+                stderr=result.stderr,
             )
         if result.rc in (EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE):
             for pattern in NOT_FOUND:
@@ -327,7 +358,10 @@ class Target:
                     raise TargetError(
                         f"{self.label}: `{argv[0]}` not found {where} (PATH of a non-login root shell); "
                         f"install it there or give its full path",
-                        kind="not_found", cmd=result.argv, rc=result.rc, stderr=result.stderr,
+                        kind="not_found",
+                        cmd=result.argv,
+                        rc=result.rc,
+                        stderr=result.stderr,
                     )
 
 

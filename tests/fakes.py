@@ -27,14 +27,20 @@ class FakeRunner:
         if isinstance(answer, Exception):
             raise answer
         rc, out, err, *rest = answer
-        return CommandResult(argv=argv, rc=rc, stdout=out, stderr=err, seconds=rest[0] if rest else 0.01,
-                             timed_out=bool(rest[1:]) and rest[1])
+        return CommandResult(
+            argv=argv,
+            rc=rc,
+            stdout=out,
+            stderr=err,
+            seconds=rest[0] if rest else 0.01,
+            timed_out=bool(rest[1:]) and rest[1],
+        )
 
     def assert_done(self):
         assert self.calls == [], f"expected calls not made: {[c[0] for c in self.calls]}"
 
 
-def run_module(module, args, runner, monkeypatch, capsys, check_mode=False):
+def run_module(module, args, runner, monkeypatch, capsys, *, check_mode=False):
     """Run ``module.main()`` with ``args`` and the fake runner; return the JSON it exited with."""
     monkeypatch.setattr(pve_target, "run_local", runner)
     if check_mode:

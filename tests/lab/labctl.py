@@ -24,6 +24,8 @@ Everything lives under LAB_DIR (default /var/lib/pve-gpu-recover-lab); the rootf
     labctl.py repair            undo every fault
     labctl.py hold WHERE --gpu N [--gpu N] --mib M [--ignore-term] [--name NAME]
                                 start a GPU holder in WHERE (ct200, ct201 or node); prints its host pid
+    labctl.py freeze PID / thaw put a process in state D (cgroup freezer) / let it go
+    labctl.py leak --gpu N --mib M   GPU memory held by no process (repair clears it)
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ SUITE = "bookworm"
 # What the CT rootfs needs now: python3 for probes and venvs, git for the training code, procps/psmisc for people.
 PACKAGES = ("python3", "python3-venv", "git", "psmisc", "procps", "ca-certificates", "coreutils")
 RECIPE_VERSION = "1"  # bump when the rootfs recipe changes so the cache is rebuilt
-# CTs of the lab: CT 200 is the training container with the node's eight GPUs; CT 201 is a neighbour with none.
-DEFAULT_CTS = {200: list(range(8)), 201: []}
+# CTs of the lab: CT 200 is the training container with eight GPUs; CT 201 is a neighbour with two GPUs of its
+# own (the node has ten), whose processes recovery of CT 200 must never touch.
+DEFAULT_CTS = {200: list(range(8)), 201: [8, 9]}
 CT_LIB = "/usr/local/lib/pve-gpu-lab"
 CT_STATE = "/run/pve-gpu-lab/gpu"
 CT_HOSTPROC = "/run/pve-gpu-lab/hostproc"
@@ -115,8 +118,10 @@ def rootfs_cache():
     shutil.rmtree(building, ignore_errors=True)
     os.makedirs(CACHE_DIR, exist_ok=True)
     log(f"building the CT rootfs cache {rootfs} with debootstrap (once; about a minute)")
-    run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, building, debian_mirror()],
-        stdout=subprocess.DEVNULL)
+    run(
+        ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, building, debian_mirror()],
+        stdout=subprocess.DEVNULL,
+    )
     # The rootfs inherits this machine's hostname and an unreachable nameserver; both make commands wait 10 s.
     write(os.path.join(building, "etc/resolv.conf"), "")
     with contextlib.suppress(FileNotFoundError):
@@ -150,12 +155,16 @@ def install_standins(cts):
         "nvml_library_glob": path("node/lib/libnvidia-ml.so.*"),
     }
     write(path("node/standin.json"), json.dumps(node_config, indent=1))
-    write(path("node/pct.json"), json.dumps({"lxcpath": path("lxc"), "node": NODE_NAME,
-                                             "log": path("pct-calls.log")}, indent=1))
+    write(
+        path("node/pct.json"),
+        json.dumps({"lxcpath": path("lxc"), "node": NODE_NAME, "log": path("pct-calls.log")}, indent=1),
+    )
     write(path("node/bin/nvidia-smi"), wrapper(path("node/standin.json"), path("standins/nvidia_smi.py")), 0o755)
-    write(path("node/bin/pct"),
-          f'#!/bin/sh\nPVE_GPU_LAB_PCT={path("node/pct.json")} exec /usr/bin/python3 {path("standins/pct.py")} "$@"\n',
-          0o755)
+    write(
+        path("node/bin/pct"),
+        f'#!/bin/sh\nPVE_GPU_LAB_PCT={path("node/pct.json")} exec /usr/bin/python3 {path("standins/pct.py")} "$@"\n',
+        0o755,
+    )
     write(path("node/lib", f"libnvidia-ml.so.{DRIVER_VERSION}"), "placeholder of the NVIDIA userspace library\n")
     if not os.path.exists(path("node/proc-driver/nvidia/version")):
         write_kernel_version(DRIVER_VERSION)
@@ -167,40 +176,44 @@ def wrapper(config, script):
 
 def write_kernel_version(version):
     """The "loaded kernel module", as the real driver prints it in /proc/driver/nvidia/version."""
-    write(path("node/proc-driver/nvidia/version"),
-          f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  Tue Nov 11 09:53:03 UTC 2025\n"
-          "GCC version:  gcc version 13.3.0 (Ubuntu 13.3.0-6ubuntu2~24.04)\n")
+    write(
+        path("node/proc-driver/nvidia/version"),
+        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  Tue Nov 11 09:53:03 UTC 2025\n"
+        "GCC version:  gcc version 13.3.0 (Ubuntu 13.3.0-6ubuntu2~24.04)\n",
+    )
 
 
 # -- containers ----------------------------------------------------------------------------------------------
 def ct_config(vmid, rootfs):
     """An LXC config close to what Proxmox generates for a privileged CT with GPUs passed through."""
     delta = path("lxc", str(vmid), "delta")
-    return "\n".join([
-        f"lxc.uts.name = ct{vmid}",
-        "lxc.include = /usr/share/lxc/config/common.conf",
-        "lxc.arch = linux64",
-        f"lxc.rootfs.path = overlay:{rootfs}:{delta}",
-        "lxc.apparmor.profile = unconfined",
-        "lxc.init.cmd = /bin/sleep infinity",
-        "lxc.net.0.type = empty",
-        # Proxmox's cgroup layout: the node maps processes to CTs by /lxc/<vmid>/ in /proc/<pid>/cgroup.
-        f"lxc.cgroup.dir.container = lxc/{vmid}",
-        f"lxc.cgroup.dir.monitor = lxc.monitor/{vmid}",
-        "lxc.cgroup.dir.container.inner = ns",
-        # What Proxmox's GPU passthrough recipe allows: the NVIDIA majors.
-        "lxc.cgroup.devices.allow = c 195:* rwm",
-        f"lxc.cgroup.devices.allow = c {UVM_MAJOR}:* rwm",
-        "lxc.cgroup2.devices.allow = c 195:* rwm",
-        f"lxc.cgroup2.devices.allow = c {UVM_MAJOR}:* rwm",
-        # Lab plumbing: the shared GPU state, the host's /proc for the stand-in (NVML reports host pids), the
-        # kernel module version (one kernel for node and CTs), the stand-ins themselves.
-        f"lxc.mount.entry = {path('gpu')} {CT_STATE[1:]} none bind,create=dir 0 0",
-        f"lxc.mount.entry = /proc {CT_HOSTPROC[1:]} none rbind,create=dir 0 0",
-        f"lxc.mount.entry = {path('node/proc-driver')} proc/driver none bind,optional 0 0",
-        f"lxc.mount.entry = {path('standins')} {CT_LIB[1:]} none bind,ro,create=dir 0 0",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"lxc.uts.name = ct{vmid}",
+            "lxc.include = /usr/share/lxc/config/common.conf",
+            "lxc.arch = linux64",
+            f"lxc.rootfs.path = overlay:{rootfs}:{delta}",
+            "lxc.apparmor.profile = unconfined",
+            "lxc.init.cmd = /bin/sleep infinity",
+            "lxc.net.0.type = empty",
+            # Proxmox's cgroup layout: the node maps processes to CTs by /lxc/<vmid>/ in /proc/<pid>/cgroup.
+            f"lxc.cgroup.dir.container = lxc/{vmid}",
+            f"lxc.cgroup.dir.monitor = lxc.monitor/{vmid}",
+            "lxc.cgroup.dir.container.inner = ns",
+            # What Proxmox's GPU passthrough recipe allows: the NVIDIA majors.
+            "lxc.cgroup.devices.allow = c 195:* rwm",
+            f"lxc.cgroup.devices.allow = c {UVM_MAJOR}:* rwm",
+            "lxc.cgroup2.devices.allow = c 195:* rwm",
+            f"lxc.cgroup2.devices.allow = c {UVM_MAJOR}:* rwm",
+            # Lab plumbing: the shared GPU state, the host's /proc for the stand-in (NVML reports host pids), the
+            # kernel module version (one kernel for node and CTs), the stand-ins themselves.
+            f"lxc.mount.entry = {path('gpu')} {CT_STATE[1:]} none bind,create=dir 0 0",
+            f"lxc.mount.entry = /proc {CT_HOSTPROC[1:]} none rbind,create=dir 0 0",
+            f"lxc.mount.entry = {path('node/proc-driver')} proc/driver none bind,optional 0 0",
+            f"lxc.mount.entry = {path('standins')} {CT_LIB[1:]} none bind,ro,create=dir 0 0",
+            "",
+        ]
+    )
 
 
 def prepare_ct(vmid, gpus, rootfs):
@@ -220,11 +233,17 @@ def prepare_ct(vmid, gpus, rootfs):
         "dev_dir": "/dev",  # a GPU whose /dev/nvidiaN is missing is invisible to NVML in the CT, as for real
     }
     write(os.path.join(delta, "etc/pve-gpu-lab/standin.json"), json.dumps(view, indent=1))
-    write(os.path.join(delta, "usr/bin/nvidia-smi"),
-          wrapper("/etc/pve-gpu-lab/standin.json", f"{CT_LIB}/nvidia_smi.py"), 0o755)
-    write(os.path.join(delta, "usr/local/bin/gpu-holder"),
-          f'#!/bin/sh\nPVE_GPU_LAB_CONFIG=/etc/pve-gpu-lab/standin.json exec /usr/bin/python3 '
-          f'{CT_LIB}/gpu_holder.py "$@"\n', 0o755)
+    write(
+        os.path.join(delta, "usr/bin/nvidia-smi"),
+        wrapper("/etc/pve-gpu-lab/standin.json", f"{CT_LIB}/nvidia_smi.py"),
+        0o755,
+    )
+    write(
+        os.path.join(delta, "usr/local/bin/gpu-holder"),
+        f"#!/bin/sh\nPVE_GPU_LAB_CONFIG=/etc/pve-gpu-lab/standin.json exec /usr/bin/python3 "
+        f'{CT_LIB}/gpu_holder.py "$@"\n',
+        0o755,
+    )
     if gpus:
         set_ct_library(vmid, DRIVER_VERSION)
 
@@ -269,7 +288,7 @@ def stop_ct(vmid):
 
 def remove_cgroups(vmids):
     """LXC leaves empty cgroup directories behind; remove ours deepest first (and the parents if empty)."""
-    for hierarchy in glob.glob("/sys/fs/cgroup/*/") + ["/sys/fs/cgroup/"]:
+    for hierarchy in [*glob.glob("/sys/fs/cgroup/*/"), "/sys/fs/cgroup/"]:
         for vmid in vmids:
             for top in (f"lxc/{vmid}", f"lxc.monitor/{vmid}"):
                 base = os.path.join(hierarchy, top)
@@ -298,28 +317,45 @@ def start_node():
     os.makedirs(ssh, mode=0o700, exist_ok=True)
     for key in ("host_ed25519", "id_ed25519"):
         if not os.path.exists(os.path.join(ssh, key)):
-            run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"pve-gpu-lab-{key}", "-f",
-                 os.path.join(ssh, key)])
+            run(
+                [
+                    "ssh-keygen",
+                    "-q",
+                    "-t",
+                    "ed25519",
+                    "-N",
+                    "",
+                    "-C",
+                    f"pve-gpu-lab-{key}",
+                    "-f",
+                    os.path.join(ssh, key),
+                ]
+            )
     shutil.copy(os.path.join(ssh, "id_ed25519.pub"), os.path.join(ssh, "authorized_keys"))
     with open(os.path.join(ssh, "host_ed25519.pub"), encoding="utf-8") as handle:
         host_key = " ".join(handle.read().split()[:2])
     write(os.path.join(ssh, "known_hosts"), f"[127.0.0.1]:{SSH_PORT} {host_key}\n")
-    write(os.path.join(ssh, "sshd_config"), "\n".join([
-        f"Port {SSH_PORT}",
-        "ListenAddress 127.0.0.1",
-        f"HostKey {ssh}/host_ed25519",
-        f"PidFile {ssh}/sshd.pid",
-        f"AuthorizedKeysFile {ssh}/authorized_keys",
-        "PermitRootLogin prohibit-password",
-        "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no",
-        "UsePAM no",
-        "StrictModes no",
-        "MaxSessions 50",
-        "MaxStartups 50:30:100",
-        "Subsystem sftp internal-sftp",
-        "",
-    ]))
+    write(
+        os.path.join(ssh, "sshd_config"),
+        "\n".join(
+            [
+                f"Port {SSH_PORT}",
+                "ListenAddress 127.0.0.1",
+                f"HostKey {ssh}/host_ed25519",
+                f"PidFile {ssh}/sshd.pid",
+                f"AuthorizedKeysFile {ssh}/authorized_keys",
+                "PermitRootLogin prohibit-password",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "MaxSessions 50",
+                "MaxStartups 50:30:100",
+                "Subsystem sftp internal-sftp",
+                "",
+            ]
+        ),
+    )
     if sshd_pid():
         return
     os.makedirs("/run/sshd", exist_ok=True)
@@ -358,8 +394,21 @@ def node_namespace_pids(namespace):
 
 def ssh_argv(*command):
     ssh = path("ssh")
-    return ["ssh", "-i", f"{ssh}/id_ed25519", "-o", f"UserKnownHostsFile={ssh}/known_hosts", "-o",
-            "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-p", str(SSH_PORT), "root@127.0.0.1", *command]
+    return [
+        "ssh",
+        "-i",
+        f"{ssh}/id_ed25519",
+        "-o",
+        f"UserKnownHostsFile={ssh}/known_hosts",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "BatchMode=yes",
+        "-p",
+        str(SSH_PORT),
+        "root@127.0.0.1",
+        *command,
+    ]
 
 
 # -- commands --------------------------------------------------------------------------------------------------
@@ -395,8 +444,11 @@ def create(args):
         prepare_ct(vmid, gpus, rootfs)
         start_ct(vmid)
     start_node()
-    check = run(ssh_argv("pct", "exec", str(min(cts)), "--keep-env", "0", "--", "nvidia-smi", "-L"),
-                capture_output=True, check=False)
+    check = run(
+        ssh_argv("pct", "exec", str(min(cts)), "--keep-env", "0", "--", "nvidia-smi", "-L"),
+        capture_output=True,
+        check=False,
+    )
     if check.returncode != 0:
         sys.exit(f"labctl: the lab is up but `pct exec ... nvidia-smi -L` through its sshd failed:\n{check.stderr}")
     write(path("inventory.yml"), inventory_yaml(cts))
@@ -444,6 +496,7 @@ def kill_holders():
 def destroy(_args):
     cts = saved_cts() or dict(DEFAULT_CTS)
     namespace = node_namespace()
+    thaw()
     kill_holders()
     pid = sshd_pid()
     if pid:
@@ -517,6 +570,7 @@ def fault(args):
 
 
 def repair(_args):
+    thaw()
     write_kernel_version(DRIVER_VERSION)
     gpulab.clear_faults(path("gpu"))
     gpulab.clear_leaks(path("gpu"))
@@ -527,19 +581,91 @@ def repair(_args):
     log("every fault repaired")
 
 
+FREEZER = "/sys/fs/cgroup/freezer"
+FROZEN_CGROUP = "pgr-frozen"
+
+
+def freeze(args):
+    """Freeze a process in a cgroup-v1 freezer child of its own cgroup: it shows state D and SIGKILL waits until
+    it is thawed, which is exactly a process stuck in the driver (the real cause needs a GPU)."""
+    with open(f"/proc/{args.pid}/cgroup", encoding="utf-8") as handle:
+        current = next(line.split(":", 2)[2].strip() for line in handle if ":freezer:" in line)
+    frozen = os.path.join(FREEZER, current.lstrip("/"), FROZEN_CGROUP)
+    os.makedirs(frozen, exist_ok=True)
+    write(os.path.join(frozen, "cgroup.procs"), f"{args.pid}\n")
+    write(os.path.join(frozen, "freezer.state"), "FROZEN\n")
+    log(f"process {args.pid} frozen (state D) in {frozen}")
+
+
+def thaw(_args=None):
+    """Thaw every process labctl froze, so it can die, and remove the freezer cgroups."""
+    for frozen in glob.glob(os.path.join(FREEZER, "**", FROZEN_CGROUP), recursive=True):
+        write(os.path.join(frozen, "freezer.state"), "THAWED\n")
+        with open(os.path.join(frozen, "cgroup.procs"), encoding="utf-8") as handle:
+            pids = [int(p) for p in handle.read().split()]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                os.rmdir(frozen)
+                break
+            time.sleep(0.05)
+
+
+def leak(args):
+    """GPU memory held with no process: what a driver that failed to release it looks like."""
+    config = gpulab.read_config(path("gpu"))
+    uuid = config["gpus"][args.gpu]["uuid"]
+    gpulab.set_leak(path("gpu"), uuid, args.mib)
+    log(f"{args.mib} MiB leaked on node GPU {args.gpu} ({uuid})")
+
+
 def hold(args):
     """Start a GPU holder in a CT (through lxc-attach, like a training run) or on the node; print its host pid."""
-    holder = [*(["--name", args.name] if args.name else []), *sum((["--gpu", g] for g in args.gpu), []),
-              "--mib", str(args.mib), *(["--ignore-term"] if args.ignore_term else [])]
+    holder = [
+        *(["--name", args.name] if args.name else []),
+        *(a for g in args.gpu for a in ("--gpu", g)),
+        "--mib",
+        str(args.mib),
+        *(["--ignore-term"] if args.ignore_term else []),
+    ]
     if args.where == "node":
+        # On the node means in the node's mount namespace, where its /proc/driver/nvidia/version lives.
         env = dict(os.environ, PVE_GPU_LAB_CONFIG=path("node/standin.json"))
-        argv = ["/usr/bin/python3", path("standins/gpu_holder.py"), *holder]
+        argv = [
+            "nsenter",
+            "--target",
+            str(sshd_pid()),
+            "--mount",
+            "--",
+            "/usr/bin/python3",
+            path("standins/gpu_holder.py"),
+            *holder,
+        ]
     else:
         env = dict(os.environ)
-        argv = ["lxc-attach", "-P", path("lxc"), "-n", args.where[2:], "--clear-env", "--",
-                "/usr/local/bin/gpu-holder", *holder]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                            env=env, start_new_session=True, text=True)
+        argv = [
+            "lxc-attach",
+            "-P",
+            path("lxc"),
+            "-n",
+            args.where[2:],
+            "--clear-env",
+            "--",
+            "/usr/local/bin/gpu-holder",
+            *holder,
+        ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+        text=True,
+    )
     line = proc.stdout.readline()
     match = re.match(r"held (\d+)", line)
     if not match:
@@ -562,8 +688,18 @@ def main(argv=None):
         p.set_defaults(func=func)
     p = sub.add_parser("fault")
     p.add_argument("view", help="node or ct<vmid>")
-    p.add_argument("mode", choices=["driver_mismatch", "no_nvml", "driver_not_loaded", "no_devices", "gpu_lost",
-                                    "inforom", "no_permission"])
+    p.add_argument(
+        "mode",
+        choices=[
+            "driver_mismatch",
+            "no_nvml",
+            "driver_not_loaded",
+            "no_devices",
+            "gpu_lost",
+            "inforom",
+            "no_permission",
+        ],
+    )
     p.add_argument("--gpu", type=int, help="index of the GPU in that view (gpu_lost, inforom)")
     p.set_defaults(func=fault)
     sub.add_parser("repair").set_defaults(func=repair)
@@ -574,6 +710,14 @@ def main(argv=None):
     p.add_argument("--ignore-term", action="store_true")
     p.add_argument("--name")
     p.set_defaults(func=hold)
+    p = sub.add_parser("freeze", help="put a process in state D (cgroup freezer) until thaw/repair")
+    p.add_argument("pid", type=int)
+    p.set_defaults(func=freeze)
+    sub.add_parser("thaw").set_defaults(func=thaw)
+    p = sub.add_parser("leak", help="GPU memory held with no process")
+    p.add_argument("--gpu", type=int, required=True, help="index of the GPU on the node")
+    p.add_argument("--mib", type=int, required=True)
+    p.set_defaults(func=leak)
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("labctl: run as root (the lab starts LXC containers and an sshd)")

@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         view_cfg["state_dir"],
         host_pid,
         stat[1],  # start time: a later process reusing the pid is not this holder
-        {g.gpu["uuid"]: args.mib for g in gpus},
+        # --mib 0: device files open but no compute context, like nvidia-persistenced: NVML does not list it.
+        {g.gpu["uuid"]: args.mib for g in gpus} if args.mib else {},
         view=view_cfg["view"],
         ns_pid=os.getpid(),
         device_fds=len(fds),

@@ -487,7 +487,7 @@ def nvml_library_version(pattern: str) -> tuple[bool, str | None]:
     target's version wins; otherwise the highest versioned file. version is None for unversioned files.
     """
     # glob, not Path.glob: the pattern is an absolute path that may hold wildcards in any component.
-    paths = sorted(Path(p) for p in glob.glob(pattern) if Path(p).exists())  # noqa: PTH207
+    paths = sorted(Path(p) for p in glob.glob(pattern) if Path(p).exists())
     if not paths:
         return False, None
     soname = [p for p in paths if p.name == "libnvidia-ml.so.1"]

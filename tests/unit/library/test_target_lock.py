@@ -16,15 +16,18 @@ def lock(args, capsys, check_mode=False):
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize(("state", "current", "action", "changed"), [
-    ("present", None, "taken", True),
-    ("present", {"run_id": "a", "created": 1000, "ttl": 60}, "already_held", False),
-    ("present", {"run_id": "b", "created": 1000, "ttl": 60}, "locked", False),
-    ("present", {"run_id": "b", "created": 1000, "ttl": 10}, "taken_over", True),
-    ("absent", None, "not_held", False),
-    ("absent", {"run_id": "a", "created": 1000, "ttl": 60}, "released", True),
-    ("absent", {"run_id": "b", "created": 1000, "ttl": 60}, "held_by_other", False),
-])
+@pytest.mark.parametrize(
+    ("state", "current", "action", "changed"),
+    [
+        ("present", None, "taken", True),
+        ("present", {"run_id": "a", "created": 1000, "ttl": 60}, "already_held", False),
+        ("present", {"run_id": "b", "created": 1000, "ttl": 60}, "locked", False),
+        ("present", {"run_id": "b", "created": 1000, "ttl": 10}, "taken_over", True),
+        ("absent", None, "not_held", False),
+        ("absent", {"run_id": "a", "created": 1000, "ttl": 60}, "released", True),
+        ("absent", {"run_id": "b", "created": 1000, "ttl": 60}, "held_by_other", False),
+    ],
+)
 def test_plan(state, current, action, changed):
     assert target_lock.plan_lock(state, current, "a", now=1030) == (action, changed)
 
@@ -63,8 +66,8 @@ def test_a_stale_lock_is_taken_over_and_kept_aside(tmp_path, capsys):
     result = lock({"vmid": 200, "run_id": "run-1", "lock_dir": str(tmp_path)}, capsys)
     assert (result["changed"], result["action"]) == (True, "taken_over")
     assert "taking over the stale lock of run dead" in str(result["warnings"])
-    assert [p.name for p in tmp_path.iterdir() if ".stale." in p.name] == ["ct-200.lock.stale.%d" % int(
-        json.loads((tmp_path / "ct-200.lock").read_text())["created"])]
+    created = int(json.loads((tmp_path / "ct-200.lock").read_text())["created"])
+    assert [p.name for p in tmp_path.iterdir() if ".stale." in p.name] == [f"ct-200.lock.stale.{created}"]
 
 
 def test_an_unreadable_lock_counts_as_held(tmp_path, capsys):
@@ -90,5 +93,6 @@ def test_two_creators_one_wins(tmp_path):
     path = str(tmp_path / "ct-200.lock")
     assert target_lock.create_lock(path, {"run_id": "a"})
     assert not target_lock.create_lock(path, {"run_id": "b"})
-    assert json.loads(open(path).read())["run_id"] == "a"
+    with open(path) as handle:
+        assert json.load(handle)["run_id"] == "a"
     assert os.listdir(tmp_path) == ["ct-200.lock"]

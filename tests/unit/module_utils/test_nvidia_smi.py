@@ -66,15 +66,23 @@ def test_seed_query():
 
 def test_compute_apps_with_header():
     apps = smi.parse_apps((H200 / "nvsmi_apps_busy.csv").read_text())
-    assert apps == [{"pid": 516, "process_name": "python3", "used_memory_mib": 20998,
-                     "gpu_uuid": "GPU-bf580366-c11c-e730-752a-e9ca8716b7fa"}]
+    assert apps == [
+        {
+            "pid": 516,
+            "process_name": "python3",
+            "used_memory_mib": 20998,
+            "gpu_uuid": "GPU-bf580366-c11c-e730-752a-e9ca8716b7fa",
+        }
+    ]
 
 
 def test_compute_apps_noheader_with_bus_id():
     fields = (*smi.APP_FIELDS, ("gpu_bus_id", "gpu_bus_id", "str"))
     apps = smi.parse_apps((H200 / "nvsmi_apps_two.csv").read_text(), fields, header=False)
     assert [(a["pid"], a["used_memory_mib"], a["gpu_bus_id"]) for a in apps] == [
-        (458, 7686, "00000000:00:06.0"), (457, 5638, "00000000:00:06.0")]
+        (458, 7686, "00000000:00:06.0"),
+        (457, 5638, "00000000:00:06.0"),
+    ]
 
 
 def test_compute_apps_idle_is_only_a_header():
@@ -91,7 +99,7 @@ def test_throttle_alias_is_accepted_under_its_new_header_name():
 
 
 def test_a_header_that_does_not_match_the_fields_is_an_error():
-    with pytest.raises(smi.NvidiaSmiError, match="expected the fields index, memory.used") as error:
+    with pytest.raises(smi.NvidiaSmiError, match=r"expected the fields index, memory\.used") as error:
         smi.parse_gpus("index, uuid\n0, GPU-x\n", (("index", "i", "int"), ("memory.used", "m", "int")))
     assert error.value.kind == "format"
 
@@ -115,8 +123,7 @@ def test_units_are_stripped_only_from_numbers():
 
 def test_a_process_name_with_comma_space_stays_one_cell():
     text = "pid, process_name, used_gpu_memory [MiB], gpu_uuid\n7, train, v2, 10 MiB, GPU-a\n"
-    assert smi.parse_apps(text) == [{"pid": 7, "process_name": "train, v2", "used_memory_mib": 10,
-                                     "gpu_uuid": "GPU-a"}]
+    assert smi.parse_apps(text) == [{"pid": 7, "process_name": "train, v2", "used_memory_mib": 10, "gpu_uuid": "GPU-a"}]
 
 
 def test_hex_and_float_conversion():
@@ -136,14 +143,22 @@ def test_bad_field_from_the_capture():
     assert "'bogus.field'" in str(error)
 
 
-@pytest.mark.parametrize(("rc", "stdout", "kind", "words"), [
-    (9, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest "
-        "NVIDIA driver is installed and running.\n\n", "driver_not_loaded", "kernel driver is not loaded"),
-    (12, "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system.\n", "no_nvml", "libnvidia-ml.so"),
-    (4, "Failed to initialize NVML: Insufficient Permissions\n", "no_permission", "permission"),
-    (255, "Unknown Error\n", "internal", "internal"),
-    (42, "", "failed", "exit code 42"),
-])
+@pytest.mark.parametrize(
+    ("rc", "stdout", "kind", "words"),
+    [
+        (
+            9,
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest "
+            "NVIDIA driver is installed and running.\n\n",
+            "driver_not_loaded",
+            "kernel driver is not loaded",
+        ),
+        (12, "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system.\n", "no_nvml", "libnvidia-ml.so"),
+        (4, "Failed to initialize NVML: Insufficient Permissions\n", "no_permission", "permission"),
+        (255, "Unknown Error\n", "internal", "internal"),
+        (42, "", "failed", "exit code 42"),
+    ],
+)
 def test_exit_codes_become_named_errors(rc, stdout, kind, words):
     error = smi.classify_failure(rc, stdout, "")
     assert error.kind == kind
@@ -161,10 +176,12 @@ def test_driver_library_mismatch_is_found_by_its_message():
 
 
 def test_gpu_fallen_off_the_bus_names_the_gpu_and_keeps_other_rows():
-    out = ("0, 0 MiB\n"
-           "Unable to determine the device handle for GPU 00000000:19:00.0: GPU is lost.  Reboot the system to "
-           "recover this GPU\n"
-           "2, 0 MiB\n")
+    out = (
+        "0, 0 MiB\n"
+        "Unable to determine the device handle for GPU 00000000:19:00.0: GPU is lost.  Reboot the system to "
+        "recover this GPU\n"
+        "2, 0 MiB\n"
+    )
     error = smi.classify_failure(15, out, "")
     assert error.kind == "gpu_lost"
     assert "GPU 00000000:19:00.0 has fallen off the bus" in str(error)
@@ -187,8 +204,9 @@ def test_success_is_not_a_failure():
 
 
 def test_error_result_keeps_msg_apart_from_output():
-    error = smi.classify_failure(9, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA "
-                                    "driver.\n", "")
+    error = smi.classify_failure(
+        9, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n", ""
+    )
     result = error.to_result(prefix="CT 200 on pve1: ")
     assert result["msg"].startswith("CT 200 on pve1: the NVIDIA kernel driver is not loaded (nvidia-smi exit 9)")
     assert "modprobe nvidia" in result["msg"]
@@ -197,10 +215,13 @@ def test_error_result_keeps_msg_apart_from_output():
 
 
 # -- versions ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("text", [
-    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Tue Nov 11 09:53:03 UTC 2025\n",
-    "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs-builder@U22)  Tue\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Tue Nov 11 09:53:03 UTC 2025\n",
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs-builder@U22)  Tue\n",
+    ],
+)
 def test_kernel_module_version(text):
     assert smi.parse_kernel_driver_version(text) == "580.159.04"
 
@@ -230,14 +251,21 @@ class FakeRun:
 
 
 def test_argv_shapes():
-    assert smi.query_gpu_argv(smi.MEMORY_FIELDS) == ["nvidia-smi", "--query-gpu=index,uuid,memory.used",
-                                                     "--format=csv"]
-    assert smi.query_apps_argv() == ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory,gpu_uuid",
-                                     "--format=csv"]
+    assert smi.query_gpu_argv(smi.MEMORY_FIELDS) == ["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv"]
+    assert smi.query_apps_argv() == [
+        "nvidia-smi",
+        "--query-compute-apps=pid,process_name,used_memory,gpu_uuid",
+        "--format=csv",
+    ]
 
 
-HEADER_UNITS = {"memory.total": "MiB", "memory.used": "MiB", "memory.free": "MiB", "utilization.gpu": "%",
-                "power.draw": "W"}
+HEADER_UNITS = {
+    "memory.total": "MiB",
+    "memory.used": "MiB",
+    "memory.free": "MiB",
+    "utilization.gpu": "%",
+    "power.draw": "W",
+}
 
 
 def csv_header(fields):
@@ -249,10 +277,12 @@ def test_an_old_driver_without_optional_fields_is_asked_again_once():
     without = [f for f in smi.GPU_FIELDS if f[0] != "gpu_recovery_action"]
     # The captured row, then remapped_rows.failure, pcie.link.gen.max, pcie.link.width.max.
     row = capture_block("capture-1.log", "query-gpu csv").splitlines()[1] + ", No, 5, 16"
-    run = FakeRun([
-        (full, 2, 'Field "gpu_recovery_action" is not a valid field to query.\n\n'),
-        (smi.query_gpu_argv(without), 0, f"{csv_header(without)}\n{row}\n"),
-    ])
+    run = FakeRun(
+        [
+            (full, 2, 'Field "gpu_recovery_action" is not a valid field to query.\n\n'),
+            (smi.query_gpu_argv(without), 0, f"{csv_header(without)}\n{row}\n"),
+        ]
+    )
     gpus = smi.NvidiaSmi(run).gpus()
     assert run.calls == []
     assert gpus[0]["recovery_action"] is None

@@ -23,7 +23,13 @@ def test_container_argv_is_pct_exec_with_clear_env_and_a_deadline_inside():
 
 def test_host_argv_only_adds_the_deadline():
     assert Target(node="gpu1").command_argv(["nvidia-smi", "-L"], timeout=5) == [
-        "timeout", "-k", "5", "5", "nvidia-smi", "-L"]
+        "timeout",
+        "-k",
+        "5",
+        "5",
+        "nvidia-smi",
+        "-L",
+    ]
 
 
 def test_extra_environment_is_passed_through_env_not_a_shell():
@@ -60,13 +66,16 @@ def test_stopped_container():
     with pytest.raises(TargetError) as error:
         ct(runner).run(["true"])
     assert error.value.kind == "stopped"
-    assert str(error.value) == ("CT 200 on pve1 is not running (pct: container '200' not running!); start it with "
-                                "`pct start 200` on pve1 and run again")
+    assert str(error.value) == (
+        "CT 200 on pve1 is not running (pct: container '200' not running!); start it with "
+        "`pct start 200` on pve1 and run again"
+    )
 
 
 def test_missing_container():
-    runner = FakeRunner(([*CT_PREFIX, "true"],
-                         (255, "", "Configuration file 'nodes/pve1/lxc/200.conf' does not exist\n")))
+    runner = FakeRunner(
+        ([*CT_PREFIX, "true"], (255, "", "Configuration file 'nodes/pve1/lxc/200.conf' does not exist\n"))
+    )
     with pytest.raises(TargetError) as error:
         ct(runner).run(["true"])
     assert error.value.kind == "missing"
@@ -81,12 +90,15 @@ def test_pct_missing_on_the_node():
     assert e.value.kind == "no_pct"
 
 
-@pytest.mark.parametrize("stderr", [
-    'lxc-attach: 200: ../src/lxc/attach.c: lxc_attach_run_command: 1841 No such file or directory - Failed to exec '
-    '"nvidia-smi"\n',
-    "env: 'nvidia-smi': No such file or directory\n",
-    "timeout: failed to run command ‘nvidia-smi’: No such file or directory\n",
-])
+@pytest.mark.parametrize(
+    "stderr",
+    [
+        "lxc-attach: 200: ../src/lxc/attach.c: lxc_attach_run_command: 1841 No such file or directory - Failed to exec "
+        '"nvidia-smi"\n',
+        "env: 'nvidia-smi': No such file or directory\n",
+        "timeout: failed to run command ‘nvidia-smi’: No such file or directory\n",
+    ],
+)
 def test_command_missing_inside(stderr):
     runner = FakeRunner(([*CT_PREFIX, "nvidia-smi"], (127, "", stderr)))
     with pytest.raises(TargetError) as error:
@@ -138,8 +150,9 @@ def test_status(state):
 
 
 def test_status_of_a_missing_container():
-    runner = FakeRunner((["pct", "status", "200"],
-                         (255, "", "Configuration file 'nodes/pve1/lxc/200.conf' does not exist\n")))
+    runner = FakeRunner(
+        (["pct", "status", "200"], (255, "", "Configuration file 'nodes/pve1/lxc/200.conf' does not exist\n"))
+    )
     with pytest.raises(TargetError) as error:
         ct(runner).status()
     assert error.value.kind == "missing"
@@ -174,8 +187,13 @@ def test_probe_failure_says_which_probe_and_why():
 
 
 def test_probe_on_a_bare_host_runs_in_process(tmp_path):
-    payload = {"device_globs": [str(tmp_path / "nvidia*")], "kernel_version_file": str(tmp_path / "none"),
-               "library_globs": [], "nvidia_smi_argv": ["true"], "space_path": str(tmp_path / "new" / "dir")}
+    payload = {
+        "device_globs": [str(tmp_path / "nvidia*")],
+        "kernel_version_file": str(tmp_path / "none"),
+        "library_globs": [],
+        "nvidia_smi_argv": ["true"],
+        "space_path": str(tmp_path / "new" / "dir"),
+    }
     answer = Target(runner=FakeRunner()).run_probe(pve_probe_preflight, payload)
     assert answer["devices"] == []
     assert answer["kernel_version_text"] is None
