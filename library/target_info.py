@@ -212,13 +212,14 @@ def evaluate(label, node, facts, *, container, node_driver_version, min_free_gib
         checks.append({"name": name, "ok": bool(ok), "detail": detail})
 
     # 1. The node's kernel module: what everything else is compared with.
+    node = f"node {node}" if container else f"host {node}"
     check(
         "node_driver",
         node_driver_version,
-        f"node {node} runs NVIDIA kernel module {node_driver_version}"
+        f"{node} runs NVIDIA kernel module {node_driver_version}"
         if node_driver_version
-        else f"node {node} has no NVIDIA kernel module loaded (its /proc/driver/nvidia/version is missing): load it "
-        f"with `modprobe nvidia`, or reboot the node after a driver update",
+        else f"{node} has no NVIDIA kernel module loaded (its /proc/driver/nvidia/version is missing): load it "
+        f"with `modprobe nvidia`, or reboot it after a driver update",
     )
     # 2. Device nodes: GPUs passed through, plus the control and UVM devices CUDA opens.
     devices = {d["path"]: d for d in facts["devices"]}

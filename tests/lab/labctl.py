@@ -362,6 +362,7 @@ def start_node():
     script = (
         f"mount -t overlay overlay -o lowerdir={path('node/bin')}:/usr/sbin /usr/sbin && "
         f"mount --bind {path('node/proc-driver')} /proc/driver && "
+        f"{node_dev_script()} && "
         f"exec /usr/sbin/sshd -f {ssh}/sshd_config"
     )
     run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script])
@@ -390,6 +391,24 @@ def node_namespace_pids(namespace):
             if os.readlink(entry) == namespace:
                 pids.append(int(entry.split("/")[2]))
     return pids
+
+
+def node_dev_script():
+    """Shell commands giving the node's namespace a /dev of its own with the NVIDIA device nodes a real GPU node
+    has (/dev/nvidia0..N, nvidiactl, nvidia-uvm), so the node can also be tested as a bare GPU host. The machine's
+    own /dev is never touched: a tmpfs over /dev, only in the node's mount namespace."""
+    basics = [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)]
+    gpus = len(gpulab.read_config(path("gpu"))["gpus"])
+    nvidia = [(f"nvidia{n}", 195, n) for n in range(gpus)]
+    nvidia += [("nvidiactl", 195, 255), ("nvidia-uvm", UVM_MAJOR, 0), ("nvidia-uvm-tools", UVM_MAJOR, 1)]
+    nodes = " && ".join(f"mknod -m 666 /dev/{name} c {major} {minor}" for name, major, minor in basics + nvidia)
+    return (
+        "mount -t tmpfs -o mode=755,nosuid tmpfs /dev && "
+        f"{nodes} && mkdir /dev/pts /dev/shm && "
+        "mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts /dev/pts && ln -s pts/ptmx /dev/ptmx && "
+        "mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm && "
+        "ln -s /proc/self/fd /dev/fd && ln -s fd/0 /dev/stdin && ln -s fd/1 /dev/stdout && ln -s fd/2 /dev/stderr"
+    )
 
 
 def ssh_argv(*command):

@@ -1,0 +1,137 @@
+"""library/gpu_processes.py: the plan and the escalation (pure), and the module replayed through the YAML cases
+against a fake runner and a fake process table that dies the way each case says."""
+
+import signal
+import socket
+from pathlib import Path
+
+import gpu_processes
+import pytest
+import yaml
+from ansible.module_utils.pve_process import ProcessInfo
+
+from tests.fakes import FakeRunner, run_module
+
+CASES = yaml.safe_load(Path(__file__).with_suffix(".yaml").read_text())["cases"]
+SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGKILL: "SIGKILL"}
+
+
+class FakeProcesses:
+    """The node's processes as the module sees them: alive until the signal in `dies_on` reaches them."""
+
+    def __init__(self, procs):
+        self.procs = {}
+        self.devices = {}
+        self.dies_on = {}
+        for pid, spec in procs.items():
+            spec = dict(spec)
+            self.dies_on[int(pid)] = spec.pop("dies_on")
+            self.devices[int(pid)] = [tuple(d) for d in spec.pop("devices")]
+            self.procs[int(pid)] = ProcessInfo(pid=int(pid), **spec)
+        self.alive = set(self.procs)
+        self.signals = []
+
+    def read_process(self, pid, proc_root="/proc"):
+        return self.procs.get(pid) if pid in self.alive else None
+
+    def device_holders(self, owner, proc_root="/proc", exclude=()):
+        return [(self.procs[p], self.devices[p]) for p in sorted(self.alive)
+                if self.devices[p] and self.procs[p].owner == owner]
+
+    def still_there(self, info, proc_root="/proc"):
+        return info.pid in self.alive
+
+    def signal_process(self, info, signum):
+        self.signals.append([info.pid, SIGNALS[signum]])
+        if self.dies_on[info.pid] in (SIGNALS[signum], "SIGTERM"):
+            self.alive.discard(info.pid)
+
+
+@pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_module(case, check_mode, monkeypatch, capsys):
+    calls = case["calls"] + ([] if check_mode else case.get("calls_run", []))
+    runner = FakeRunner(*[(c["argv"], (c["rc"], c.get("stdout", ""), c.get("stderr", ""))) for c in calls])
+    procs = FakeProcesses(case["procs"])
+    for name in ("read_process", "device_holders", "still_there", "signal_process"):
+        monkeypatch.setattr(gpu_processes, name, getattr(procs, name))
+    monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
+    result = run_module(gpu_processes, case["params"], runner, monkeypatch, capsys, check_mode=check_mode)
+    expect = dict(case.get("expect", {}), **case.get("expect_check" if check_mode else "expect_run", {}))
+    for key, want in expect.items():
+        if key == "signals":
+            assert procs.signals == want
+        elif key == "killed_signals":
+            assert {k["pid"]: k["signal"] for k in result["killed"]} == want
+        else:
+            assert result.get(key, False if key == "failed" else None) == want, key
+
+
+def info(pid, owner="ct:200", comm="python3", argv0="python3"):
+    return ProcessInfo(pid=pid, ns_pid=pid, comm=comm, state="S", owner=owner, cmdline=[argv0], start_time=1)
+
+
+def test_collect_merges_nvml_and_device_holders_and_skips_other_gpus_and_the_dead():
+    gpus = [{"index": 0, "uuid": "GPU-a"}, {"index": 1, "uuid": "GPU-b"}]
+    apps = [
+        {"pid": 1, "used_memory_mib": 100, "gpu_uuid": "GPU-a"},
+        {"pid": 1, "used_memory_mib": 50, "gpu_uuid": "GPU-b"},
+        {"pid": 2, "used_memory_mib": 10, "gpu_uuid": "GPU-z"},  # not the target's GPU
+        {"pid": 3, "used_memory_mib": 10, "gpu_uuid": "GPU-a"},  # gone before it could be read
+    ]
+    holders = gpu_processes.collect_holders(apps, gpus, {1: info(1), 2: info(2), 3: None}, [(info(4), [(195, 0)])])
+    assert {pid: (h["gpus"], sorted(h["found_by"])) for pid, h in holders.items()} == {
+        1: ({0: 100, 1: 50}, ["nvml"]),
+        4: ({}, ["device"]),
+    }
+
+
+def test_escalation_waits_only_as_long_as_needed():
+    clock = [0.0]
+    alive = {1, 2}
+    sent = []
+
+    def send(process, signum):
+        sent.append((process.pid, signum))
+        if signum == signal.SIGKILL or process.pid == 1:
+            alive.discard(process.pid)
+
+    def sleep(seconds):
+        clock[0] += seconds
+
+    entries = [{"info": info(1)}, {"info": info(2)}]
+    killed, survivors = gpu_processes.end_processes(
+        entries, grace=1.0, kill_timeout=1.0, poll_interval=0.1, alive=lambda i: i.pid in alive,
+        send=send, clock=lambda: clock[0], sleep=sleep,
+    )
+    assert survivors == []
+    assert [(k["pid"], k["signal"]) for k in killed] == [(1, "SIGTERM"), (2, "SIGKILL")]
+    assert killed[0]["exited_after"] == 0.0
+    assert 1.0 <= killed[1]["exited_after"] < 1.2  # the grace period, not a fixed sleep beyond it
+    assert sent == [(1, signal.SIGTERM), (2, signal.SIGTERM), (2, signal.SIGKILL)]
+
+
+def test_memory_wait_stops_at_the_first_free_poll():
+    clock = [0.0]
+    answers = [[{"uuid": "GPU-a", "memory_used_mib": 500}], [{"uuid": "GPU-a", "memory_used_mib": 0}]]
+    rows, polls, free = gpu_processes.wait_for_memory(
+        lambda: answers.pop(0), {"GPU-a"}, threshold=0, timeout=30, poll_interval=0.02,
+        clock=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s),
+    )
+    assert (polls, free, rows[0]["memory_used_mib"]) == (2, True, 0)
+    assert clock[0] == pytest.approx(0.02)
+
+
+def test_memory_wait_gives_up_at_the_timeout():
+    clock = [0.0]
+    rows, polls, free = gpu_processes.wait_for_memory(
+        lambda: [{"uuid": "GPU-a", "memory_used_mib": 500}], {"GPU-a"}, threshold=100, timeout=1, poll_interval=0.25,
+        clock=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s),
+    )
+    assert (polls, free) == (5, False)
+
+
+def test_threshold_and_other_gpus():
+    rows = [{"uuid": "GPU-a", "memory_used_mib": 5}, {"uuid": "GPU-z", "memory_used_mib": 9000}]
+    assert gpu_processes.busy_gpus(rows, {"GPU-a"}, 5) == []
+    assert gpu_processes.busy_gpus(rows, {"GPU-a"}, 4) == [rows[0]]
