@@ -24,7 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def used_mib(device):
     out = subprocess.run(
         ["nvidia-smi", f"--id={device}", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return int(out.strip())
 
@@ -35,7 +37,8 @@ def measure(signum, gib, device, poll, timeout=60):
     if signum == signal.SIGKILL:
         argv.append("--ignore-term")
     holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().startswith("held"), "holder did not start"
+    if not holder.stdout.readline().startswith("held"):
+        sys.exit(f"gpu_free_latency: the CUDA holder did not start (exit {holder.wait()})")
     busy = used_mib(device)
     sent = time.monotonic()
     holder.send_signal(signum)
@@ -51,8 +54,14 @@ def measure(signum, gib, device, poll, timeout=60):
             break
         time.sleep(poll)
     holder.wait()
-    return {"signal": signal.Signals(signum).name, "idle_mib": idle, "busy_mib": busy, "freed_after_s": freed,
-            "polls": polls, "exit": holder.returncode}
+    return {
+        "signal": signal.Signals(signum).name,
+        "idle_mib": idle,
+        "busy_mib": busy,
+        "freed_after_s": freed,
+        "polls": polls,
+        "exit": holder.returncode,
+    }
 
 
 def main():
@@ -62,14 +71,18 @@ def main():
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--poll", type=float, default=0.02)
     args = parser.parse_args()
-    runs = [measure(s, args.gib, args.device, args.poll) for _ in range(args.repeat)
-            for s in (signal.SIGTERM, signal.SIGKILL)]
+    runs = [
+        measure(s, args.gib, args.device, args.poll)
+        for _ in range(args.repeat)
+        for s in (signal.SIGTERM, signal.SIGKILL)
+    ]
     medians = {
         name: statistics.median(r["freed_after_s"] for r in runs if r["signal"] == name and r["freed_after_s"])
         for name in ("SIGTERM", "SIGKILL")
     }
-    json.dump({"runs": runs, "median_freed_after_s": medians, "poll_s": args.poll, "gib": args.gib}, sys.stdout,
-              indent=1)
+    json.dump(
+        {"runs": runs, "median_freed_after_s": medians, "poll_s": args.poll, "gib": args.gib}, sys.stdout, indent=1
+    )
     sys.stdout.write("\n")
 
 

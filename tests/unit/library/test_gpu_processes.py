@@ -24,10 +24,10 @@ class FakeProcesses:
         self.devices = {}
         self.dies_on = {}
         for pid, spec in procs.items():
-            spec = dict(spec)
-            self.dies_on[int(pid)] = spec.pop("dies_on")
-            self.devices[int(pid)] = [tuple(d) for d in spec.pop("devices")]
-            self.procs[int(pid)] = ProcessInfo(pid=int(pid), **spec)
+            fields = dict(spec)
+            self.dies_on[int(pid)] = fields.pop("dies_on")
+            self.devices[int(pid)] = [tuple(d) for d in fields.pop("devices")]
+            self.procs[int(pid)] = ProcessInfo(pid=int(pid), **fields)
         self.alive = set(self.procs)
         self.signals = []
 
@@ -35,8 +35,11 @@ class FakeProcesses:
         return self.procs.get(pid) if pid in self.alive else None
 
     def device_holders(self, owner, proc_root="/proc", exclude=()):
-        return [(self.procs[p], self.devices[p]) for p in sorted(self.alive)
-                if self.devices[p] and self.procs[p].owner == owner]
+        return [
+            (self.procs[p], self.devices[p])
+            for p in sorted(self.alive)
+            if self.devices[p] and self.procs[p].owner == owner
+        ]
 
     def still_there(self, info, proc_root="/proc"):
         return info.pid in self.alive
@@ -101,8 +104,14 @@ def test_escalation_waits_only_as_long_as_needed():
 
     entries = [{"info": info(1)}, {"info": info(2)}]
     killed, survivors = gpu_processes.end_processes(
-        entries, grace=1.0, kill_timeout=1.0, poll_interval=0.1, alive=lambda i: i.pid in alive,
-        send=send, clock=lambda: clock[0], sleep=sleep,
+        entries,
+        grace=1.0,
+        kill_timeout=1.0,
+        poll_interval=0.1,
+        alive=lambda i: i.pid in alive,
+        send=send,
+        clock=lambda: clock[0],
+        sleep=sleep,
     )
     assert survivors == []
     assert [(k["pid"], k["signal"]) for k in killed] == [(1, "SIGTERM"), (2, "SIGKILL")]
@@ -115,8 +124,13 @@ def test_memory_wait_stops_at_the_first_free_poll():
     clock = [0.0]
     answers = [[{"uuid": "GPU-a", "memory_used_mib": 500}], [{"uuid": "GPU-a", "memory_used_mib": 0}]]
     rows, polls, free = gpu_processes.wait_for_memory(
-        lambda: answers.pop(0), {"GPU-a"}, threshold=0, timeout=30, poll_interval=0.02,
-        clock=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s),
+        lambda: answers.pop(0),
+        {"GPU-a"},
+        threshold=0,
+        timeout=30,
+        poll_interval=0.02,
+        clock=lambda: clock[0],
+        sleep=lambda s: clock.__setitem__(0, clock[0] + s),
     )
     assert (polls, free, rows[0]["memory_used_mib"]) == (2, True, 0)
     assert clock[0] == pytest.approx(0.02)
@@ -124,9 +138,14 @@ def test_memory_wait_stops_at_the_first_free_poll():
 
 def test_memory_wait_gives_up_at_the_timeout():
     clock = [0.0]
-    rows, polls, free = gpu_processes.wait_for_memory(
-        lambda: [{"uuid": "GPU-a", "memory_used_mib": 500}], {"GPU-a"}, threshold=100, timeout=1, poll_interval=0.25,
-        clock=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s),
+    _, polls, free = gpu_processes.wait_for_memory(
+        lambda: [{"uuid": "GPU-a", "memory_used_mib": 500}],
+        {"GPU-a"},
+        threshold=100,
+        timeout=1,
+        poll_interval=0.25,
+        clock=lambda: clock[0],
+        sleep=lambda s: clock.__setitem__(0, clock[0] + s),
     )
     assert (polls, free) == (5, False)
 

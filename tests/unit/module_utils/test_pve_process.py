@@ -43,7 +43,10 @@ def test_stat_with_spaces_and_parentheses_in_comm():
 
 
 def test_proc_devices_majors():
-    text = "Character devices:\n  1 mem\n195 nvidia-frontend\n238 nvidia-uvm\n241 nvidia-caps\n\nBlock devices:\n259 blkext\n"
+    text = (
+        "Character devices:\n  1 mem\n195 nvidia-frontend\n238 nvidia-uvm\n241 nvidia-caps\n\n"
+        "Block devices:\n259 blkext\n"
+    )
     assert pp.parse_proc_devices(text) == {195, 238, 241}
     assert pp.parse_proc_devices("") == {195}
 
