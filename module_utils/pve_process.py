@@ -156,13 +156,10 @@ def parse_proc_devices(text):
     195 is always included: it is NVIDIA's registered major, whatever /proc/devices says.
     """
     majors = {NVIDIA_MAJOR}
-    in_char = False
     for line in (text or "").splitlines():
-        if line.startswith("Character devices:"):
-            in_char = True
-        elif line.startswith("Block devices:"):
-            in_char = False
-        elif in_char:
+        if line.startswith("Block devices:"):
+            break
+        else:
             parts = line.split()
             if len(parts) == 2 and parts[0].isdigit() and parts[1].startswith("nvidia"):
                 majors.add(int(parts[0]))

@@ -176,10 +176,11 @@ def wrapper(config, script):
 
 def write_kernel_version(version):
     """The "loaded kernel module", as the real driver prints it in /proc/driver/nvidia/version."""
+    # Byte for byte the H200's (tests/fixtures/h200/proc_driver_nvidia_version.txt), with the version swapped.
     write(
         path("node/proc-driver/nvidia/version"),
-        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  Tue Nov 11 09:53:03 UTC 2025\n"
-        "GCC version:  gcc version 13.3.0 (Ubuntu 13.3.0-6ubuntu2~24.04)\n",
+        f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {version}  Release Build  (nixbld@)  \n"
+        "GCC version:  gcc version 15.3.0 (GCC) \n",
     )
 
 

@@ -552,3 +552,27 @@ def test_labctl_helpers(lab, eight):
     assert gpulab.holder_pids(lab.state) == []
     assert gpulab.read_faults(lab.state) == {}
     assert gpulab.read_leaks(lab.state) == {}
+
+
+def test_project_query_matches_the_hardware_run_capture(lab):
+    # bench/hardware_run.sh on an H200, 2026-12-02: the exact query gpu_info makes, extra fields included.
+    captured = (FIXTURES / "nvsmi_query_gpu_project.csv").read_text()
+    fields = captured.splitlines()[0]
+    asked = ",".join(f.split(" [")[0] for f in fields.split(", "))
+    overrides = {"uuid": "GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff9", "temperature.gpu": 40, "power.draw": 77.48}
+    gpulab.write_fixture_config(lab.state, overrides=overrides)
+    result = lab.smi(f"--query-gpu={asked}", "--format=csv")
+    assert result.returncode == 0
+    assert result.stdout == captured
+
+
+def test_two_20g_holders_match_the_hardware_run_capture(lab):
+    captured = (FIXTURES / "nvsmi_apps_two_holders_20g.csv").read_text()
+    gpulab.write_fixture_config(lab.state, overrides={"uuid": "GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff9"})
+    _, first = lab.hold("--gpu", "0", "--mib", "21090", argv0="python3")
+    _, second = lab.hold("--gpu", "0", "--mib", "21090", argv0="python3")
+    result = lab.smi(f"--query-compute-apps={APPS_FIELDS}", "--format=csv")
+    expected = captured.replace("673, ", f"{first}, ").replace("674, ", f"{second}, ")
+    assert sorted(result.stdout.splitlines()) == sorted(expected.splitlines())
+    # The same run read memory.used 42195 MiB: 2 x 21090 plus the driver's 15 MiB for two contexts.
+    assert lab.smi("--query-gpu=index,memory.used", "--format=csv,noheader").stdout == "0, 42195 MiB\n"

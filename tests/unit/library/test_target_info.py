@@ -43,7 +43,7 @@ def test_module(case, check_mode, monkeypatch, capsys):
 
 
 def test_read_node_driver_version():
-    assert target_info.read_node_driver_version(FIXTURES / "driver" / "proc_driver_nvidia_version.txt") == "580.159.04"
+    assert target_info.read_node_driver_version(FIXTURES / "h200" / "proc_driver_nvidia_version.txt") == "580.159.04"
     assert target_info.read_node_driver_version("/nonexistent/version") is None
 
 

@@ -296,3 +296,29 @@ def test_a_required_bad_field_is_not_retried():
         smi.NvidiaSmi(run).gpus()
     assert error.value.kind == "bad_field"
     assert error.value.cmd == smi.query_gpu_argv(smi.GPU_FIELDS)
+
+
+def test_the_project_query_on_a_real_h200():
+    # bench/hardware_run.sh, 2026-12-02: the exact query gpu_info makes, on an H200 (driver 580.159.04).
+    gpus = smi.parse_gpus((H200 / "nvsmi_query_gpu_project.csv").read_text())
+    assert gpus == [
+        dict(
+            IDLE_FACTS,
+            uuid="GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff9",
+            temperature_c=40,
+            power_draw_w=77.48,
+            remapped_rows_failure=False,
+            pcie_link_gen_max=5,
+            pcie_link_width_max=16,
+            recovery_action="None",
+        )
+    ]
+
+
+def test_two_holders_of_the_hardware_run():
+    apps = smi.parse_apps((H200 / "nvsmi_apps_two_holders_20g.csv").read_text())
+    assert [(a["pid"], a["used_memory_mib"]) for a in apps] == [(673, 21090), (674, 21090)]
+
+
+def test_the_open_kernel_module_version_file_of_the_h200():
+    assert smi.parse_kernel_driver_version((H200 / "proc_driver_nvidia_version.txt").read_text()) == "580.159.04"

@@ -8,6 +8,8 @@ import time
 import pytest
 from ansible.module_utils import pve_process as pp
 
+from tests.conftest import FIXTURES
+
 
 @pytest.mark.parametrize(
     ("cgroup", "owner"),
@@ -113,3 +115,9 @@ def test_device_fds_compare_devices_not_paths():
         holders = pp.device_fds(os.getpid(), {1})
     assert (1, 3) in holders
     assert pp.device_fds(os.getpid(), {195}) == []
+
+
+def test_proc_devices_of_the_h200_machine():
+    # bench/hardware_run.sh, 2026-12-02: `grep -i nvidia /proc/devices` on an H200 with the open kernel module.
+    text = (FIXTURES / "h200" / "proc_devices_nvidia.txt").read_text()
+    assert pp.parse_proc_devices(text) == {195, 238, 239, 240, 241, 242}
