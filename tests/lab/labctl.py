@@ -554,6 +554,9 @@ def leftover_report(namespace):
     with open("/proc/self/mountinfo", encoding="utf-8") as handle:
         found += [f"mount: {line.strip()}" for line in handle if LAB_DIR in line]
     found += [f"cgroup: {d}" for d in glob.glob("/sys/fs/cgroup/**/lxc/2[0-9][0-9]", recursive=True)]
+    # The CTs have no network (lxc.net.0.type = empty) and the node listens on loopback: no interface may appear.
+    links = run(["ip", "-o", "link", "show"], capture_output=True, check=False).stdout
+    found += [f"interface: {line.split(':')[1].strip()}" for line in links.splitlines() if "veth" in line]
     if os.path.exists(LAB_DIR):
         found.append(f"directory {LAB_DIR}")
     return found
