@@ -20,13 +20,7 @@ author: pve-gpu-recover contributors
 extends_documentation_fragment:
   - action_common_attributes
   - pve_target
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: none
-  platform:
-    platforms: posix
+  - pve_target.info_module
 options:
   processes:
     description:
@@ -127,7 +121,7 @@ summary:
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.nvidia_smi import NvidiaSmi, NvidiaSmiError
 from ansible.module_utils.pve_process import read_process
-from ansible.module_utils.pve_target import Target, TargetError
+from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
 
 
 def map_processes(apps, gpus, processes):
@@ -192,16 +186,14 @@ def summarize(gpus, processes):
 def main():
     module = AnsibleModule(
         argument_spec={
-            "vmid": {"type": "int"},
-            "node_name": {"type": "str"},
-            "timeout": {"type": "int", "default": 60},
+            **TARGET_ARGUMENT_SPEC,
             "processes": {"type": "bool", "default": True},
         },
         supports_check_mode=True,
     )
     timeout = module.params["timeout"]
     try:
-        target = Target(module.params["vmid"], node=module.params["node_name"], timeout=timeout)
+        target = Target.from_params(module.params)
     except TargetError as error:
         module.fail_json(**error.to_result())
     smi = NvidiaSmi(target.run, timeout=timeout)

@@ -154,7 +154,7 @@ from ansible.module_utils.pve_process import (
     read_process,
     still_there,
 )
-from ansible.module_utils.pve_target import Target, TargetError
+from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
 
 
 class GpuProcessesError(Exception):
@@ -416,9 +416,7 @@ def no_holder_error(target, held, threshold, result, waited=None):
 def main():
     module = AnsibleModule(
         argument_spec={
-            "vmid": {"type": "int"},
-            "node_name": {"type": "str"},
-            "timeout": {"type": "int", "default": 60},
+            **TARGET_ARGUMENT_SPEC,
             "state": {"type": "str", "choices": ["absent"], "default": "absent"},
             "protected": {
                 "type": "list",
@@ -440,7 +438,7 @@ def main():
         supports_check_mode=True,
     )
     try:
-        target = Target(module.params["vmid"], node=module.params["node_name"], timeout=module.params["timeout"])
+        target = Target.from_params(module.params)
         node_smi = NvidiaSmi(target.run_on_node, timeout=module.params["timeout"])
         result = cleanup(module, target, node_smi)
     except TargetError as error:

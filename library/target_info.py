@@ -19,13 +19,7 @@ author: pve-gpu-recover contributors
 extends_documentation_fragment:
   - action_common_attributes
   - pve_target
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: none
-  platform:
-    platforms: posix
+  - pve_target.info_module
 options:
   space_path:
     description:
@@ -156,7 +150,7 @@ from ansible.module_utils.nvidia_smi import (
     parse_library_version,
     query_gpu_argv,
 )
-from ansible.module_utils.pve_target import Target, TargetError
+from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
 
 GPU_DEVICE = re.compile(r"^/dev/nvidia(\d+)$")
 REQUIRED_CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm")
@@ -320,9 +314,7 @@ def read_node_driver_version(path):
 def main():
     module = AnsibleModule(
         argument_spec={
-            "vmid": {"type": "int"},
-            "node_name": {"type": "str"},
-            "timeout": {"type": "int", "default": 60},
+            **TARGET_ARGUMENT_SPEC,
             "space_path": {"type": "path", "default": "/opt"},
             "min_free_gib": {"type": "float", "default": 20},
             "expected_gpu_count": {"type": "int"},
@@ -343,7 +335,7 @@ def main():
     )
     params = module.params
     try:
-        target = Target(params["vmid"], node=params["node_name"], timeout=params["timeout"])
+        target = Target.from_params(params)
         answer = target.run_probe(pve_probe_preflight, probe_payload(params), python=params["python"])
     except TargetError as error:
         module.fail_json(**error.to_result())

@@ -51,6 +51,14 @@ EXIT_TIMEOUT = 124
 EXIT_PCT_DIED = 255
 
 
+# The options of every module that reaches a target (documented once in plugins/doc_fragments/pve_target.py).
+TARGET_ARGUMENT_SPEC = {
+    "vmid": {"type": "int"},
+    "node_name": {"type": "str"},
+    "timeout": {"type": "int", "default": DEFAULT_TIMEOUT},
+}
+
+
 class TargetError(Exception):
     """A command could not be run where it should, or failed: one line for people, details in separate keys.
 
@@ -65,6 +73,11 @@ class TargetError(Exception):
         self.rc = rc
         self.stdout = stdout
         self.stderr = stderr
+
+    @classmethod
+    def of(cls, message, result, *, kind):
+        """The error for a command that ran: its argv, exit code and output go along, apart from the message."""
+        return cls(message, kind=kind, cmd=result.argv, rc=result.rc, stdout=result.stdout, stderr=result.stderr)
 
     def to_result(self):
         """Keyword arguments for ``module.fail_json``: msg plus the command, rc and output tails apart from it."""
@@ -162,6 +175,11 @@ class Target:
         self.pct = pct
         self.timeout = timeout
 
+    @classmethod
+    def from_params(cls, params):
+        """The target a module's TARGET_ARGUMENT_SPEC options name."""
+        return cls(params["vmid"], node=params["node_name"], timeout=params["timeout"])
+
     @property
     def is_container(self):
         return self.vmid is not None
@@ -206,14 +224,11 @@ class Target:
         )
         self._raise_for_wrapper(result, argv, seconds)
         if check and result.rc != 0:
-            raise TargetError(
+            raise TargetError.of(
                 f"{self.label}: `{' '.join(map(str, argv))}` failed with exit code {result.rc}: "
                 f"{first_line(result.stderr) or first_line(result.stdout) or 'no output'}",
+                result,
                 kind="failed",
-                cmd=wrapped,
-                rc=result.rc,
-                stdout=result.stdout,
-                stderr=result.stderr,
             )
         return result
 
@@ -231,14 +246,11 @@ class Target:
         self._raise_for_pct(result)
         match = re.search(r"^status: (\S+)", result.stdout, re.MULTILINE)
         if result.rc != 0 or not match:
-            raise TargetError(
+            raise TargetError.of(
                 f"{self.label}: `pct status {self.vmid}` gave no status (exit {result.rc}): "
                 f"{first_line(result.stderr) or first_line(result.stdout)}",
+                result,
                 kind="failed",
-                cmd=argv,
-                rc=result.rc,
-                stdout=result.stdout,
-                stderr=result.stderr,
             )
         return match.group(1)
 
@@ -248,12 +260,10 @@ class Target:
         if result.rc != 0:
             if "No such file or directory" in result.stderr:
                 return None
-            raise TargetError(
+            raise TargetError.of(
                 f"{self.label}: cannot read {path}: {first_line(result.stderr)}",
+                result,
                 kind="failed",
-                cmd=result.argv,
-                rc=result.rc,
-                stderr=result.stderr,
             )
         return result.stdout
 
@@ -277,14 +287,11 @@ class Target:
         except ValueError:
             answer = None
         if result.rc != 0 or not isinstance(answer, dict):
-            raise TargetError(
+            raise TargetError.of(
                 f"{self.label}: the {probe_module.__name__.rsplit('.', 1)[-1]} probe failed "
                 f"(exit {result.rc}): {last_line(result.stderr) or 'no JSON on stdout'}",
+                result,
                 kind="probe",
-                cmd=result.argv,
-                rc=result.rc,
-                stdout=result.stdout,
-                stderr=result.stderr,
             )
         return answer
 
@@ -312,56 +319,45 @@ class Target:
             return
         err = result.stderr
         if PCT_NOT_RUNNING.search(err):
-            raise TargetError(
+            raise TargetError.of(
                 f"{self.label} is not running (pct: container '{self.vmid}' not running!); "
                 f"start it with `pct start {self.vmid}` on {self.node} and run again",
+                result,
                 kind="stopped",
-                cmd=result.argv,
-                rc=result.rc,
-                stderr=err,
             )
         missing = PCT_NO_CONFIG.search(err)
         if missing:
-            raise TargetError(
+            raise TargetError.of(
                 f"CT {self.vmid} does not exist on node {self.node} ({missing.group(1)} is missing); "
                 f"check pve_vmid and pve_node in the inventory (`pct list` on the node shows its CTs)",
+                result,
                 kind="missing",
-                cmd=result.argv,
-                rc=result.rc,
-                stderr=err,
             )
         if PCT_PARAM_ERROR.search(err):
-            raise TargetError(
+            raise TargetError.of(
                 f"{self.label}: pct rejected the call: {' '.join(err.split())[:300]}",
+                result,
                 kind="invalid",
-                cmd=result.argv,
-                rc=result.rc,
-                stderr=err,
             )
 
     def _raise_for_wrapper(self, result, argv, seconds):
         self._raise_for_pct(result)
         if result.timed_out or (result.rc == EXIT_TIMEOUT and result.seconds >= seconds - 0.5):
-            raise TargetError(
+            raise TargetError.of(
                 f"{self.label}: `{' '.join(map(str, argv))}` timed out after {seconds} s and was killed",
+                result,
                 kind="timeout",
-                cmd=result.argv,
-                rc=result.rc,
-                stdout=result.stdout,
-                stderr=result.stderr,
             )
         if result.rc in (EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE):
             for pattern in NOT_FOUND:
                 found = pattern.search(result.stderr)
                 if found and found.group(1) == str(argv[0]):
                     where = f"inside CT {self.vmid}" if self.is_container else f"on host {self.node}"
-                    raise TargetError(
+                    raise TargetError.of(
                         f"{self.label}: `{argv[0]}` not found {where} (PATH of a non-login root shell); "
                         f"install it there or give its full path",
+                        result,
                         kind="not_found",
-                        cmd=result.argv,
-                        rc=result.rc,
-                        stderr=result.stderr,
                     )
 
 

@@ -28,3 +28,15 @@ notes:
     itself, only for the commands a module runs there.
   - GPUs are matched by UUID between the node and a CT; indexes inside a CT may differ from the node's.
 """
+
+    # Attributes of the read-only *_info modules.
+    INFO_MODULE = r"""
+attributes:
+  check_mode:
+    support: full
+    details: Read-only; runs the same in check mode.
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+"""

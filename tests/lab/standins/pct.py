@@ -120,15 +120,19 @@ class Pct:
         os.execvp(argv[0], argv)  # noqa: S606  (pct exec replaces itself with lxc-attach, as the real one does)
         return EXIT_ERROR
 
-    def push(self, args):
+    def transfer(self, command, args, missing, not_running):
+        """``pct push|pull <vmid> <from> <to> [--opts]``: checked like Proxmox does (pve-container's own wording)."""
         positional, options = split_options(args)
         if len(positional) != 3:
-            param_error("push", "file", "property is missing and it is not optional")
-        vmid = check_vmid("push", positional[0])
-        source, destination = positional[1], positional[2]
+            param_error(command, missing, "property is missing and it is not optional")
+        vmid = check_vmid(command, positional[0])
         self.load_config(vmid)
         if not self.running(vmid):
-            fail("can only push files to a running CT")
+            fail(not_running)
+        return vmid, positional[1], positional[2], options
+
+    def push(self, args):
+        vmid, source, destination, options = self.transfer("push", args, "file", "can only push files to a running CT")
         try:
             handle = open(source, "rb")  # noqa: SIM115  (handed to the child as stdin)
         except OSError:
@@ -148,14 +152,7 @@ class Pct:
         return 0
 
     def pull(self, args):
-        positional, _ = split_options(args)
-        if len(positional) != 3:
-            param_error("pull", "path", "property is missing and it is not optional")
-        vmid = check_vmid("pull", positional[0])
-        source, destination = positional[1], positional[2]
-        self.load_config(vmid)
-        if not self.running(vmid):
-            fail("can only pull files from a running VM")
+        vmid, source, destination, _ = self.transfer("pull", args, "path", "can only pull files from a running VM")
         done = subprocess.run([*self.attach(vmid, False), "--", "cat", "--", source], capture_output=True, check=False)
         if done.returncode != 0:
             fail(f"failed to open {source}: No such file or directory")

@@ -5,37 +5,15 @@ SIGTERM kept it until SIGKILL. Waits poll the stand-in with a short deadline; ev
 """
 
 import os
-import selectors
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-
-TESTS = Path(__file__).resolve().parents[2]
-STANDINS = TESTS / "lab" / "standins"
-NVIDIA_SMI = STANDINS / "nvidia_smi.py"
-HOLDER = STANDINS / "gpu_holder.py"
-
-sys.path.insert(0, str(STANDINS))
-import gpu_holder  # noqa: E402
-import gpulab  # noqa: E402
-
-
-def wait_until(predicate, timeout: float = 5.0):
-    """Poll `predicate` until it returns a truthy value; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(0.01)
+from harness import HOLDER, Lab, gpu_holder, gpulab, wait_until
 
 
 def proc_state(pid: int) -> str | None:
@@ -43,82 +21,11 @@ def proc_state(pid: int) -> str | None:
     return stat[0] if stat else None
 
 
-class Lab:
-    """A private lab under tmp_path (proc_root=/proc) that starts holders and asks the stand-in."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.state = root / "state"
-        self.kernel_file = gpulab.write_kernel_version_file(root / "driver" / "version")
-        gpulab.write_nvml_library(root / "lib")
-        self.procs: list[subprocess.Popen] = []
-
-    def env(self, view: str = "node") -> dict:
-        path = self.root / f"view-{view}.json"
-        if not path.exists():
-            gpulab.write_view_config(
-                path,
-                view,
-                self.state,
-                kernel_version_file=str(self.kernel_file),
-                nvml_library_glob=str(self.root / "lib" / "libnvidia-ml.so.*"),
-            )
-        return {**os.environ, gpulab.LAB_CONFIG_ENV: str(path)}
-
-    def smi(self, *args: str, view: str = "node") -> str:
-        result = subprocess.run(
-            [sys.executable, str(NVIDIA_SMI), *args],
-            env=self.env(view),
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=False,
-        )
-        assert result.returncode == 0, result
-        return result.stdout
-
-    def used(self) -> str:
-        return self.smi("--query-gpu=memory.used", "--format=csv,noheader")
-
-    def apps(self) -> str:
-        return self.smi("--query-compute-apps=pid,process_name,used_memory,gpu_uuid", "--format=csv,noheader")
-
-    def start(self, *args: str, view: str = "node") -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [sys.executable, str(HOLDER), *args],
-            env=self.env(view),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.procs.append(proc)
-        return proc
-
-    def hold(self, *args: str, view: str = "node") -> tuple[subprocess.Popen, int]:
-        """Start a holder and wait for its single `held <hostpid>` line."""
-        proc = self.start(*args, view=view)
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            assert sel.select(timeout=20), "holder did not report"
-        line = proc.stdout.readline()
-        assert line.startswith("held "), f"holder failed: {line!r} {'' if line else proc.stderr.read()}"
-        return proc, int(line.split()[1])
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-            proc.stdout.close()
-            proc.stderr.close()
-
-
 @pytest.fixture
-def lab(tmp_path):
-    lab = Lab(tmp_path)
+def lab(lab):
+    """The shared lab of conftest.py, with capture-1's H200 written to its state."""
     gpulab.write_fixture_config(lab.state)
-    yield lab
-    lab.close()
+    return lab
 
 
 def test_sigterm_frees_memory(lab):
@@ -178,9 +85,9 @@ def test_holder_on_several_gpus_of_a_container_view(tmp_path):
     uuids = [g["uuid"] for g in config["gpus"]]
     try:
         _, pid = lab.hold("--gpu", "0", "--gpu", uuids[3], "--mib", "100", view="ct200")
-        apps = lab.smi("--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader", view="ct200")
+        apps = lab.smi_stdout("--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader", view="ct200")
         assert apps == f"{pid}, {uuids[1]}, 100 MiB\n{pid}, {uuids[3]}, 100 MiB\n"
-        assert lab.smi("--query-gpu=memory.used", "--format=csv,noheader,nounits") == "0\n109\n0\n109\n"
+        assert lab.smi_stdout("--query-gpu=memory.used", "--format=csv,noheader,nounits") == "0\n109\n0\n109\n"
         registration = gpulab.live_holders(lab.state)[0]
         assert (registration["pid"], registration["view"], registration["gpus"]) == (
             pid,
@@ -273,7 +180,7 @@ def test_holder_in_a_pid_namespace_registers_its_host_pid(lab, tmp_path):
         lab.state,
         proc_root=str(hostproc),
         kernel_version_file=str(lab.kernel_file),
-        nvml_library_glob=str(lab.root / "lib" / "libnvidia-ml.so.*"),
+        nvml_library_glob=str(lab.lib_dir / "libnvidia-ml.so.*"),
     )
     # sh stays pid 1 of the namespace (pid 1 would ignore SIGTERM); the holder is its child.
     script = (

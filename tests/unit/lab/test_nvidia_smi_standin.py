@@ -7,7 +7,6 @@ with blocks cut out of the capture logs. Holders are real processes; each one is
 
 import os
 import re
-import selectors
 import shutil
 import subprocess
 import sys
@@ -15,15 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-TESTS = Path(__file__).resolve().parents[2]
-FIXTURES = TESTS / "fixtures" / "h200"
-STANDINS = TESTS / "lab" / "standins"
-NVIDIA_SMI = STANDINS / "nvidia_smi.py"
-HOLDER = STANDINS / "gpu_holder.py"
-
-sys.path.insert(0, str(STANDINS))
-import gpulab  # noqa: E402
+from harness import FIXTURES, NVIDIA_SMI, STANDINS, gpulab
 
 # The 20 fields of capture-1.log's query-gpu blocks, asked with the old alias clocks_throttle_reasons.active.
 CAPTURE_FIELDS = (
@@ -63,95 +54,6 @@ CAPTURE_1 = capture_sections("capture-1.log")
 
 def text(lines) -> str:
     return "".join(f"{line}\n" for line in lines)
-
-
-def wait_until(predicate, timeout: float = 5.0):
-    """Poll `predicate` until it returns a truthy value; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(0.01)
-
-
-class Lab:
-    """A private lab: state dir, one view config per view, driver files; runs the stand-in and holders."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.state = root / "state"
-        self.kernel_file = gpulab.write_kernel_version_file(root / "driver" / "version")
-        self.lib_dir = root / "lib"
-        gpulab.write_nvml_library(self.lib_dir)
-        self.procs: list[subprocess.Popen] = []
-
-    def view_config(self, view: str) -> Path:
-        path = self.root / f"view-{view}.json"
-        if not path.exists():
-            gpulab.write_view_config(
-                path,
-                view,
-                self.state,
-                proc_root="/proc",
-                kernel_version_file=str(self.kernel_file),
-                nvml_library_glob=str(self.lib_dir / "libnvidia-ml.so.*"),
-            )
-        return path
-
-    def env(self, view: str) -> dict:
-        return {**os.environ, gpulab.LAB_CONFIG_ENV: str(self.view_config(view))}
-
-    def smi(self, *args: str, view: str = "node", python: str = sys.executable) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [python, str(NVIDIA_SMI), *args],
-            env=self.env(view),
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=False,
-        )
-
-    def hold(self, *args: str, view: str = "node", argv0: str | None = None) -> tuple[subprocess.Popen, int]:
-        """Start a holder (argv[0] = `argv0`, as `python3 /tmp/hold.py` was in the capture) and wait for `held`."""
-        env = self.env(view)
-        if argv0:
-            env["PYTHONHOME"] = sys.base_prefix  # a bare argv[0] does not tell Python where its stdlib is
-        proc = subprocess.Popen(
-            [argv0 or sys.executable, str(HOLDER), *args],
-            executable=sys.executable,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.procs.append(proc)
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            assert sel.select(timeout=20), "holder did not report"
-        line = proc.stdout.readline()
-        assert line.startswith("held "), f"holder failed: {line!r} {proc.stderr.read() if not line else ''}"
-        return proc, int(line.split()[1])
-
-    def used(self, view: str = "node") -> str:
-        return self.smi("--query-gpu=memory.used", "--format=csv,noheader", view=view).stdout
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-            proc.stdout.close()
-            proc.stderr.close()
-
-
-@pytest.fixture
-def lab(tmp_path):
-    lab = Lab(tmp_path)
-    yield lab
-    lab.close()
 
 
 # ---------------------------------------------------------------------------------------------- captures

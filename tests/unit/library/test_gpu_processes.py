@@ -89,8 +89,21 @@ def test_collect_merges_nvml_and_device_holders_and_skips_other_gpus_and_the_dea
     }
 
 
+class FakeClock:
+    """time.monotonic and time.sleep for code under test: sleeping only moves the clock."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
 def test_escalation_waits_only_as_long_as_needed():
-    clock = [0.0]
+    clock = FakeClock()
     alive = {1, 2}
     sent = []
 
@@ -98,9 +111,6 @@ def test_escalation_waits_only_as_long_as_needed():
         sent.append((process.pid, signum))
         if signum == signal.SIGKILL or process.pid == 1:
             alive.discard(process.pid)
-
-    def sleep(seconds):
-        clock[0] += seconds
 
     entries = [{"info": info(1)}, {"info": info(2)}]
     killed, survivors = gpu_processes.end_processes(
@@ -110,8 +120,8 @@ def test_escalation_waits_only_as_long_as_needed():
         poll_interval=0.1,
         alive=lambda i: i.pid in alive,
         send=send,
-        clock=lambda: clock[0],
-        sleep=sleep,
+        clock=clock,
+        sleep=clock.sleep,
     )
     assert survivors == []
     assert [(k["pid"], k["signal"]) for k in killed] == [(1, "SIGTERM"), (2, "SIGKILL")]
@@ -121,31 +131,20 @@ def test_escalation_waits_only_as_long_as_needed():
 
 
 def test_memory_wait_stops_at_the_first_free_poll():
-    clock = [0.0]
+    clock = FakeClock()
     answers = [[{"uuid": "GPU-a", "memory_used_mib": 500}], [{"uuid": "GPU-a", "memory_used_mib": 0}]]
     rows, polls, free = gpu_processes.wait_for_memory(
-        lambda: answers.pop(0),
-        {"GPU-a"},
-        threshold=0,
-        timeout=30,
-        poll_interval=0.02,
-        clock=lambda: clock[0],
-        sleep=lambda s: clock.__setitem__(0, clock[0] + s),
+        lambda: answers.pop(0), {"GPU-a"}, threshold=0, timeout=30, poll_interval=0.02, clock=clock, sleep=clock.sleep
     )
     assert (polls, free, rows[0]["memory_used_mib"]) == (2, True, 0)
-    assert clock[0] == pytest.approx(0.02)
+    assert clock.now == pytest.approx(0.02)
 
 
 def test_memory_wait_gives_up_at_the_timeout():
-    clock = [0.0]
+    clock = FakeClock()
+    busy = [{"uuid": "GPU-a", "memory_used_mib": 500}]
     _, polls, free = gpu_processes.wait_for_memory(
-        lambda: [{"uuid": "GPU-a", "memory_used_mib": 500}],
-        {"GPU-a"},
-        threshold=100,
-        timeout=1,
-        poll_interval=0.25,
-        clock=lambda: clock[0],
-        sleep=lambda s: clock.__setitem__(0, clock[0] + s),
+        lambda: busy, {"GPU-a"}, threshold=100, timeout=1, poll_interval=0.25, clock=clock, sleep=clock.sleep
     )
     assert (polls, free) == (5, False)
 

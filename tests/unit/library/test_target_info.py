@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import target_info
 import yaml
-from ansible.module_utils.pve_target import CommandResult
 
 from tests.conftest import FIXTURES
 from tests.fakes import FakeRunner, run_module
@@ -71,52 +70,35 @@ def test_a_healthy_target_has_all_checks_ok():
     )
 
 
-def test_bare_host_devices_hint_is_about_the_driver_not_lxc():
+def evaluate(label, *, container=True, libraries=("580.159.04",)):
+    """Verdicts for a target with no device nodes, plenty of disk and the given NVML library versions."""
     facts = {
         "devices": [],
         "nvidia_smi_failure": None,
-        "nvml_library_versions": ["580.159.04"],
+        "nvml_library_versions": list(libraries),
         "target_driver_version": "580.159.04",
         "gpu_uuids": [],
         "space": {"existing": "/", "free_bytes": 100 * 1024**3},
     }
-    checks = target_info.evaluate(
-        "host gpu1",
-        "gpu1",
+    return target_info.evaluate(
+        label,
+        label.split()[-1],
         facts,
-        container=False,
+        container=container,
         node_driver_version="580.159.04",
         min_free_gib=20,
         expected_gpu_count=None,
         space_path="/opt",
     )
+
+
+def test_bare_host_devices_hint_is_about_the_driver_not_lxc():
+    checks = evaluate("host gpu1", container=False)
     assert "nvidia-modprobe" in checks[1]["detail"]
     assert "lxc" not in checks[1]["detail"]
 
 
 def test_library_newer_than_the_loaded_module_is_caught_before_nvml_fails():
-    facts = {
-        "devices": [],
-        "nvidia_smi_failure": None,
-        "nvml_library_versions": ["580.200.01"],
-        "target_driver_version": "580.159.04",
-        "gpu_uuids": [],
-        "space": {"existing": "/", "free_bytes": 100 * 1024**3},
-    }
-    checks = target_info.evaluate(
-        "CT 200 on pve1",
-        "pve1",
-        facts,
-        container=True,
-        node_driver_version="580.159.04",
-        min_free_gib=20,
-        expected_gpu_count=None,
-        space_path="/opt",
-    )
+    checks = evaluate("CT 200 on pve1", libraries=["580.200.01"])
     assert not checks[2]["ok"]
     assert "userspace library 580.200.01 differs from the node's kernel module 580.159.04" in checks[2]["detail"]
-
-
-def test_the_result_is_plain_data():
-    # CommandResult is what runners return; modules must never leak it into results.
-    assert CommandResult(argv=[], rc=0, stdout="", stderr="").rc == 0
