@@ -215,7 +215,7 @@ def plan_cleanup(holders, owner, protected, node):
 
 
 def describe(entry):
-    """``pid 516 (python3, pid 41 in CT 200) on GPU 0, 20998 MiB``: how every message names a process."""
+    """``pid 516 (python3, pid 41 inside) on GPU 0, 20998 MiB``: how every message names a process."""
     info = entry["info"]
     inside = f", pid {info.ns_pid} inside" if info.ns_pid != info.pid else ""
     gpus = ", ".join(f"GPU {i}" for i in sorted(entry["gpus"])) or "GPU device files only"
