@@ -1,5 +1,5 @@
 #!/bin/bash
-# The hardware run of docs/hardware.md: recover.yml in bare mode on a real NVIDIA GPU machine.
+# The hardware runs of docs/hardware.md: recover.yml in bare mode on a real NVIDIA GPU machine, one GPU or eight.
 #   OUT=/some/dir bench/hardware_run.sh
 # Needs: nvidia-smi, a python3 with torch, and (where PyPI is out of reach) ansible-core's wheels in .whl/.
 # Safety: before any real run it runs --check and stops if gpu_processes would end anything but the two CUDA
@@ -44,24 +44,40 @@ run() {  # run NAME ARGS...: one recover.yml run, its wall time and exit code in
     return $rc
 }
 
-run "1 idle GPU, real run"
-python3 bench/cuda_holder.py --gib 20 > /tmp/holder-term.out 2>/tmp/holder-term.err &
-python3 bench/cuda_holder.py --gib 20 --ignore-term > /tmp/holder-ignore.out 2>/tmp/holder-ignore.err &
-for _ in $(seq 600); do
-    grep -q held /tmp/holder-term.out && grep -q held /tmp/holder-ignore.out && break
+run "1 idle GPUs, real run"
+# Holders: on one GPU, one obeying SIGTERM and one ignoring it; on several (issue 4), one per GPU with every
+# other one ignoring SIGTERM, plus one holding GPUs 0 and 1 together.
+gpus=$(nvidia-smi -L | wc -l)
+rm -f /tmp/holder-*.out
+start_holder() {  # start_holder NAME ARGS...
+    local name=$1; shift
+    python3 bench/cuda_holder.py --gib 20 "$@" > "/tmp/holder-$name.out" 2> "/tmp/holder-$name.err" &
+}
+if [ "$gpus" -eq 1 ]; then
+    start_holder term
+    start_holder ignore --ignore-term
+else
+    for i in $(seq 0 $((gpus - 1))); do
+        start_holder "gpu$i" --device "$i" $([ $((i % 2)) -eq 1 ] && echo --ignore-term)
+    done
+    start_holder two-gpus --device 0 --device 1 --ignore-term
+fi
+expected=$(ls /tmp/holder-*.out | wc -l)
+for _ in $(seq 900); do
+    [ "$(cat /tmp/holder-*.out | grep -c held)" -eq "$expected" ] && break
     sleep 0.1
 done
-holders=$(cat /tmp/holder-term.out /tmp/holder-ignore.out | awk '{print $2}' | sort -n | xargs)
+holders=$(cat /tmp/holder-*.out | awk '{print $2}' | sort -n | xargs)
 { step "holders: $holders"; nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_uuid --format=csv
   nvidia-smi --query-gpu=index,memory.used --format=csv; } >> "$OUT/captures.txt" 2>&1
 
-run "2 two CUDA holders, --check --diff" --check --diff
+run "2 CUDA holders, --check --diff" --check --diff
 planned=$(python3 -c 'import json, glob, os; r = json.load(open(max(glob.glob(os.environ["OUT"] + "/reports/localhost/*.json"), key=os.path.getmtime))); print(" ".join(str(p["pid"]) for p in sorted(r["steps"]["gpu_processes"]["processes"], key=lambda p: p["pid"])))')
 echo "== check mode planned: [$planned], holders: [$holders]" >> "$runs"
 alive=$(for p in $holders; do kill -0 "$p" 2>/dev/null && echo "$p"; done | xargs)
 echo "== alive after check: [$alive]" >> "$runs"
 if [ "$planned" = "$holders" ] && [ "$alive" = "$holders" ]; then
-    run "3 two CUDA holders, real run (grace 3 s)" --diff -e gpu_processes_grace=3
+    run "3 CUDA holders, real run (grace 3 s)" --diff -e gpu_processes_grace=3
     alive=$(for p in $holders; do kill -0 "$p" 2>/dev/null && echo "$p"; done | xargs)
     echo "== alive after real run: [$alive]" >> "$runs"
     run "4 again: idempotence"
