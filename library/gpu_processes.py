@@ -246,6 +246,16 @@ def busy_gpus(memory, uuids, threshold):
     return [row for row in memory if row["uuid"] in uuids and (row["memory_used_mib"] or 0) > threshold]
 
 
+def check_waits(params):
+    """A sentence naming the first wait option that cannot work (negative, or a poll interval of 0), or None."""
+    if params["poll_interval"] <= 0:
+        return f"poll_interval must be more than 0 seconds, got {params['poll_interval']:g}"
+    for name in ("grace", "kill_timeout", "memory_timeout", "memory_threshold_mib"):
+        if params[name] < 0:
+            return f"{name} must be 0 or more, got {params[name]:g}"
+    return None
+
+
 # -- waiting ---------------------------------------------------------------------------------------------------
 def end_processes(entries, *, grace, kill_timeout, poll_interval, alive, send, clock=time.monotonic, sleep=time.sleep):
     """SIGTERM every entry, SIGKILL what outlives ``grace``; return ``(killed, survivors)``.
@@ -344,6 +354,13 @@ def cleanup(module, target, node_smi):
     if held and not to_end:
         # Nothing to end and nothing to wait for: the same verdict in check mode and in a real run.
         raise no_holder_error(target, held, p["memory_threshold_mib"], result)
+    if module.check_mode:
+        for entry in to_end:
+            if entry["info"].state == "D":
+                module.warn(
+                    f"{target.label}: {describe(entry)} is in state D (stuck in the driver); a real run is "
+                    f"likely to find it outliving SIGKILL"
+                )
     if module.check_mode or not to_end:
         return result
     started = time.monotonic()
@@ -437,6 +454,9 @@ def main():
         },
         supports_check_mode=True,
     )
+    wrong = check_waits(module.params)
+    if wrong:
+        module.fail_json(msg=f"{wrong}; fix the gpu_processes_* variable of that name")
     try:
         target = Target.from_params(module.params)
         node_smi = NvidiaSmi(target.run_on_node, timeout=module.params["timeout"])

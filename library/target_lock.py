@@ -188,6 +188,9 @@ def main():
         vmid = validate_vmid(p["vmid"])
     except TargetError as error:
         module.fail_json(**error.to_result())
+    if p["ttl"] < 1:
+        # ttl 0 would make every lock stale at once: two runs could both take it.
+        module.fail_json(msg=f"ttl must be at least 1 second, got {p['ttl']}; fix preflight_lock_ttl")
     path = lock_path(p["lock_dir"], vmid)
     what = f"CT {vmid}" if vmid is not None else "this host"
     now = time.time()

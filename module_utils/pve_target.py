@@ -170,6 +170,9 @@ class Target:
 
     def __init__(self, vmid=None, *, node=None, runner=None, pct="pct", timeout=DEFAULT_TIMEOUT):
         self.vmid = validate_vmid(vmid)
+        if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
+            # timeout(1) reads 0 as "no deadline": a hung command would then hang the run.
+            raise TargetError(f"timeout must be a whole number of seconds, at least 1, got {timeout!r}", kind="invalid")
         self.node = node or socket.gethostname()
         self.runner = runner or run_local
         self.pct = pct

@@ -153,3 +153,31 @@ def test_threshold_and_other_gpus():
     rows = [{"uuid": "GPU-a", "memory_used_mib": 5}, {"uuid": "GPU-z", "memory_used_mib": 9000}]
     assert gpu_processes.busy_gpus(rows, {"GPU-a"}, 5) == []
     assert gpu_processes.busy_gpus(rows, {"GPU-a"}, 4) == [rows[0]]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"poll_interval": 0}, "poll_interval must be more than 0 seconds, got 0"),
+        ({"grace": -1}, "grace must be 0 or more, got -1"),
+        ({"memory_threshold_mib": -5}, "memory_threshold_mib must be 0 or more, got -5"),
+    ],
+)
+def test_wait_options_that_cannot_work_fail_before_anything_runs(params, message, monkeypatch, capsys):
+    result = run_module(gpu_processes, {"vmid": 200, **params}, FakeRunner(), monkeypatch, capsys)
+    assert result["failed"]
+    assert result["msg"] == f"{message}; fix the gpu_processes_* variable of that name"
+
+
+def test_check_mode_warns_about_a_process_stuck_in_d(monkeypatch, capsys):
+    case = next(c for c in CASES if c["id"] == "a_process_stuck_in_d_outlives_sigkill")
+    runner = FakeRunner(*[(c["argv"], (c["rc"], c.get("stdout", ""), c.get("stderr", ""))) for c in case["calls"]])
+    procs = FakeProcesses(case["procs"])
+    for name in ("read_process", "device_holders", "still_there", "signal_process"):
+        monkeypatch.setattr(gpu_processes, name, getattr(procs, name))
+    monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
+    result = run_module(gpu_processes, case["params"], runner, monkeypatch, capsys, check_mode=True)
+    assert result["changed"]
+    assert "is in state D (stuck in the driver); a real run is likely to find it outliving SIGKILL" in str(
+        result["warnings"]
+    )

@@ -96,3 +96,10 @@ def test_two_creators_one_wins(tmp_path):
     with open(path) as handle:
         assert json.load(handle)["run_id"] == "a"
     assert os.listdir(tmp_path) == ["ct-200.lock"]
+
+
+def test_a_ttl_of_zero_would_make_every_lock_stale(tmp_path, capsys):
+    result = lock({"vmid": 200, "run_id": "r", "lock_dir": str(tmp_path), "ttl": 0}, capsys)
+    assert result["failed"]
+    assert result["msg"] == "ttl must be at least 1 second, got 0; fix preflight_lock_ttl"
+    assert list(tmp_path.iterdir()) == []

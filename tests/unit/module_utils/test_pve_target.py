@@ -239,3 +239,9 @@ def test_real_runner_missing_command_on_a_host():
 def test_c_locale_is_forced():
     result = Target().run(["sh", "-c", "echo $LC_ALL"])
     assert result.stdout == "C\n"
+
+
+@pytest.mark.parametrize("timeout", [0, -1, 1.5, True])
+def test_a_timeout_that_would_mean_no_deadline_is_rejected(timeout):
+    with pytest.raises(TargetError, match="timeout must be a whole number of seconds, at least 1"):
+        Target(200, timeout=timeout)
