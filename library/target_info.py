@@ -137,178 +137,18 @@ problems:
   sample: ["CT 200 on pve1 has 3.2 GiB free at /opt (its filesystem at /); a new venv needs 20 GiB: free space there or lower preflight_min_free_gib"]
 """
 
-import re
-
 from ansible.module_utils import pve_probe_preflight
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.nvidia_smi import (
-    DRIVER_FIELDS,
-    NvidiaSmiError,
-    classify_failure,
-    parse_gpus,
-    parse_kernel_driver_version,
-    parse_library_version,
-    query_gpu_argv,
+from ansible.module_utils.nvidia_smi import NvidiaSmiError
+from ansible.module_utils.pve_preflight import (
+    LIBRARY_GLOBS,
+    evaluate,
+    parse_kernel_driver_version,  # noqa: F401  (tests read the node's version file through it)
+    parse_probe,
+    probe_payload,
+    read_node_driver_version,
 )
 from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
-
-GPU_DEVICE = re.compile(r"^/dev/nvidia(\d+)$")
-REQUIRED_CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm")
-DEVICE_GLOBS = ("/dev/nvidia[0-9]*", *REQUIRED_CONTROL_DEVICES)
-GIB = 1024**3
-
-
-def probe_payload(params):
-    """What the probe is asked to read inside the target (argv shapes come from module_utils/nvidia_smi)."""
-    return {
-        "device_globs": list(DEVICE_GLOBS),
-        "kernel_version_file": params["kernel_version_file"],
-        "library_globs": params["library_globs"],
-        "nvidia_smi_argv": query_gpu_argv(DRIVER_FIELDS),
-        "space_path": params["space_path"],
-        "timeout": params["timeout"],
-    }
-
-
-def parse_probe(answer):
-    """Facts from the probe's raw answer: driver versions, GPU uuids, the nvidia-smi failure if any."""
-    smi = answer["nvidia_smi"]
-    failure = None
-    gpus = []
-    if smi.get("missing"):
-        failure = NvidiaSmiError("nvidia-smi is not installed", kind="missing")
-    else:
-        failure = classify_failure(smi["rc"], smi["stdout"], smi["stderr"])
-        if failure is None:
-            try:
-                gpus = parse_gpus(smi["stdout"], DRIVER_FIELDS)
-            except NvidiaSmiError as error:
-                failure = error
-    versions = sorted({v for v in map(parse_library_version, answer["nvml_libraries"]) if v})
-    return {
-        "hostname": answer["hostname"],
-        "python_version": answer["python"],
-        "devices": answer["devices"],
-        "space": answer["space"],
-        "nvml_library_versions": versions,
-        "target_kernel_version": parse_kernel_driver_version(answer["kernel_version_text"]),
-        "target_driver_version": gpus[0]["driver_version"] if gpus else None,
-        "gpu_uuids": [g["uuid"] for g in gpus],
-        "nvidia_smi_failure": failure,
-    }
-
-
-def evaluate(label, node, facts, *, container, node_driver_version, min_free_gib, expected_gpu_count, space_path):
-    """Preflight checks as ``[{name, ok, detail}]``: pure, so every verdict and message is unit tested."""
-    checks = []
-
-    def check(name, ok, detail):
-        checks.append({"name": name, "ok": bool(ok), "detail": detail})
-
-    # 1. The node's kernel module: what everything else is compared with.
-    node = f"node {node}" if container else f"host {node}"
-    check(
-        "node_driver",
-        node_driver_version,
-        f"{node} runs NVIDIA kernel module {node_driver_version}"
-        if node_driver_version
-        else f"{node} has no NVIDIA kernel module loaded (its /proc/driver/nvidia/version is missing): load it "
-        f"with `modprobe nvidia`, or reboot it after a driver update",
-    )
-    # 2. Device nodes: GPUs passed through, plus the control and UVM devices CUDA opens.
-    devices = {d["path"]: d for d in facts["devices"]}
-    gpu_nodes = sorted(int(m.group(1)) for m in map(GPU_DEVICE.match, devices) if m)
-    missing = [p for p in REQUIRED_CONTROL_DEVICES if p not in devices]
-    not_char = sorted(p for p, d in devices.items() if not d["char"])
-    want = f"{expected_gpu_count} GPU device nodes" if expected_gpu_count is not None else "at least one GPU"
-    count_ok = len(gpu_nodes) == expected_gpu_count if expected_gpu_count is not None else bool(gpu_nodes)
-    found = [", ".join(f"/dev/nvidia{n}" for n in gpu_nodes) or "no /dev/nvidiaN"]
-    if missing:
-        found.append(f"no {', '.join(missing)}")
-    if not_char:
-        found.append(f"{', '.join(not_char)} not character devices")
-    if count_ok and not missing and not not_char:
-        check("devices", True, f"{label} has {found[0]} and {', '.join(REQUIRED_CONTROL_DEVICES)}")
-    else:
-        fix = (
-            "pass the GPUs through in /etc/pve/lxc/<vmid>.conf (lxc.cgroup2.devices.allow: c 195:* rwm, plus "
-            "one lxc.mount.entry per /dev/nvidia* node) and restart the CT"
-            if container
-            else "load the driver (`modprobe nvidia nvidia-uvm`; `nvidia-modprobe -u -c=0` creates the nodes)"
-        )
-        check(
-            "devices",
-            False,
-            f"{label} has {'; '.join(found)}; expected {want} and {', '.join(REQUIRED_CONTROL_DEVICES)}: {fix}",
-        )
-    # 3. The driver NVML reports inside must be the node's kernel module.
-    failure = facts["nvidia_smi_failure"]
-    libraries = facts["nvml_library_versions"]
-    if failure is not None and failure.kind == "driver_mismatch":
-        library = ", ".join(libraries) or "an unknown version"
-        check(
-            "driver",
-            False,
-            f"{label}: NVML says Driver/library version mismatch: the NVIDIA userspace library inside is "
-            f"{library}, the node's kernel module is {node_driver_version or 'not loaded'}; install driver "
-            f"{node_driver_version or '<node version>'} in the target without its kernel module "
-            f"(NVIDIA-Linux-x86_64-{node_driver_version or '<version>'}.run --no-kernel-module), or reboot the "
-            f"node if its driver was just updated",
-        )
-    elif failure is not None and failure.kind == "missing":
-        check(
-            "driver",
-            False,
-            f"{label}: nvidia-smi is not installed; install the NVIDIA userspace driver "
-            f"{node_driver_version or ''} (without kernel module) in the target".replace("  ", " "),
-        )
-    elif failure is not None:
-        check("driver", False, f"{label}: nvidia-smi failed: {failure}" + (f"; {failure.hint}" if failure.hint else ""))
-    elif node_driver_version and facts["target_driver_version"] != node_driver_version:
-        check(
-            "driver",
-            False,
-            f"{label}: NVML reports driver {facts['target_driver_version']}, the node's kernel module is "
-            f"{node_driver_version}; install the node's driver version in the target",
-        )
-    elif [v for v in libraries if v != node_driver_version] and node_driver_version:
-        check(
-            "driver",
-            False,
-            f"{label}: userspace library {', '.join(libraries)} differs from the node's kernel module "
-            f"{node_driver_version}; NVML will fail after the next library load: install "
-            f"{node_driver_version} in the target",
-        )
-    else:
-        check(
-            "driver",
-            True,
-            f"NVML in {label} reports {facts['target_driver_version']}, the node's kernel module"
-            + (f", with {len(facts['gpu_uuids'])} GPUs visible" if facts["gpu_uuids"] else ""),
-        )
-    # 4. Disk: the new venv is built beside the old one, which is kept.
-    space = facts["space"]
-    free_gib = space["free_bytes"] / GIB
-    check(
-        "disk",
-        free_gib >= min_free_gib,
-        f"{label} has {free_gib:.1f} GiB free at {space_path} (its filesystem at {space['existing']}); "
-        + (
-            "enough for a new venv"
-            if free_gib >= min_free_gib
-            else f"a new venv needs {min_free_gib:g} GiB: free space there or lower preflight_min_free_gib"
-        ),
-    )
-    return checks
-
-
-def read_node_driver_version(path):
-    """Version of the NVIDIA kernel module loaded on this node (the module runs there), or None."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return parse_kernel_driver_version(handle.read())
-    except OSError:
-        return None
 
 
 def main():
@@ -322,12 +162,7 @@ def main():
             "library_globs": {
                 "type": "list",
                 "elements": "str",
-                "default": [
-                    "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.*",
-                    "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.*",
-                    "/usr/lib64/libnvidia-ml.so.*",
-                    "/usr/lib/libnvidia-ml.so.*",
-                ],
+                "default": list(LIBRARY_GLOBS),
             },
             "python": {"type": "str", "default": "python3"},
         },
@@ -336,11 +171,15 @@ def main():
     params = module.params
     try:
         target = Target.from_params(params)
-        answer = target.run_probe(pve_probe_preflight, probe_payload(params), python=params["python"])
+        answer = target.run_probe(
+            pve_probe_preflight, probe_payload(params, params["timeout"]), python=params["python"]
+        )
+        facts = parse_probe(answer)
     except TargetError as error:
         module.fail_json(**error.to_result())
+    except NvidiaSmiError as error:
+        module.fail_json(**error.to_result(prefix=f"{target.label}: "))
     node_driver = read_node_driver_version(params["kernel_version_file"])
-    facts = parse_probe(answer)
     checks = evaluate(
         target.label,
         target.node,
@@ -352,6 +191,7 @@ def main():
         space_path=params["space_path"],
     )
     failure = facts.pop("nvidia_smi_failure")
+    facts.pop("gpus")
     module.exit_json(
         changed=False,
         target={"label": target.label, "vmid": target.vmid, "node": target.node, "hostname": facts.pop("hostname")},

@@ -62,6 +62,16 @@ def _run(argv, timeout):
     return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
 
 
+def _nvidia_smi(payload):
+    """The GPU query; asked once more without the optional fields when this driver rejects one (exit 2)."""
+    timeout = payload.get("timeout", 30)
+    done = _run(payload["nvidia_smi_argv"], timeout)
+    fallback = payload.get("nvidia_smi_fallback_argv")
+    if fallback and done["rc"] == 2 and "is not a valid field to query" in done["stdout"] + done["stderr"]:
+        done = dict(_run(fallback, timeout), fallback=True)
+    return done
+
+
 def probe(payload):
     """Answer ``payload`` (device globs, version file, library globs, nvidia-smi argv, space path) as a dict."""
     devices = []
@@ -79,6 +89,6 @@ def probe(payload):
         "devices": devices,
         "kernel_version_text": _read(payload["kernel_version_file"]),
         "nvml_libraries": libraries,
-        "nvidia_smi": _run(payload["nvidia_smi_argv"], payload.get("timeout", 30)),
+        "nvidia_smi": _nvidia_smi(payload),
         "space": _space(payload["space_path"]),
     }

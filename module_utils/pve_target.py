@@ -276,27 +276,50 @@ class Target:
         self.run(["sh", "-c", script, "sh", path, f"{mode:o}"], stdin=content, timeout=timeout)
 
     def run_probe(self, probe_module, payload, *, python="python3", timeout=None):
-        """Run ``probe_module.probe(payload)`` in the target and return its JSON-able answer.
+        """Run ``probe_module.probe(payload)`` in the target and return its JSON-able answer (one ``pct exec``)."""
+        name = probe_name(probe_module)
+        part = self.run_probes({name: (probe_module, payload)}, python=python, timeout=timeout)[name]
+        if "error" in part:
+            raise TargetError(f"{self.label}: the {name} probe failed: {part['error']}", kind="probe")
+        return part["answer"]
 
-        In a CT the module's source is fed to the CT's python on stdin through ONE ``pct exec`` (the payload is
-        argv[1] as JSON); on a bare host the function runs in this process (the module already runs there).
+    def run_probes(self, parts, *, python="python3", timeout=None):
+        """Run several probe parts in the target in ONE process and return ``{name: {"answer"|"error", "seconds"}}``.
+
+        ``parts`` maps a name to ``(probe_module, payload)``. In a CT the modules' sources travel on stdin to the
+        CT's python through ONE ``pct exec``, each executed in a namespace of its own (so their helpers never
+        clash) and called in order; a part that raises reports its error without stopping the others. On a bare
+        host each part runs in this process (the module already runs there). The answer of a CT is untrusted:
+        anything but the expected JSON shape is a TargetError naming what came back.
         """
         if not self.is_container:
-            return probe_module.probe(payload)
-        source = inspect.getsource(probe_module) + PROBE_MAIN
-        result = self.run([python, "-I", "-", json.dumps(payload)], stdin=source, timeout=timeout, check=False)
+            return {name: run_part(module.probe, payload) for name, (module, payload) in parts.items()}
+        sources = {name: inspect.getsource(module) for name, (module, _) in parts.items()}
+        payloads = {name: payload for name, (_, payload) in parts.items()}
+        program = PROBES_MAIN.replace("SOURCES", repr(json.dumps(sources)))
+        result = self.run([python, "-I", "-", json.dumps(payloads)], stdin=program, timeout=timeout, check=False)
         try:
             answer = json.loads(result.stdout)
         except ValueError:
             answer = None
+        names = " + ".join(parts)
         if result.rc != 0 or not isinstance(answer, dict):
             raise TargetError.of(
-                f"{self.label}: the {probe_module.__name__.rsplit('.', 1)[-1]} probe failed "
-                f"(exit {result.rc}): {last_line(result.stderr) or 'no JSON on stdout'}",
+                f"{self.label}: the {names} probe failed (exit {result.rc}): "
+                f"{last_line(result.stderr) or 'no JSON on stdout'}",
                 result,
                 kind="probe",
             )
-        return answer
+        for name in parts:
+            part = answer.get(name)
+            if not isinstance(part, dict) or not ("answer" in part or isinstance(part.get("error"), str)):
+                raise TargetError.of(
+                    f"{self.label}: the {names} probe answered no {name!r} part in the expected shape; "
+                    f"is something inside the CT replacing {python}?",
+                    result,
+                    kind="probe",
+                )
+        return {name: answer[name] for name in parts}
 
     # -- internals -----------------------------------------------------------------------------------------
     def _execute(self, wrapped, argv, *, stdin=None, timeout, env=None):
@@ -364,14 +387,38 @@ class Target:
                     )
 
 
-# Appended to a probe module's source when it runs in a CT: call probe(payload) and print JSON.
-PROBE_MAIN = """
+def probe_name(module):
+    """``pve_probe_preflight`` -> ``preflight``: how messages name a probe part."""
+    return module.__name__.rsplit(".", 1)[-1].removeprefix("pve_probe_")
 
-if __name__ == "__main__":
-    import json as _json
-    import sys as _sys
 
-    _sys.stdout.write(_json.dumps(probe(_json.loads(_sys.argv[1]))))
+def run_part(function, payload):
+    """One probe part's result: its answer, or the error it raised, and how long it took."""
+    started = time.monotonic()
+    try:
+        return {"answer": function(payload), "seconds": round(time.monotonic() - started, 3)}
+    except Exception as error:  # one broken part must not hide the answers of the others
+        return {"error": f"{type(error).__name__}: {error}", "seconds": round(time.monotonic() - started, 3)}
+
+
+# What the CT's python runs (fed on stdin): each part's source in a module of its own, then probe(payload) of
+# each, in order; the answers as one JSON object on stdout. Standard library only, Python 3.9+.
+PROBES_MAIN = """
+import json, sys, time, types
+
+answers = {}
+payloads = json.loads(sys.argv[1])
+for name, source in json.loads(SOURCES).items():
+    started = time.monotonic()
+    try:
+        module = types.ModuleType("pve_probe_" + name)
+        exec(compile(source, "<probe " + name + ">", "exec"), module.__dict__)
+        answer = {"answer": module.probe(payloads[name])}
+    except Exception as error:
+        answer = {"error": type(error).__name__ + ": " + str(error)}
+    answer["seconds"] = round(time.monotonic() - started, 3)
+    answers[name] = answer
+sys.stdout.write(json.dumps(answers))
 """
 
 

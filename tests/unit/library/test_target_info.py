@@ -17,8 +17,9 @@ CASES = yaml.safe_load((Path(__file__).with_suffix(".yaml")).read_text())["cases
 def runner_for(case):
     calls = []
     for call in case["calls"]:
-        argv = [*call["argv"], json.dumps(call["payload"])] if "payload" in call else call["argv"]
-        stdout = json.dumps(call["probe"]) if "probe" in call else call.get("stdout", "")
+        # One pct exec runs the probe parts; payloads and answers are keyed by part (Target.run_probes).
+        argv = [*call["argv"], json.dumps({"preflight": call["payload"]})] if "payload" in call else call["argv"]
+        stdout = json.dumps({"preflight": {"answer": call["probe"]}}) if "probe" in call else call.get("stdout", "")
         calls.append((argv, (call["rc"], stdout, call.get("stderr", ""))))
     return FakeRunner(*calls)
 

@@ -1,6 +1,9 @@
 """The one target: exact pct argvs, Proxmox's failures as clear errors, payloads that stay inert."""
 
+import subprocess
+import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -171,19 +174,58 @@ def test_write_file_keeps_the_path_an_argument():
     assert runner.stdin == ["data"]
 
 
-def test_probe_in_a_container_is_one_pct_exec_with_the_source_on_stdin():
-    runner = FakeRunner(([*CT_PREFIX, "python3", "-I", "-", '{"a": 1}'], (0, '{"ok": true}', "")))
-    assert ct(runner).run_probe(pve_probe_preflight, {"a": 1}) == {"ok": True}
-    source = runner.stdin[0]
-    assert source.startswith("# Copyright")
-    assert "def probe(payload):" in source
-    assert source.endswith(pve_target.PROBE_MAIN)
+def test_probe_in_a_container_is_one_pct_exec_with_the_sources_on_stdin():
+    runner = FakeRunner(
+        ([*CT_PREFIX, "python3", "-I", "-", '{"preflight": {"a": 1}}'], (0, '{"preflight": {"answer": {"ok": 1}}}', ""))
+    )
+    assert ct(runner).run_probe(pve_probe_preflight, {"a": 1}) == {"ok": 1}
+    program = runner.stdin[0]
+    assert "def probe(payload):" in program  # the part's source travels inside the program
+    assert program.startswith("\nimport json, sys, time, types")
 
 
 def test_probe_failure_says_which_probe_and_why():
-    runner = FakeRunner(([*CT_PREFIX, "python3", "-I", "-", "{}"], (1, "", "Traceback\nKeyError: 'x'\n")))
-    with pytest.raises(TargetError, match=r"the pve_probe_preflight probe failed \(exit 1\): KeyError: 'x'"):
+    runner = FakeRunner(
+        ([*CT_PREFIX, "python3", "-I", "-", '{"preflight": {}}'], (1, "", "Traceback\nKeyError: 'x'\n"))
+    )
+    with pytest.raises(TargetError, match=r"the preflight probe failed \(exit 1\): KeyError: 'x'"):
         ct(runner).run_probe(pve_probe_preflight, {})
+
+
+@pytest.mark.parametrize(
+    "stdout",
+    ["[1, 2]", '{"other": {}}', '{"preflight": "yes"}', '{"preflight": {"error": 5}}', "not json"],
+    ids=["list", "no_part", "part_not_a_dict", "error_not_a_string", "not_json"],
+)
+def test_a_probe_answer_of_the_wrong_shape_is_a_clear_error(stdout):
+    runner = FakeRunner(([*CT_PREFIX, "python3", "-I", "-", '{"preflight": {}}'], (0, stdout, "")))
+    with pytest.raises(TargetError, match=r"CT 200 on pve1: the preflight probe") as error:
+        ct(runner).run_probe(pve_probe_preflight, {})
+    assert error.value.kind == "probe"
+
+
+def test_the_probes_program_runs_every_part_in_one_real_python_and_isolates_failures():
+    """The program fed to the CT's python, run for real: two parts, one raising, each in its own namespace."""
+    good = types.ModuleType("pve_probe_good")
+    bad = types.ModuleType("pve_probe_bad")
+    good_source = "HELPER = 'good'\n\ndef probe(payload):\n    return {'echo': payload, 'helper': HELPER}\n"
+    bad_source = "HELPER = 'bad'\n\ndef probe(payload):\n    raise ValueError('broken ' + HELPER)\n"
+    sources = {good: good_source, bad: bad_source}
+
+    def run_inner(argv, *, stdin=None, timeout=None, env=None):
+        inner = argv[argv.index("python3") :]
+        inner[0] = sys.executable
+        done = subprocess.run(inner, input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
+        return pve_target.CommandResult(argv=argv, rc=done.returncode, stdout=done.stdout, stderr=done.stderr)
+
+    original = pve_target.inspect.getsource
+    pve_target.inspect.getsource = lambda module: sources[module]
+    try:
+        answers = ct(run_inner).run_probes({"good": (good, {"x": [1]}), "bad": (bad, {})})
+    finally:
+        pve_target.inspect.getsource = original
+    assert answers["good"]["answer"] == {"echo": {"x": [1]}, "helper": "good"}
+    assert answers["bad"]["error"] == "ValueError: broken bad"
 
 
 def test_probe_on_a_bare_host_runs_in_process(tmp_path):

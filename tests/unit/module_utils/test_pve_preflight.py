@@ -1,0 +1,58 @@
+"""module_utils/pve_preflight.py: the preflight part of the fact pass, fed the probe answers of test_target_info."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ansible.module_utils import pve_preflight
+from ansible.module_utils.nvidia_smi import NvidiaSmiError
+
+from tests.conftest import ROOT
+
+ANCHORS = yaml.safe_load((ROOT / "tests/unit/library/test_target_info.yaml").read_text())["anchors"]
+CONTEXT = {"target": {"label": "CT 200 on pve1", "node": "pve1", "vmid": 200}}
+SPEC = dict(pve_preflight.SPEC_DEFAULTS, expected_gpu_count=2)
+
+
+def test_a_healthy_target_gives_the_full_gpu_facts_and_no_problems():
+    facts = pve_preflight.evaluate_step(SPEC, ANCHORS["healthy"], {"driver_version": "580.159.04"}, CONTEXT)
+    assert facts["problems"] == []
+    assert facts["changes"] == []
+    assert [g["uuid"] for g in facts["gpus"]] == facts["gpu_uuids"]
+    gpu = facts["gpus"][0]
+    # One nvidia-smi in the probe answers everything the report and verify need.
+    assert (gpu["name"], gpu["memory_used_mib"], gpu["remapped_rows_failure"], gpu["retired_pages_pending"]) == (
+        "NVIDIA H200",
+        0,
+        False,
+        None,
+    )
+
+
+def test_an_old_driver_answer_without_optional_fields_leaves_them_none():
+    header = ", ".join(f[0] for f in pve_preflight.BASIC_GPU_FIELDS)
+    full = ANCHORS["healthy"]["nvidia_smi"]["stdout"].splitlines()[1].split(", ")
+    names = [f[0] for f in pve_preflight.GPU_FIELDS]
+    row = ", ".join(c for n, c in zip(names, full, strict=True) if n not in pve_preflight.OPTIONAL_GPU_FIELDS)
+    answer = dict(
+        ANCHORS["healthy"], nvidia_smi={"rc": 0, "stdout": f"{header}\n{row}\n", "stderr": "", "fallback": True}
+    )
+    facts = pve_preflight.evaluate_step(
+        dict(SPEC, expected_gpu_count=None), answer, {"driver_version": "580.159.04"}, CONTEXT
+    )
+    assert facts["gpus"][0]["recovery_action"] is None
+    assert facts["gpus"][0]["remapped_rows_failure"] is None
+
+
+@pytest.mark.parametrize("key", ["nvidia_smi", "devices", "nvml_libraries", "space"])
+def test_a_probe_answer_missing_a_part_is_a_clear_error(key):
+    answer = {k: v for k, v in ANCHORS["healthy"].items() if k != key}
+    with pytest.raises(NvidiaSmiError, match=f"the preflight probe answered no '{key}'"):
+        pve_preflight.parse_probe(answer)
+
+
+def test_the_node_part_reads_the_node_kernel_module(tmp_path: Path):
+    version = tmp_path / "version"
+    version.write_text((ROOT / "tests/fixtures/h200/proc_driver_nvidia_version.txt").read_text())
+    spec = dict(SPEC, kernel_version_file=str(version))
+    assert pve_preflight.read_node(spec, None, None, CONTEXT) == {"driver_version": "580.159.04"}
