@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import re
 
+from ansible.module_utils.pve_errors import RecoverError
+
 EXECUTABLE = "nvidia-smi"
 
 # (field as asked, key in our facts, converter name). The header check maps aliases with ALIASES.
@@ -146,32 +148,10 @@ EXIT_CODES = {
 }
 
 
-class NvidiaSmiError(Exception):
+class NvidiaSmiError(RecoverError):
     """nvidia-smi failed or printed something unexpected. ``kind`` is stable; str() is the one-line message."""
 
-    def __init__(self, message, *, kind, hint=None, rc=None, stdout=None, stderr=None, cmd=None, details=None):
-        super().__init__(message)
-        self.kind = kind
-        self.hint = hint
-        self.rc = rc
-        self.stdout = stdout
-        self.stderr = stderr
-        self.cmd = cmd
-        self.details = details or {}
-
-    def to_result(self, prefix=""):
-        """Keyword arguments for ``module.fail_json`` (msg first, then the raw facts in separate keys)."""
-        msg = f"{prefix}{self}" + (f"; {self.hint}" if self.hint else "")
-        result = {"msg": msg, "error": f"nvidia_smi_{self.kind}"}
-        for key in ("rc", "cmd"):
-            if getattr(self, key) is not None:
-                result[key] = getattr(self, key)
-        for key in ("stdout", "stderr"):
-            text = getattr(self, key)
-            if text:
-                result[f"{key}_tail"] = "\n".join(text.rstrip("\n").splitlines()[-20:])
-        result.update(self.details)
-        return result
+    error_prefix = "nvidia_smi_"
 
 
 # -- argv shapes ---------------------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from ansible.module_utils.pve_errors import RecoverError
+
 VMID_MIN = 100
 VMID_MAX = 999_999_999
 DEFAULT_TIMEOUT = 60
@@ -59,38 +61,17 @@ TARGET_ARGUMENT_SPEC = {
 }
 
 
-class TargetError(Exception):
-    """A command could not be run where it should, or failed: one line for people, details in separate keys.
+class TargetError(RecoverError):
+    """A command could not be run where it should, or failed.
 
     ``kind`` is stable for code (``invalid``, ``missing``, ``stopped``, ``no_pct``, ``not_found``, ``timeout``,
     ``failed``, ``probe``); ``str(error)`` is the message for ``fail_json(msg=...)``.
     """
 
-    def __init__(self, message, *, kind, cmd=None, rc=None, stdout=None, stderr=None):
-        super().__init__(message)
-        self.kind = kind
-        self.cmd = cmd
-        self.rc = rc
-        self.stdout = stdout
-        self.stderr = stderr
-
     @classmethod
     def of(cls, message, result, *, kind):
         """The error for a command that ran: its argv, exit code and output go along, apart from the message."""
         return cls(message, kind=kind, cmd=result.argv, rc=result.rc, stdout=result.stdout, stderr=result.stderr)
-
-    def to_result(self):
-        """Keyword arguments for ``module.fail_json``: msg plus the command, rc and output tails apart from it."""
-        result = {"msg": str(self), "error": self.kind}
-        if self.cmd is not None:
-            result["cmd"] = list(self.cmd)
-        if self.rc is not None:
-            result["rc"] = self.rc
-        if self.stdout:
-            result["stdout_tail"] = tail(self.stdout)
-        if self.stderr:
-            result["stderr_tail"] = tail(self.stderr)
-        return result
 
 
 @dataclass(frozen=True)
@@ -103,11 +84,6 @@ class CommandResult:
     stderr: str
     seconds: float = 0.0
     timed_out: bool = field(default=False)
-
-
-def tail(text, lines=20):
-    """The last ``lines`` lines of ``text`` (what fail_json shows of a long stderr)."""
-    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
 
 
 def validate_vmid(value):

@@ -8,6 +8,7 @@ from pathlib import Path
 import gpu_processes
 import pytest
 import yaml
+from ansible.module_utils import pve_gpu_cleanup
 from ansible.module_utils.pve_process import ProcessInfo
 
 from tests.fakes import FakeRunner, run_module
@@ -57,7 +58,7 @@ def test_module(case, check_mode, monkeypatch, capsys):
     runner = FakeRunner(*[(c["argv"], (c["rc"], c.get("stdout", ""), c.get("stderr", ""))) for c in calls])
     procs = FakeProcesses(case["procs"])
     for name in ("read_process", "device_holders", "still_there", "signal_process"):
-        monkeypatch.setattr(gpu_processes, name, getattr(procs, name))
+        monkeypatch.setattr(pve_gpu_cleanup, name, getattr(procs, name))
     monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
     result = run_module(gpu_processes, case["params"], runner, monkeypatch, capsys, check_mode=check_mode)
     expect = dict(case.get("expect", {}), **case.get("expect_check" if check_mode else "expect_run", {}))
@@ -82,7 +83,7 @@ def test_collect_merges_nvml_and_device_holders_and_skips_other_gpus_and_the_dea
         {"pid": 2, "used_memory_mib": 10, "gpu_uuid": "GPU-z"},  # not the target's GPU
         {"pid": 3, "used_memory_mib": 10, "gpu_uuid": "GPU-a"},  # gone before it could be read
     ]
-    holders = gpu_processes.collect_holders(apps, gpus, {1: info(1), 2: info(2), 3: None}, [(info(4), [(195, 0)])])
+    holders = pve_gpu_cleanup.collect_holders(apps, gpus, {1: info(1), 2: info(2), 3: None}, [(info(4), [(195, 0)])])
     assert {pid: (h["gpus"], sorted(h["found_by"])) for pid, h in holders.items()} == {
         1: ({0: 100, 1: 50}, ["nvml"]),
         4: ({}, ["device"]),
@@ -113,7 +114,7 @@ def test_escalation_waits_only_as_long_as_needed():
             alive.discard(process.pid)
 
     entries = [{"info": info(1)}, {"info": info(2)}]
-    killed, survivors = gpu_processes.end_processes(
+    killed, survivors = pve_gpu_cleanup.end_processes(
         entries,
         grace=1.0,
         kill_timeout=1.0,
@@ -133,7 +134,7 @@ def test_escalation_waits_only_as_long_as_needed():
 def test_memory_wait_stops_at_the_first_free_poll():
     clock = FakeClock()
     answers = [[{"uuid": "GPU-a", "memory_used_mib": 500}], [{"uuid": "GPU-a", "memory_used_mib": 0}]]
-    rows, polls, free = gpu_processes.wait_for_memory(
+    rows, polls, free = pve_gpu_cleanup.wait_for_memory(
         lambda: answers.pop(0), {"GPU-a"}, threshold=0, timeout=30, poll_interval=0.02, clock=clock, sleep=clock.sleep
     )
     assert (polls, free, rows[0]["memory_used_mib"]) == (2, True, 0)
@@ -143,7 +144,7 @@ def test_memory_wait_stops_at_the_first_free_poll():
 def test_memory_wait_gives_up_at_the_timeout():
     clock = FakeClock()
     busy = [{"uuid": "GPU-a", "memory_used_mib": 500}]
-    _, polls, free = gpu_processes.wait_for_memory(
+    _, polls, free = pve_gpu_cleanup.wait_for_memory(
         lambda: busy, {"GPU-a"}, threshold=100, timeout=1, poll_interval=0.25, clock=clock, sleep=clock.sleep
     )
     assert (polls, free) == (5, False)
@@ -151,8 +152,8 @@ def test_memory_wait_gives_up_at_the_timeout():
 
 def test_threshold_and_other_gpus():
     rows = [{"uuid": "GPU-a", "memory_used_mib": 5}, {"uuid": "GPU-z", "memory_used_mib": 9000}]
-    assert gpu_processes.busy_gpus(rows, {"GPU-a"}, 5) == []
-    assert gpu_processes.busy_gpus(rows, {"GPU-a"}, 4) == [rows[0]]
+    assert pve_gpu_cleanup.busy_gpus(rows, {"GPU-a"}, 5) == []
+    assert pve_gpu_cleanup.busy_gpus(rows, {"GPU-a"}, 4) == [rows[0]]
 
 
 @pytest.mark.parametrize(
@@ -174,7 +175,7 @@ def test_check_mode_warns_about_a_process_stuck_in_d(monkeypatch, capsys):
     runner = FakeRunner(*[(c["argv"], (c["rc"], c.get("stdout", ""), c.get("stderr", ""))) for c in case["calls"]])
     procs = FakeProcesses(case["procs"])
     for name in ("read_process", "device_holders", "still_there", "signal_process"):
-        monkeypatch.setattr(gpu_processes, name, getattr(procs, name))
+        monkeypatch.setattr(pve_gpu_cleanup, name, getattr(procs, name))
     monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
     result = run_module(gpu_processes, case["params"], runner, monkeypatch, capsys, check_mode=True)
     assert result["changed"]

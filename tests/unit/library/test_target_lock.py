@@ -5,6 +5,7 @@ import os
 
 import pytest
 import target_lock
+from ansible.module_utils import pve_lock
 from ansible.module_utils.testing import patch_module_args
 
 
@@ -29,7 +30,7 @@ def lock(args, capsys, check_mode=False):
     ],
 )
 def test_plan(state, current, action, changed):
-    assert target_lock.plan_lock(state, current, "a", now=1030) == (action, changed)
+    assert pve_lock.plan_lock(state, current, "a", now=1030) == (action, changed)
 
 
 def test_take_hold_and_release(tmp_path, capsys):
@@ -91,8 +92,8 @@ def test_bad_vmid(tmp_path, capsys):
 
 def test_two_creators_one_wins(tmp_path):
     path = str(tmp_path / "ct-200.lock")
-    assert target_lock.create_lock(path, {"run_id": "a"})
-    assert not target_lock.create_lock(path, {"run_id": "b"})
+    assert pve_lock.create_lock(path, {"run_id": "a"})
+    assert not pve_lock.create_lock(path, {"run_id": "b"})
     with open(path) as handle:
         assert json.load(handle)["run_id"] == "a"
     assert os.listdir(tmp_path) == ["ct-200.lock"]
