@@ -52,7 +52,7 @@ def owner_of(target):
 
 
 # -- the fact pass ---------------------------------------------------------------------------------------------
-def probe_payload(spec):
+def probe_payload(spec, timeout=60):
     return None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+from ansible.module_utils import pve_probe_preflight
 from ansible.module_utils.nvidia_smi import (
     GPU_FIELDS,
     OPTIONAL_GPU_FIELDS,
@@ -36,14 +37,16 @@ LIBRARY_GLOBS = (
     "/usr/lib64/libnvidia-ml.so.*",
     "/usr/lib/libnvidia-ml.so.*",
 )
-# The spec of the step (keys of the preflight_* role variables that reach the fact pass) and its defaults.
-SPEC_DEFAULTS = {
-    "space_path": "/opt",
-    "min_free_gib": 20.0,
-    "expected_gpu_count": None,
-    "kernel_version_file": KERNEL_VERSION_FILE,
-    "library_globs": list(LIBRARY_GLOBS),
+# The spec of the step: the preflight_* role variables that reach the fact pass (target_info takes the same).
+SPEC = {
+    "space_path": {"type": "path", "default": "/opt"},
+    "min_free_gib": {"type": "float", "default": 20.0},
+    "expected_gpu_count": {"type": "int"},
+    "kernel_version_file": {"type": "path", "default": KERNEL_VERSION_FILE},
+    "library_globs": {"type": "list", "elements": "str", "default": list(LIBRARY_GLOBS)},
 }
+SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
+PROBE = pve_probe_preflight
 # Asked without the fields an older driver may not know when it rejects them (exit 2).
 BASIC_GPU_FIELDS = tuple(f for f in GPU_FIELDS if f[0] not in OPTIONAL_GPU_FIELDS)
 

@@ -7,7 +7,7 @@ A step is a module in module_utils that exposes (docs/design.md, "Adding a step"
 * ``NAME``: the step's name, the key of its facts under ``pve_gpu_recover.steps`` and of its spec;
 * ``PROBE``: its probe part (a stdlib-only module with ``probe(payload)``, run inside the target), or None;
 * ``SPEC``: the typed argument spec of the step's settings; the acting module takes the same options;
-* ``probe_payload(spec)``: what the probe part is asked to read (JSON);
+* ``probe_payload(spec, timeout)``: what the probe part is asked to read (JSON), within ``timeout`` seconds;
 * ``read_node(spec, target, answer, context)``: the node-side reads (the module already runs on the node);
   ``answer`` is None when the probe part failed;
 * ``evaluate_step(spec, answer, node, context)``: pure; the step's facts, with at least ``changes`` (one line per
@@ -39,12 +39,12 @@ def target_context(target, check_mode):
     }
 
 
-def probe_parts(specs):
+def probe_parts(specs, timeout):
     """``{part name: (probe module, payload)}`` of the steps in ``specs`` that read inside the target."""
     parts = {}
     for step in STEPS:
         if step.NAME in specs and step.PROBE is not None:
-            parts[probe_name(step.PROBE)] = (step.PROBE, step.probe_payload(specs[step.NAME]))
+            parts[probe_name(step.PROBE)] = (step.PROBE, step.probe_payload(specs[step.NAME], timeout))
     return parts
 
 
