@@ -362,5 +362,3 @@ def no_holder_error(label, held, threshold, result, waited=None):
         held=held,
         **result,
     )
-
-

@@ -87,8 +87,6 @@ def create_lock(path, content):
     return True
 
 
-
-
 def what_of(vmid):
     return f"CT {vmid}" if vmid is not None else "this host"
 
