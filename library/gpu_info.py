@@ -30,7 +30,7 @@ options:
 requirements:
   - C(nvidia-smi) on the node and inside the target (the NVIDIA userspace driver).
 seealso:
-  - module: target_info
+  - module: target_facts
 """
 
 EXAMPLES = r"""
@@ -116,6 +116,33 @@ summary:
   type: list
   elements: str
   sample: ["GPU 0 NVIDIA H200 GPU-bf580366-c11c-e730-752a-e9ca8716b7fa 00000000:00:06.0: 0/143771 MiB, 36 C, ECC 0, PCIe 5x16, persistence on"]
+error:
+  description: On failure, what kind of failure it was, stable for code (e.g. C(stopped), C(missing), C(timeout), C(locked)).
+  returned: failure
+  type: str
+  sample: stopped
+cmd:
+  description: On failure of a command, the argv that ran (the C(pct exec) wrapper included).
+  returned: failure of a command
+  type: list
+  elements: str
+rc:
+  description: On failure of a command, its exit code.
+  returned: failure of a command
+  type: int
+stdout_tail:
+  description: On failure of a command, the last 20 lines of its stdout.
+  returned: failure of a command that printed
+  type: str
+stderr_tail:
+  description: On failure of a command, the last 20 lines of its stderr.
+  returned: failure of a command that printed
+  type: str
+lost_bus_ids:
+  description: On failure because a GPU fell off the bus, the PCI bus ids nvidia-smi could not reach.
+  returned: failure
+  type: list
+  elements: str
 """
 
 from ansible.module_utils.basic import AnsibleModule

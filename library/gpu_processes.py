@@ -137,6 +137,43 @@ polls:
   description: Number of nvidia-smi memory queries made while waiting.
   returned: always
   type: int
+error:
+  description: On failure, what kind of failure it was, stable for code (e.g. C(stopped), C(missing), C(timeout), C(locked)).
+  returned: failure
+  type: str
+  sample: stopped
+cmd:
+  description: On failure of a command, the argv that ran (the C(pct exec) wrapper included).
+  returned: failure of a command
+  type: list
+  elements: str
+rc:
+  description: On failure of a command, its exit code.
+  returned: failure of a command
+  type: int
+stdout_tail:
+  description: On failure of a command, the last 20 lines of its stdout.
+  returned: failure of a command that printed
+  type: str
+stderr_tail:
+  description: On failure of a command, the last 20 lines of its stderr.
+  returned: failure of a command that printed
+  type: str
+blockers:
+  description: On failure, the processes that keep the target's GPUs from being freed (another CT's, the node's, a protected one), each with its reason; nothing was ended.
+  returned: failure
+  type: list
+  elements: dict
+held:
+  description: On failure, the GPUs whose memory stayed above the threshold with no process holding it.
+  returned: failure
+  type: list
+  elements: dict
+survivors:
+  description: On failure, the processes that outlived SIGKILL, each with its state (C(D) is stuck in the driver).
+  returned: failure
+  type: list
+  elements: dict
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -64,7 +64,7 @@ notes:
     when a run has nothing to do. This module releases it after the last step, and in an C(always:) section only
     when a run failed with the lock still held."
 seealso:
-  - module: target_info
+  - module: target_facts
 """
 
 EXAMPLES = r"""
@@ -84,7 +84,7 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
-path:
+lock_file:
   description: The lock file.
   returned: always
   type: str
@@ -94,11 +94,37 @@ holder:
   returned: always
   type: dict
   sample: {"run_id": "20261202T105000Z-3f2a1c", "owner": "alice@controller", "created": 1796208600.5, "ttl": 7200}
+lock:
+  description: On failure because another run holds the lock, the lock file (C(path)), its C(holder) and C(action=locked).
+  returned: failure
+  type: dict
 action:
   description: What was done (C(taken), C(already_held), C(taken_over), C(released), C(not_held), C(held_by_other)).
   returned: always
   type: str
   sample: taken
+error:
+  description: On failure, what kind of failure it was, stable for code (e.g. C(stopped), C(missing), C(timeout), C(locked)).
+  returned: failure
+  type: str
+  sample: stopped
+cmd:
+  description: On failure of a command, the argv that ran (the C(pct exec) wrapper included).
+  returned: failure of a command
+  type: list
+  elements: str
+rc:
+  description: On failure of a command, its exit code.
+  returned: failure of a command
+  type: int
+stdout_tail:
+  description: On failure of a command, the last 20 lines of its stdout.
+  returned: failure of a command that printed
+  type: str
+stderr_tail:
+  description: On failure of a command, the last 20 lines of its stderr.
+  returned: failure of a command that printed
+  type: str
 """
 
 from ansible.module_utils.basic import AnsibleModule
@@ -132,7 +158,11 @@ def main():
             warn=module.warn,
         )
     except RecoverError as error:
+        # Under one key: a top-level `path` makes Ansible add that file's attributes to the failed result.
+        error.details = {"lock": error.details} if error.details else {}
         module.fail_json(**error.to_result())
+    # Not `path`: Ansible would add that file's owner, mode and size to the result.
+    result["lock_file"] = result.pop("path")
     module.exit_json(**result)
 
 

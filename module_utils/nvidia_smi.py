@@ -6,7 +6,9 @@ Formats follow real captures from an NVIDIA H200 (driver 580.159.04; tests/fixtu
 
 * ``--format=csv``: a header of canonical field names with units (``memory.used [MiB]``), values with units
   (``0 MiB``, ``123.99 W``), fields joined by ``", "``; ``noheader`` drops the header, ``nounits`` the units.
-* ``[N/A]`` / ``[Not Supported]`` / ``[Unknown Error]`` mean "no value" and become None.
+* ``[N/A]`` / ``[Not Supported]`` / ``[Unknown Error]`` / ``[GPU requires reset]``..., any bracketed cell, mean
+  "no value" and become None; where the value matters (memory used, index, uuid) or the marker is more than "not
+  available", the row's ``unreadable`` dict keeps the cell as printed, so callers name it and never read None as 0.
 * The header prints the canonical name of an alias (``clocks_throttle_reasons.active`` ->
   ``clocks_event_reasons.active``, ``used_memory`` -> ``used_gpu_memory``).
 * Processes are reported by HOST pid and ``gpu_uuid``; in a container the index of a GPU may differ from the
@@ -86,7 +88,17 @@ APP_ALIASES = {"name": "process_name", "used_memory": "used_gpu_memory"}
 THROTTLE_PREFIX = "clocks_throttle_reasons."
 EVENT_PREFIX = "clocks_event_reasons."
 
-NO_VALUE = re.compile(r"^\[(N/A|Not Supported|Unknown Error|Insufficient Permissions|GPU is lost|Requested .*)\]$")
+# Anything nvidia-smi prints in brackets instead of a value: [N/A], [Not Supported], [Unknown Error],
+# [Insufficient Permissions], [GPU is lost], [GPU requires reset], [Requested functionality has been deprecated]...
+NO_VALUE = re.compile(r"^\[[^\[\]\n]*\]$")
+# Markers that only say "this GPU or driver has no such value": normal for an optional health field.
+NOT_AVAILABLE = ("[N/A]", "[Not Supported]")
+# Fields whose value the recovery needs: a marker there is recorded (row["unreadable"]) so callers can name it.
+REQUIRED_KEYS = frozenset({"index", "uuid", "memory_used_mib", "memory_total_mib", "pid", "gpu_uuid"})
+# A GPU UUID as nvidia-smi prints it (``GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff9``); MIG device UUIDs are not
+# printed by --query-gpu. Anything else read inside a CT is refused before it can reach a message or advice.
+GPU_UUID = re.compile(r"GPU-[0-9a-fA-F-]{1,64}")
+SHOWN_RAW = 60  # how many characters of an unexpected cell a message quotes
 UNIT_VALUE = re.compile(r"^(-?\d+(?:\.\d+)?) (MiB|KiB|GiB|%|W|MHz|us|C)$")
 HEADER_UNIT = re.compile(r"^(.*?) \[[^\]]+\]$")
 PCI_BUS_ID = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d"
@@ -202,6 +214,21 @@ def split_notices(text):
     return data, notices
 
 
+def valid_uuid(text):
+    """True when ``text`` is a GPU UUID (``GPU-`` and hex digits/dashes) and nothing else, e.g. no shell syntax.
+
+    >>> valid_uuid("GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff9"), valid_uuid("GPU-1; reboot")
+    (True, False)
+    """
+    return isinstance(text, str) and GPU_UUID.fullmatch(text) is not None
+
+
+def shown(raw):
+    """An untrusted cell as messages quote it: repr (so it stays inert) of at most SHOWN_RAW characters."""
+    text = str(raw)
+    return repr(text if len(text) <= SHOWN_RAW else text[:SHOWN_RAW] + "...")
+
+
 def parse_value(raw):
     """One csv cell: units stripped (``"143771 MiB"`` -> ``"143771"``), ``[N/A]``-style markers -> None."""
     value = raw.strip()
@@ -211,13 +238,16 @@ def parse_value(raw):
     return unit.group(1) if unit else value
 
 
-def parse_csv(text, fields, *, header=True, apps=False):
+def parse_csv(text, fields, *, header=True, apps=False, raws=None):
     """Rows of an nvidia-smi csv as dicts keyed by our fact keys, values still strings (or None).
 
     ``fields`` is a sequence of ``(field, key, converter)``. With ``header``, the header must name the requested
     fields (aliases resolved) in order, or NvidiaSmiError(kind="format") says what differed. A row with more
     cells than fields (a process name containing ", ") folds the extra cells into its one free-text column.
+    ``raws``, when a list, receives each row's cells as printed (and the line as ``_line``).
     """
+    if not isinstance(text, str):
+        raise NvidiaSmiError(f"nvidia-smi output is a {type(text).__name__}, not text", kind="probe")
     lines, _ = split_notices(text)
     names = _names(fields)
     if header:
@@ -246,11 +276,16 @@ def parse_csv(text, fields, *, header=True, apps=False):
                 stdout=text,
             )
         rows.append({f[1]: parse_value(cell) for f, cell in zip(fields, cells, strict=True)})
+        if raws is not None:
+            raws.append(dict({f[1]: cell for f, cell in zip(fields, cells, strict=True)}, _line=line))
     return rows
 
 
 def convert(value, how):
-    """Typed value of one parsed cell: int, float, bool (``Enabled``/``Yes``) or str; None stays None."""
+    """Typed value of one parsed cell: int, float, bool (``Enabled``/``Yes``) or str; None stays None.
+
+    Raises ValueError for a number that is not one (``typed_rows`` turns that into None plus a note).
+    """
     if value is None:
         return None
     if how == "int":
@@ -264,18 +299,63 @@ def convert(value, how):
     return value
 
 
-def typed_rows(rows, fields):
-    return [{key: convert(row.get(key), how) for _, key, how in fields} for row in rows]
+def typed_row(row, fields, raw=None):
+    """One row with typed values; a value that cannot be read is None, and ``unreadable`` notes why.
+
+    ``unreadable`` (only present when needed) maps a key to the cell as printed: every marker in a REQUIRED_KEYS
+    field (``memory_used_mib: "[GPU requires reset]"``), markers other than [N/A]/[Not Supported] in the others,
+    and any number that is not one. Callers name the GPU and this raw value instead of guessing (None is never 0).
+    """
+    typed, unreadable = {}, {}
+    for _, key, how in fields:
+        cell = (raw or {}).get(key, "")
+        try:
+            typed[key] = convert(row.get(key), how)
+        except (ValueError, OverflowError):
+            typed[key] = None
+            unreadable[key] = cell.strip()[:SHOWN_RAW]
+            continue
+        marker = typed[key] is None and NO_VALUE.match(cell.strip())
+        if marker and (key in REQUIRED_KEYS or cell.strip() not in NOT_AVAILABLE):
+            unreadable[key] = cell.strip()[:SHOWN_RAW]
+    if unreadable:
+        typed["unreadable"] = unreadable
+    return typed
+
+
+def typed_rows(rows, fields, raws=None):
+    return [typed_row(row, fields, raw) for row, raw in zip(rows, raws or [None] * len(rows), strict=True)]
 
 
 def parse_gpus(text, fields=GPU_FIELDS, *, header=True):
-    """GPU facts from ``--query-gpu`` csv: a list of dicts with typed values (see GPU_FIELDS for the keys)."""
-    return typed_rows(parse_csv(text, fields, header=header), fields)
+    """GPU facts from ``--query-gpu`` csv: a list of dicts with typed values (see GPU_FIELDS for the keys).
+
+    The output may come from inside a CT, which is not trusted: a ``uuid`` that is not a GPU UUID raises
+    NvidiaSmiError(kind="probe") naming the row, so it never reaches a message or the advice a person copies into
+    a root shell (``nvidia-smi --gpu-reset -i <uuid>``).
+    """
+    raws = []
+    rows = parse_csv(text, fields, header=header, raws=raws)
+    typed = typed_rows(rows, fields, raws)
+    if any(key == "uuid" for _, key, _ in fields):
+        for number, (row, raw) in enumerate(zip(typed, raws, strict=True), 1):
+            if not valid_uuid(row["uuid"]):
+                raise NvidiaSmiError(
+                    f"nvidia-smi row {number} names GPU {row.get('index')} with uuid {shown(raw['uuid'].strip())}, "
+                    f"which is not a GPU UUID (GPU-<hex digits and dashes>); is something in the target replacing "
+                    f"nvidia-smi?",
+                    kind="probe",
+                    stdout=text,
+                    details={"bad_row": shown(raw["_line"])},
+                )
+    return typed
 
 
 def parse_apps(text, fields=APP_FIELDS, *, header=True):
     """Compute processes from ``--query-compute-apps`` csv: pid (host pid), process_name, used_memory_mib, gpu_uuid."""
-    return typed_rows(parse_csv(text, fields, header=header, apps=True), fields)
+    raws = []
+    rows = parse_csv(text, fields, header=header, apps=True, raws=raws)
+    return typed_rows(rows, fields, raws)
 
 
 def parse_kernel_driver_version(text):

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 
-from ansible.module_utils.nvidia_smi import NvidiaSmi
+from ansible.module_utils.nvidia_smi import NvidiaSmi, shown, valid_uuid
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_process import (
     describe_state,
@@ -23,6 +23,7 @@ from ansible.module_utils.pve_process import (
     matches_name,
     owner_label,
     read_process,
+    read_stat,
     still_there,
 )
 
@@ -166,8 +167,16 @@ def diff_cleanup(to_end):
 
 
 def busy_gpus(memory, uuids, threshold):
-    """The target's GPUs above the threshold, from a memory query's rows."""
-    return [row for row in memory if row["uuid"] in uuids and (row["memory_used_mib"] or 0) > threshold]
+    """The target's GPUs above the threshold, from a memory query's rows.
+
+    A GPU whose memory use nvidia-smi could not give (``[N/A]``, ``[GPU requires reset]``: None) is busy too: a
+    value nobody knows is never taken for 0 MiB, i.e. free.
+    """
+    return [
+        row
+        for row in memory
+        if row["uuid"] in uuids and (row["memory_used_mib"] is None or row["memory_used_mib"] > threshold)
+    ]
 
 
 def check_waits(params):
@@ -178,6 +187,10 @@ def check_waits(params):
         if params[name] < 0:
             return f"{name} must be 0 or more, got {params[name]:g}"
     return None
+
+
+# The fact pass checks the step's settings with this before anything runs (module_utils/pve_steps).
+check_spec = check_waits
 
 
 # -- waiting ---------------------------------------------------------------------------------------------------
@@ -254,9 +267,13 @@ def blocker_message(label, blockers):
 
 
 def signal_process(info, signum):
-    """Signal the process of ``info`` only if its pid still names it (same start time)."""
-    now = read_process(info.pid)
-    if now is not None and now.start_time == info.start_time:
+    """Signal the process of ``info`` only if its pid still names it (same start time).
+
+    The signal goes to the whole thread group, so a zombie leader whose threads still run is ended too. Only
+    ``stat`` is read (never the cmdline, which a process stuck in the driver can block).
+    """
+    now = read_stat(info.pid)
+    if now is not None and now[2] == info.start_time:
         with contextlib.suppress(ProcessLookupError):
             os.kill(info.pid, signum)
 
@@ -353,12 +370,40 @@ def state_of(entry):
 
 
 def no_holder_error(label, held, threshold, result, waited=None):
-    gpus = "; ".join(f"GPU {r['index']} ({r['uuid']}) has {r['memory_used_mib']} MiB used" for r in held)
+    """Memory on the target's GPUs that no process holds: the driver keeps it (or will not say how much is used).
+
+    The reset advice is a command a person copies into a root shell on the node, so it names a GPU only by a
+    UUID that :func:`valid_uuid` accepts (parse_gpus refuses any other); a GPU without one is named by its index
+    and left out of the command.
+    """
+
+    def gpu_name(row):  # its UUID, or a note that it had none that could be trusted
+        return row["uuid"] if valid_uuid(row["uuid"]) else f"no valid UUID: {shown(row['uuid'])}"
+
     after = f" {waited:g} s after its last holder exited" if waited is not None else ""
-    reset = " ".join(f"`nvidia-smi --gpu-reset -i {r['uuid']}`" for r in held)
+    reset = " ".join(f"`nvidia-smi --gpu-reset -i {r['uuid']}`" for r in held if valid_uuid(r["uuid"]))
+    unknown = [r for r in held if r["memory_used_mib"] is None]
+    if not unknown:
+        gpus = "; ".join(f"GPU {r['index']} ({gpu_name(r)}) has {r['memory_used_mib']} MiB used" for r in held)
+        message = (
+            f"{label}: {gpus}{after}, above {threshold} MiB, and no process holds it: the driver did not release it"
+        )
+    else:
+        gpus = "; ".join(
+            f"GPU {r['index']} ({gpu_name(r)}) has {r['memory_used_mib']} MiB used (above {threshold} MiB)"
+            if r["memory_used_mib"] is not None
+            else f"GPU {r['index']} ({gpu_name(r)}) reports memory.used as "
+            f"{shown((r.get('unreadable') or {}).get('memory_used_mib', 'no value'))}"
+            for r in held
+        )
+        message = (
+            f"{label}: {gpus}{after}, and no process holds it: a GPU whose memory use cannot be read is not "
+            f"counted as free (the driver cannot say it released it)"
+        )
     return GpuProcessesError(
-        f"{label}: {gpus}{after}, above {threshold} MiB, and no process holds it: the driver did not release "
-        f"it. Reset the GPU on the node with nothing using it ({reset}) or reboot the node",
+        f"{message}. Reset the GPU on the node with nothing using it "
+        f"({reset or 'find its UUID with `nvidia-smi -L` on the node, then `nvidia-smi --gpu-reset -i <UUID>`'}) "
+        f"or reboot the node",
         held=held,
         **result,
     )

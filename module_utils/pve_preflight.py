@@ -37,7 +37,7 @@ LIBRARY_GLOBS = (
     "/usr/lib64/libnvidia-ml.so.*",
     "/usr/lib/libnvidia-ml.so.*",
 )
-# The spec of the step: the preflight_* role variables that reach the fact pass (target_info takes the same).
+# The spec of the step: the preflight_* role variables that reach the fact pass (target_facts checks them).
 SPEC = {
     "space_path": {"type": "path", "default": "/opt"},
     "min_free_gib": {"type": "float", "default": 20.0},
@@ -141,6 +141,7 @@ def evaluate_step(spec, answer, node, context):
         problems=[c["detail"] for c in checks if not c["ok"]],
         changes=[],
         diff={"before": "", "after": ""},
+        pending=False,  # preflight only reads: it never has work of its own
     )
 
 

@@ -8,6 +8,16 @@ every pid namespace from the host's outwards in, so its last value is the pid th
 pids, which is why GPU holders are mapped on the node, not inside the CT.
 
 Parsing functions are pure; :func:`read_process` reads one pid under a proc root (``/proc`` by default).
+
+Alive means any thread: a thread-group leader that exited (state Z) while other threads of it still run keeps the
+process, its open files and its GPU memory; :func:`still_there` and the state of :func:`read_process` look at
+``/proc/<pid>/task/*/stat`` for that.
+
+Bounded reads: of the files read here only ``cmdline`` takes the process's mmap lock, which a thread stuck in the
+driver can hold for ever; it is read by a child process (``head -c``) under run_local's hard deadline
+(CMDLINE_TIMEOUT), so a stuck process costs seconds, never the run. ``stat``, ``status``, ``cgroup`` and the
+``fd`` entries do not take that lock and are read directly. A file that cannot be read (gone, permission,
+I/O error, garbage) is None, never a traceback; ProcessInfo.read_error says what could not be read.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ import os
 import re
 import stat as stat_module
 from dataclasses import asdict, dataclass
+
+from ansible.module_utils.pve_target import run_local
 
 PROXMOX_CGROUP = re.compile(r"^/lxc/(\d+)(?:/|$)")
 LXC_PAYLOAD_CGROUP = re.compile(r"^/lxc\.payload\.([^/]+)")
@@ -43,6 +55,11 @@ STATES = {
     "P": "parked",
     "W": "paging",
 }
+GONE_STATES = ("Z", "X")  # a task in these states runs no more (a zombie's files and memory are released)
+# Which live thread's state a zombie leader is reported with: the one that explains why it holds on.
+STATE_ORDER = "DRTt"
+CMDLINE_TIMEOUT = 2  # seconds a cmdline read may take (see the module docstring)
+CMDLINE_LIMIT = 65536  # bytes of a cmdline read; argv beyond that is not needed to name a process
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,7 @@ class ProcessInfo:
     owner: str  # "ct:<vmid>", "lxc:<name>" or "host"
     cmdline: list  # argv as the kernel records it
     start_time: int  # clock ticks after boot (field 22 of stat): tells a reused pid apart
+    read_error: str = ""  # what could not be read (e.g. its cmdline, when that timed out)
 
     def as_dict(self):
         return asdict(self)
@@ -91,7 +109,8 @@ def parse_status_nspid(text):
     """The pids of ``NSpid:`` in /proc/<pid>/status, outermost (host) first; [] when the line is absent."""
     for line in (text or "").splitlines():
         if line.startswith("NSpid:"):
-            return [int(p) for p in line.split()[1:]]
+            pids = line.split()[1:]
+            return [int(p) for p in pids] if all(p.isdigit() for p in pids) else []
     return []
 
 
@@ -102,7 +121,7 @@ def parse_stat(text):
         return None
     rest = text[match.end() :].split()
     # After "pid (comm) state " the fields start at field 4 (ppid); starttime is field 22.
-    start_time = int(rest[22 - 4]) if len(rest) > 22 - 4 else 0
+    start_time = int(rest[22 - 4]) if len(rest) > 22 - 4 and rest[22 - 4].isdigit() else 0
     return match.group(1), match.group(2), start_time
 
 
@@ -112,30 +131,95 @@ def describe_state(letter):
 
 
 def _read(path):
+    """The text of a /proc file, or None when it cannot be read (gone, no permission, I/O error...)."""
     try:
         with open(path, "rb") as handle:
             return handle.read().decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
+    except (OSError, ValueError):
         return None
 
 
+def read_bounded(path, *, timeout=None, limit=CMDLINE_LIMIT):
+    """``(text, error)`` of a file that can block (``/proc/<pid>/cmdline``), read by a child under a deadline.
+
+    ``error`` is None or one sentence (``could not read /proc/7/cmdline: no answer within 2 s ...``). ``timeout``
+    defaults to CMDLINE_TIMEOUT. Where ``head`` is missing the file is read directly.
+    """
+    timeout = CMDLINE_TIMEOUT if timeout is None else timeout
+    try:
+        result = run_local(["head", "-c", str(limit), "--", path], timeout=timeout)
+    except FileNotFoundError:
+        text = _read(path)
+        return text, None if text is not None else f"could not read {path}"
+    if result.timed_out:
+        return None, (
+            f"could not read {path}: no answer within {timeout} s (the process is likely stuck in the kernel or the "
+            f"driver)"
+        )
+    if result.rc != 0:
+        said = result.stderr.strip().splitlines()[-1:] or [f"exit {result.rc}"]
+        return None, f"could not read {path}: {said[0]}"
+    return result.stdout, None
+
+
+def read_stat(pid, proc_root="/proc"):
+    """``(comm, state, start_time)`` of ``pid``'s thread-group leader, or None when it is gone or unreadable."""
+    return parse_stat(_read(os.path.join(proc_root, str(pid), "stat")))
+
+
+def thread_states(pid, proc_root="/proc"):
+    """The state letter of every thread of ``pid`` (``/proc/<pid>/task/*/stat``); [] when none can be read."""
+    task_dir = os.path.join(proc_root, str(pid), "task")
+    try:
+        tids = sorted(t for t in os.listdir(task_dir) if t.isdigit())
+    except OSError:
+        return []
+    states = []
+    for tid in tids:
+        stat = parse_stat(_read(os.path.join(task_dir, tid, "stat")))
+        if stat is not None:
+            states.append(stat[1])
+    return states
+
+
+def live_state(state, threads):
+    """The state a process counts as: its leader's, or, for a leader gone (Z) with threads still running, the
+    state of the live thread that explains it (D before R before S...); pure.
+
+    >>> live_state("Z", ["Z", "S", "D"]), live_state("Z", ["Z"]), live_state("S", [])
+    ('D', 'Z', 'S')
+    """
+    if state not in GONE_STATES:
+        return state
+    live = [t for t in threads if t not in GONE_STATES]
+    if not live:
+        return state
+    return min(live, key=lambda t: (STATE_ORDER.index(t) if t in STATE_ORDER else len(STATE_ORDER), t))
+
+
 def read_process(pid, proc_root="/proc"):
-    """ProcessInfo of host ``pid`` under ``proc_root``, or None when it is gone (or not readable)."""
+    """ProcessInfo of host ``pid`` under ``proc_root``, or None when it is gone (or not readable).
+
+    ``state`` is :func:`live_state`: a zombie leader whose other threads run reads as their state, not Z.
+    """
     base = os.path.join(proc_root, str(pid))
     stat = parse_stat(_read(os.path.join(base, "stat")))
     if stat is None:
         return None
     comm, state, start_time = stat
+    if state in GONE_STATES:
+        state = live_state(state, thread_states(pid, proc_root))
     nspids = parse_status_nspid(_read(os.path.join(base, "status")))
-    cmdline = [a for a in (_read(os.path.join(base, "cmdline")) or "").split("\0") if a]
+    text, error = read_bounded(os.path.join(base, "cmdline"))
     return ProcessInfo(
         pid=int(pid),
         ns_pid=nspids[-1] if nspids else int(pid),
         comm=comm,
         state=state,
         owner=parse_cgroup_owner(_read(os.path.join(base, "cgroup"))),
-        cmdline=cmdline,
+        cmdline=[a for a in (text or "").split("\0") if a],
         start_time=start_time,
+        read_error=error or "",
     )
 
 
@@ -220,9 +304,18 @@ def device_holders(owner, proc_root="/proc", exclude=()):
 
 
 def still_there(info, proc_root="/proc"):
-    """True while the process of ``info`` lives: same pid, same start time, not a zombie (a zombie freed its GPU)."""
-    now = read_process(info.pid, proc_root)
-    return now is not None and now.start_time == info.start_time and now.state not in ("Z", "X")
+    """True while the process of ``info`` lives: same pid, same start time, and a thread of it not a zombie.
+
+    A zombie has freed its files and GPU memory, but a thread-group leader in state Z whose other threads still
+    run has not: it is there (and needs SIGKILL). Reads only ``stat`` files, never the cmdline, so polling it is
+    cheap and cannot block.
+    """
+    stat = read_stat(info.pid, proc_root)
+    if stat is None or stat[2] != info.start_time:
+        return False
+    if stat[1] not in GONE_STATES:
+        return True
+    return live_state(stat[1], thread_states(info.pid, proc_root)) not in GONE_STATES
 
 
 def matches_name(info, patterns):

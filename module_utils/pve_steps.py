@@ -23,12 +23,54 @@ from __future__ import annotations
 
 import time
 
-from ansible.module_utils import pve_gpu_cleanup, pve_preflight
+from ansible.module_utils import pve_gpu_cleanup, pve_lock, pve_preflight, pve_venv
+from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_target import probe_name
 
 # In the order the steps run; a step's evaluate sees the facts of those before it.
-STEPS = (pve_preflight, pve_gpu_cleanup)
+STEPS = (pve_preflight, pve_gpu_cleanup, pve_venv)
 BY_NAME = {step.NAME: step for step in STEPS}
+# Keys of the fact pass's answer beside the steps' own (no step may take one of these names).
+RESERVED = ("run_id", "target", "lock", "pending", "problems", "seconds")
+
+
+class StepSpecError(RecoverError):
+    """A step's settings are unknown or do not fit its SPEC (the role variables are wrong)."""
+
+
+def validate_specs(steps):
+    """Each step's settings checked against its SPEC, defaults filled in; ``preflight`` is always there.
+
+    ``validate_specs({"gpu_processes": {"grace": "5"}})`` returns ``{"preflight": {...defaults}, "gpu_processes":
+    {"grace": 5.0, ...}}``; an unknown step or a wrong value raises StepSpecError naming the role variable.
+    """
+    unknown = sorted(set(steps) - set(BY_NAME))
+    if unknown:
+        raise StepSpecError(
+            f"unknown step(s) {', '.join(unknown)}; the steps are {', '.join(BY_NAME)}", kind="invalid_step"
+        )
+    specs = {}
+    for step in STEPS:
+        if step.NAME not in steps and step is not pve_preflight:
+            continue
+        settings = dict(steps.get(step.NAME) or {})
+        unknown = sorted(set(settings) - set(step.SPEC))
+        result = ArgumentSpecValidator(step.SPEC).validate(settings)
+        wrong = (
+            f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(step.SPEC))}"
+            if unknown
+            else "; ".join(result.error_messages)
+        )
+        if not wrong and hasattr(step, "check_spec"):
+            wrong = step.check_spec(result.validated_parameters)
+        if wrong:
+            raise StepSpecError(
+                f"settings of step {step.NAME}: {wrong} (the role variables are named {step.NAME}_<setting>)",
+                kind="invalid_step",
+            )
+        specs[step.NAME] = result.validated_parameters
+    return specs
 
 
 def target_context(target, check_mode):
@@ -78,8 +120,53 @@ def evaluate_steps(specs, target, answers, context, clock=time.monotonic):
         elif "error" in part:
             facts = failed_step(step, context["target"]["label"], part["error"])
         else:
-            node = step.read_node(spec, target, part["answer"], context)
-            facts = step.evaluate_step(spec, part["answer"], node, context)
+            try:
+                node = step.read_node(spec, target, part["answer"], context)
+                facts = step.evaluate_step(spec, part["answer"], node, context)
+            except RecoverError as error:  # one step's unreadable facts must not hide the others'
+                facts = failed_step(step, context["target"]["label"], str(error))
         facts["seconds"] = round(clock() - started + part.get("seconds", 0), 3)
         context["steps"][step.NAME] = facts
     return context["steps"]
+
+
+def fact_pass(target, specs, *, lock, python="python3", check_mode=False, warn=None, clock=time.monotonic):
+    """The fact pass of one target: take its run lock, read every step's facts in ONE probe, decide the lock.
+
+    ``specs`` come from :func:`validate_specs`; ``lock`` holds ``lock_dir``, ``run_id``, ``owner`` and ``ttl``
+    (module_utils/pve_lock). The lock is kept only while a step has work and no step found a problem: a converged
+    target (or one that is about to fail its asserts) is released in this same module execution, so a converged
+    run makes no further remote call. Any failure after the lock was taken releases it before it propagates.
+    Returns the facts published as ``ansible_facts.pve_gpu_recover``.
+    """
+    started = clock()
+    # The lock is run bookkeeping on the node: taken in check mode too, so a drift check never reads a target
+    # that a real run is changing.
+    try:
+        taken = pve_lock.change_lock("present", vmid=target.vmid, warn=warn, **lock)
+    except pve_lock.LockError as error:
+        # Under one key: a top-level `path` makes Ansible add that file's attributes to the failed result.
+        error.details = {"lock": error.details} if error.details else {}
+        raise
+    try:
+        answers = target.run_probes(probe_parts(specs, target.timeout), python=python)
+        context = target_context(target, check_mode)
+        steps = evaluate_steps(specs, target, answers, context, clock=clock)
+    except BaseException:
+        pve_lock.change_lock("absent", vmid=target.vmid, lock_dir=lock["lock_dir"], run_id=lock["run_id"])
+        raise
+    problems = [problem for facts in steps.values() for problem in facts["problems"]]
+    pending = [name for name, facts in steps.items() if facts["pending"]]
+    keep = bool(pending) and not problems
+    if not keep:
+        pve_lock.change_lock("absent", vmid=target.vmid, lock_dir=lock["lock_dir"], run_id=lock["run_id"])
+    preflight = steps[pve_preflight.NAME]
+    return {
+        "run_id": lock["run_id"],
+        "target": dict(context["target"], hostname=preflight.get("hostname")),
+        "lock": {"path": taken["path"], "held": keep, "action": taken["action"]},
+        "pending": pending,
+        "problems": problems,
+        "seconds": round(clock() - started, 3),
+        **steps,
+    }

@@ -22,6 +22,7 @@ import inspect
 import json
 import os
 import re
+import selectors
 import signal
 import socket
 import subprocess
@@ -41,6 +42,11 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running!")
 PCT_NO_CONFIG = re.compile(r"Configuration file '([^']+)' does not exist")
 PCT_PARAM_ERROR = re.compile(r"400 Parameter verification failed")
+# pct before pve-container 5.0.9 (Proxmox VE 8.1, March 2024) has no --keep-env: Getopt::Long warns about it and
+# the CLI handler fails with "400 unable to parse option" before anything runs in the CT.
+PCT_NO_KEEP_ENV = re.compile(r"Unknown option: keep-env")
+# What a cleared environment gets inside the CT (lxc-attach --clear-env's PATH).
+CT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # rc 127 from lxc-attach, timeout(1) or env(1) when the command does not exist where it should run.
 NOT_FOUND = (
     re.compile(r'Failed to exec "([^"]+)"'),
@@ -51,6 +57,14 @@ EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
 EXIT_TIMEOUT = 124
 EXIT_PCT_DIED = 255
+# run_local's hard limits: each stream keeps its first OUTPUT_CAP bytes; after the deadline (or after the command
+# exited while something it started still holds its pipes) the pipes are read for DRAIN_GRACE more seconds, and a
+# killed leader is waited for REAP_GRACE seconds. POLL_INTERVAL is how often the leader's exit is checked.
+OUTPUT_CAP = 8 * 1024 * 1024
+DRAIN_GRACE = 1.0
+REAP_GRACE = 0.5
+POLL_INTERVAL = 0.1
+READ_CHUNK = 65536
 
 
 # The options of every module that reaches a target (documented once in plugins/doc_fragments/pve_target.py).
@@ -84,6 +98,7 @@ class CommandResult:
     stderr: str
     seconds: float = 0.0
     timed_out: bool = field(default=False)
+    truncated: bool = field(default=False)  # a stream was longer than run_local's output_cap: only its head is kept
 
 
 def validate_vmid(value):
@@ -102,8 +117,16 @@ def validate_vmid(value):
     return value
 
 
-def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None):
+def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap=OUTPUT_CAP):
     """Run argv on this host without a shell; kill its whole process group when ``timeout`` passes.
+
+    Hard deadline: the call returns at most ``timeout`` + DRAIN_GRACE + REAP_GRACE seconds after it started,
+    whatever the command does. Output is read until the deadline (or until the command has exited and its pipes
+    close, or DRAIN_GRACE after it exited while something it started still holds them); after a timeout the group
+    is killed and what is left in the pipes is read for at most DRAIN_GRACE more, so a detached child (one that
+    called setsid and keeps stdout open) or a process stuck in the driver cannot hold the run. Each stream keeps
+    its first ``output_cap`` bytes; the rest is read and dropped (``truncated`` says so), so a command that prints
+    without end never grows memory. A leader that outlives SIGKILL (state D) is left unreaped with rc -9.
 
     Raises FileNotFoundError when argv[0] does not exist (the caller turns it into a clear TargetError).
     """
@@ -111,30 +134,128 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None):
     full_env = dict(os.environ)
     full_env.update(C_LOCALE)
     full_env.update(env or {})
-    with subprocess.Popen(
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    proc = subprocess.Popen(  # not a `with`: Popen.__exit__ would wait without a deadline
         argv,
-        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=full_env,
         start_new_session=True,  # so a timeout can kill pct and everything it started
-    ) as proc:
-        timed_out = False
-        try:
-            out, err = proc.communicate(stdin.encode() if isinstance(stdin, str) else stdin, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+    )
+    try:
+        out, err, timed_out = exchange(proc, data, started + timeout, output_cap)
+    finally:
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        if proc.poll() is None:
+            kill_group(proc)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(REAP_GRACE)
     return CommandResult(
         argv=list(argv),
-        rc=proc.returncode,
-        stdout=out.decode(errors="replace"),
-        stderr=err.decode(errors="replace"),
+        rc=proc.returncode if proc.returncode is not None else -signal.SIGKILL,
+        stdout=bytes(out.data).decode(errors="replace"),
+        stderr=bytes(err.data).decode(errors="replace"),
         seconds=round(time.monotonic() - started, 3),
         timed_out=timed_out,
+        truncated=out.dropped > 0 or err.dropped > 0,
     )
+
+
+@dataclass
+class CappedBuffer:
+    """The first ``cap`` bytes of a stream and how many bytes after them were read and dropped."""
+
+    cap: int
+    data: bytearray = field(default_factory=bytearray)
+    dropped: int = 0
+
+    def add(self, chunk):
+        room = max(0, self.cap - len(self.data))
+        self.data += chunk[:room]
+        self.dropped += max(0, len(chunk) - room)
+
+
+def kill_group(proc):
+    """SIGKILL the process group run_local started (the leader's pid is its id); gone already is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def exchange(proc, data, deadline, cap):
+    """Feed ``data`` to stdin and read stdout/stderr until EOF or the deadline; ``(out, err, timed_out)``.
+
+    The same job as ``Popen.communicate`` with two differences: no wait is without a deadline (see run_local)
+    and each stream keeps at most ``cap`` bytes.
+    """
+    buffers = {proc.stdout.fileno(): CappedBuffer(cap), proc.stderr.fileno(): CappedBuffer(cap)}
+    timed_out = False
+    stop_at = None  # once set (the group was killed or the leader exited): stop reading at this time anyway
+    with selectors.DefaultSelector() as selector:
+        for fd in buffers:
+            selector.register(fd, selectors.EVENT_READ)
+        feeder = StdinFeeder(proc.stdin, data, selector)
+        while selector.get_map():
+            now = time.monotonic()
+            if stop_at is None and (now >= deadline or proc.poll() is not None):
+                # Killed at the deadline, or exited while what it started may keep the pipes open: not for long.
+                timed_out = now >= deadline and proc.poll() is None
+                if timed_out:
+                    kill_group(proc)
+                stop_at = now + DRAIN_GRACE
+            if stop_at is not None and now >= stop_at:
+                break
+            wait = min(deadline if stop_at is None else stop_at, now + POLL_INTERVAL) - now
+            for key, _ in selector.select(max(wait, 0)):
+                if key.fd not in buffers:
+                    feeder.write()
+                    continue
+                chunk = os.read(key.fd, READ_CHUNK)
+                if chunk:
+                    buffers[key.fd].add(chunk)
+                else:
+                    selector.unregister(key.fd)
+    if not timed_out and proc.poll() is None:
+        # It closed its output but still runs: wait for it as long as the deadline allows.
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(proc)
+    out, err = buffers.values()
+    return out, err, timed_out
+
+
+class StdinFeeder:
+    """Writes ``data`` to a child's stdin without ever blocking (the pipe is non-blocking, driven by a selector)."""
+
+    def __init__(self, pipe, data, selector):
+        self.pipe = pipe
+        self.view = memoryview(data or b"")
+        self.offset = 0
+        self.selector = selector
+        if pipe is None:
+            return
+        if self.view:
+            os.set_blocking(pipe.fileno(), False)
+            selector.register(pipe.fileno(), selectors.EVENT_WRITE)
+        else:
+            pipe.close()
+
+    def write(self):
+        try:
+            self.offset += os.write(self.pipe.fileno(), self.view[self.offset : self.offset + READ_CHUNK])
+        except BlockingIOError:
+            return
+        except BrokenPipeError:
+            self.offset = len(self.view)  # it stopped reading: the rest of stdin is not wanted
+        if self.offset >= len(self.view):
+            self.selector.unregister(self.pipe.fileno())
+            with contextlib.suppress(BrokenPipeError):
+                self.pipe.close()
 
 
 class Target:
@@ -153,6 +274,8 @@ class Target:
         self.runner = runner or run_local
         self.pct = pct
         self.timeout = timeout
+        # Whether this node's pct takes --keep-env (pve-container 5.0.9+); learnt from its answer, once per Target.
+        self.pct_keep_env = True
 
     @classmethod
     def from_params(cls, params):
@@ -186,8 +309,12 @@ class Target:
         if "=" in argv[0]:
             # env(1) would read it as an assignment, not as the command.
             raise TargetError(f"{self.label}: command name {argv[0]!r} contains '='", kind="invalid")
-        inner = ["env", *(f"{k}={v}" for k, v in C_LOCALE.items()), *extra, *argv]
-        return [self.pct, "exec", str(self.vmid), "--keep-env", "0", "--", *guarded, *inner]
+        locale = [f"{k}={v}" for k, v in C_LOCALE.items()]
+        if self.pct_keep_env:
+            return [self.pct, "exec", str(self.vmid), "--keep-env", "0", "--", *guarded, "env", *locale, *extra, *argv]
+        # An older pct passes the node's environment on: clear it inside the CT instead.
+        inner = ["env", "-i", f"PATH={CT_PATH}", *locale, *extra, *argv]
+        return [self.pct, "exec", str(self.vmid), "--", *guarded, *inner]
 
     def pct_argv(self, *args):
         """A plain ``pct <subcommand> <vmid> ...`` call (status, push, pull)."""
@@ -201,6 +328,11 @@ class Target:
         result = self._execute(
             wrapped, argv, stdin=stdin, timeout=seconds + KILL_GRACE + 10, env=None if self.is_container else env
         )
+        if self.is_container and self.pct_keep_env and self._pct_lacks_keep_env(result):
+            # Rejected before anything ran in the CT: safe to run again the old way.
+            self.pct_keep_env = False
+            wrapped = self.command_argv(argv, timeout=seconds, env=env)
+            result = self._execute(wrapped, argv, stdin=stdin, timeout=seconds + KILL_GRACE + 10)
         self._raise_for_wrapper(result, argv, seconds)
         if check and result.rc != 0:
             raise TargetError.of(
@@ -315,6 +447,10 @@ class Target:
                 kind="not_found",
                 cmd=wrapped,
             ) from None
+
+    @staticmethod
+    def _pct_lacks_keep_env(result):
+        return result.rc == EXIT_PCT_DIED and bool(PCT_NO_KEEP_ENV.search(result.stderr))
 
     def _raise_for_pct(self, result):
         if not self.is_container or result.rc != EXIT_PCT_DIED:

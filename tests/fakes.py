@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import yaml
 from ansible.module_utils import pve_target
 from ansible.module_utils.pve_target import CommandResult
 from ansible.module_utils.testing import patch_module_args
@@ -48,4 +49,17 @@ def run_module(module, args, runner, monkeypatch, capsys, *, check_mode=False):
     with patch_module_args(args), pytest.raises(SystemExit):
         module.main()
     runner.assert_done()
-    return json.loads(capsys.readouterr().out)
+    result = json.loads(capsys.readouterr().out)
+    assert_documented(module, result)
+    return result
+
+
+# Keys every module may return that Ansible itself documents (the common return values).
+COMMON_KEYS = {"changed", "failed", "msg", "invocation", "warnings", "deprecations", "diff"}
+
+
+def assert_documented(module, result):
+    """Every key ``module`` returned is in its RETURN (docs that say what the code does)."""
+    documented = set(yaml.safe_load(module.RETURN) or {})
+    undocumented = sorted(set(result) - documented - COMMON_KEYS)
+    assert undocumented == [], f"{module.__name__} returns keys its RETURN does not document: {undocumented}"

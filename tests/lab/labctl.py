@@ -66,6 +66,8 @@ CT_LIB = "/usr/local/lib/pve-gpu-lab"
 CT_STATE = "/run/pve-gpu-lab/gpu"
 CT_HOSTPROC = "/run/pve-gpu-lab/hostproc"
 NVML_DIR = "usr/lib/x86_64-linux-gnu"
+CT_INDEX = "/srv/pve-gpu-lab/index"
+INDEX_PID = "/run/pve-gpu-lab-index.pid"
 UVM_MAJOR = 238  # the fixture machine's dynamic nvidia-uvm major
 
 
@@ -212,6 +214,8 @@ def ct_config(vmid, rootfs):
             f"lxc.mount.entry = /proc {CT_HOSTPROC[1:]} none rbind,create=dir 0 0",
             f"lxc.mount.entry = {path('node/proc-driver')} proc/driver none bind,optional 0 0",
             f"lxc.mount.entry = {path('standins')} {CT_LIB[1:]} none bind,ro,create=dir 0 0",
+            # Package indexes the venv tests serve on the CT's own loopback (the CT has no network).
+            f"lxc.mount.entry = {path('index')} {CT_INDEX[1:]} none bind,ro,create=dir 0 0",
             "",
         ]
     )
@@ -364,7 +368,7 @@ def start_node():
         f"mount -t overlay overlay -o lowerdir={path('node/bin')}:/usr/sbin /usr/sbin && "
         f"mount --bind {path('node/proc-driver')} /proc/driver && "
         f"{node_dev_script()} && "
-        f"exec /usr/sbin/sshd -f {ssh}/sshd_config"
+        f"exec /usr/sbin/sshd -f {ssh}/sshd_config -E {ssh}/sshd.log"  # one 'Accepted' line per connection
     )
     run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script])
     deadline = time.monotonic() + 10
@@ -458,6 +462,7 @@ def create(args):
         if busy and not os.path.exists(path("lxc", str(vmid), "config")):
             sys.exit(f"labctl: cgroup lxc/{vmid} is in use by another container on this machine; stop it first")
     os.makedirs(LAB_DIR, exist_ok=True)
+    os.makedirs(path("index"), exist_ok=True)
     write(path("cts.json"), json.dumps({str(k): v for k, v in cts.items()}))
     install_standins(cts)
     for vmid, gpus in cts.items():
@@ -597,6 +602,7 @@ def repair(_args):
     write_kernel_version(DRIVER_VERSION)
     gpulab.clear_faults(path("gpu"))
     gpulab.clear_leaks(path("gpu"))
+    set_pct_config(keep_env_option=True)
     for vmid, gpus in saved_cts().items():
         if gpus:
             set_ct_library(vmid, DRIVER_VERSION)
@@ -696,6 +702,56 @@ def hold(args):
     print(match.group(1))
 
 
+def index_serve(args):
+    """Serve the lab's package indexes (``path('index')``, filled by the tests) on 127.0.0.1 inside a CT."""
+    vmid = int(args.where.removeprefix("ct"))
+    index_stop(args)
+    server = [
+        "/usr/bin/python3",
+        f"{CT_LIB}/index_server.py",
+        CT_INDEX,
+        "--port",
+        str(args.port),
+        "--pid-file",
+        INDEX_PID,
+        *(["--break", args.broken] if args.broken else []),
+    ]
+    argv = ["lxc-attach", "-P", path("lxc"), "-n", str(vmid), "--clear-env", "--", "setsid", *server]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True
+    )
+    line = proc.stdout.readline().decode()
+    if not line.startswith("serving"):
+        sys.exit(f"labctl: the index server did not start in CT {vmid} (exit {proc.poll()}): {line!r}")
+    log(f"CT {vmid}: {line.strip()}" + (f", breaking on {args.broken!r}" if args.broken else ""))
+
+
+def index_stop(args):
+    vmid = int(args.where.removeprefix("ct"))
+    script = f"[ -f {INDEX_PID} ] && kill $(cat {INDEX_PID}) 2>/dev/null; rm -f {INDEX_PID}; true"
+    lxc("lxc-attach", vmid, "--clear-env", "--", "sh", "-c", script, check=False)
+
+
+def set_pct_config(**changes):
+    config_path = path("node/pct.json")
+    with open(config_path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config.update(changes)
+    write(config_path, json.dumps(config, indent=1))
+
+
+def pct_delay(args):
+    """Every later pct call sleeps ``args.seconds`` first (0 turns it off); the benchmark's cost model."""
+    if args.seconds < 0:
+        sys.exit("labctl: pct-delay takes 0 or more seconds")
+    set_pct_config(delay=args.seconds)
+
+
+def pct_mode(args):
+    """``old``: the node's pct predates pve-container 5.0.9 (no ``--keep-env``); ``current``: Proxmox VE 8.1+."""
+    set_pct_config(keep_env_option=args.mode == "current")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -726,6 +782,20 @@ def main(argv=None):
     p.add_argument("--gpu", type=int, help="index of the GPU in that view (gpu_lost, inforom)")
     p.set_defaults(func=fault)
     sub.add_parser("repair").set_defaults(func=repair)
+    p = sub.add_parser("pct-delay", help="make every pct call cost SECONDS first, like a real node's Perl pct")
+    p.add_argument("seconds", type=float)
+    p.set_defaults(func=pct_delay)
+    p = sub.add_parser("index-serve", help="serve the lab's package indexes on 127.0.0.1 inside a CT")
+    p.add_argument("where", help="ct<vmid>")
+    p.add_argument("--port", type=int, default=8900)
+    p.add_argument("--break", dest="broken", help="cut the first download whose path has this and go down")
+    p.set_defaults(func=index_serve)
+    p = sub.add_parser("index-stop", help="stop a CT's index server")
+    p.add_argument("where", help="ct<vmid>")
+    p.set_defaults(func=index_stop)
+    p = sub.add_parser("pct-mode", help="old: a pct without --keep-env (before Proxmox VE 8.1); current: 8.1+")
+    p.add_argument("mode", choices=["old", "current"])
+    p.set_defaults(func=pct_mode)
     p = sub.add_parser("hold")
     p.add_argument("where", help="ct<vmid> or node")
     p.add_argument("--gpu", action="append", required=True)

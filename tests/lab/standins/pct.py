@@ -14,7 +14,9 @@ exit 255):
 * exec into a stopped CT: ``container '<vmid>' not running!``.
 
 Every call is appended to the lab's pct-calls.log (JSON lines) so tests can count pct round trips.
-Configuration: JSON file named by $PVE_GPU_LAB_PCT with ``lxcpath``, ``node``, ``log``.
+Configuration: JSON file named by $PVE_GPU_LAB_PCT with ``lxcpath``, ``node``, ``log`` and an optional
+``delay``: seconds every call costs before it starts, like a real node's Perl ``pct`` (``labctl pct-delay``), and
+``keep_env_option``: false plays a pct older than pve-container 5.0.9 (``labctl pct-mode old``).
 """
 
 import json
@@ -71,6 +73,8 @@ class Pct:
     def __init__(self, config):
         self.lxcpath = config["lxcpath"]
         self.node = config["node"]
+        # False plays a pct older than pve-container 5.0.9 (Proxmox VE 8.1): no --keep-env, the node's env leaks in.
+        self.keep_env_option = config.get("keep_env_option", True)
 
     def load_config(self, vmid):
         """Like PVE::LXC::Config->load_config: the CT must have a config on this node."""
@@ -102,6 +106,10 @@ class Pct:
         keep_env = True  # Proxmox VE 8 default; callers of this project always pass --keep-env 0
         rest = opts[1:]
         while rest:
+            if rest[0].startswith("--keep-env") and not self.keep_env_option:
+                # pve-container before 5.0.9: Getopt::Long warns, the CLI handler refuses; nothing runs.
+                sys.stderr.write("Unknown option: keep-env\n")
+                fail(f"400 unable to parse option\n{USAGE['exec']}")
             if rest[0] == "--keep-env" and len(rest) > 1:
                 keep_env = parse_bool("exec", "keep-env", rest[1])
                 rest = rest[2:]
@@ -188,6 +196,9 @@ def main(argv):
         config = json.load(handle)
     with open(config["log"], "a", encoding="utf-8") as log:
         log.write(json.dumps({"time": time.time(), "argv": argv}) + "\n")
+    # What a real node's pct costs before it does anything (a Perl CLI that loads the cluster configuration):
+    # the benchmark sets it with `labctl pct-delay SECONDS`; 0 (the default) for tests.
+    time.sleep(float(config.get("delay", 0)))
     pct = Pct(config)
     commands = {"status": pct.status, "exec": pct.exec, "push": pct.push, "pull": pct.pull, "list": pct.list}
     if not argv or argv[0] not in commands:

@@ -8,13 +8,17 @@ import target_lock
 from ansible.module_utils import pve_lock
 from ansible.module_utils.testing import patch_module_args
 
+from tests.fakes import assert_documented
+
 
 def lock(args, capsys, check_mode=False):
     if check_mode:
         args = dict(args, _ansible_check_mode=True)
     with patch_module_args(args), pytest.raises(SystemExit):
         target_lock.main()
-    return json.loads(capsys.readouterr().out)
+    result = json.loads(capsys.readouterr().out)
+    assert_documented(target_lock, result)
+    return result
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""module_utils/pve_preflight.py: the preflight part of the fact pass, fed the probe answers of test_target_info."""
+"""module_utils/pve_preflight.py: the preflight part of the fact pass, fed the probe answers of test_target_facts."""
 
 from pathlib import Path
 
@@ -9,7 +9,7 @@ from ansible.module_utils.nvidia_smi import NvidiaSmiError
 
 from tests.conftest import ROOT
 
-ANCHORS = yaml.safe_load((ROOT / "tests/unit/library/test_target_info.yaml").read_text())["anchors"]
+ANCHORS = yaml.safe_load((ROOT / "tests/unit/library/test_target_facts.yaml").read_text())["anchors"]
 CONTEXT = {"target": {"label": "CT 200 on pve1", "node": "pve1", "vmid": 200}}
 SPEC = dict(pve_preflight.SPEC_DEFAULTS, expected_gpu_count=2)
 

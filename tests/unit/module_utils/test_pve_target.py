@@ -287,3 +287,32 @@ def test_c_locale_is_forced():
 def test_a_timeout_that_would_mean_no_deadline_is_rejected(timeout):
     with pytest.raises(TargetError, match="timeout must be a whole number of seconds, at least 1"):
         Target(200, timeout=timeout)
+
+
+# pct before pve-container 5.0.9 (Proxmox VE 8.1) rejects --keep-env before it runs anything.
+OLD_PCT_ERROR = "Unknown option: keep-env\n400 unable to parse option\npct exec <vmid> [<extra-args>] [OPTIONS]\n"
+NEW_ARGV = ["pct", "exec", "200", "--keep-env", "0", "--", "timeout", "-k", "5", "60", "env", "LC_ALL=C", "LANG=C"]
+OLD_ARGV = ["pct", "exec", "200", "--", "timeout", "-k", "5", "60", "env", "-i", f"PATH={pve_target.CT_PATH}"]
+
+
+def test_an_old_pct_without_keep_env_is_detected_and_the_env_cleared_inside_instead():
+    runner = FakeRunner(
+        ([*NEW_ARGV, "id", "-u"], (255, "", OLD_PCT_ERROR)),
+        ([*OLD_ARGV, "LC_ALL=C", "LANG=C", "id", "-u"], (0, "0\n", "")),
+        # Learnt once: the next command goes the old way at once, no second rejection.
+        ([*OLD_ARGV, "LC_ALL=C", "LANG=C", "true"], (0, "", "")),
+    )
+    target = Target(200, node="pve1", runner=runner)
+    assert target.run(["id", "-u"]).stdout == "0\n"
+    target.run(["true"])
+    runner.assert_done()
+    assert target.pct_keep_env is False
+
+
+def test_another_pct_parameter_error_is_not_taken_for_an_old_pct():
+    error = "400 Parameter verification failed.\nvmid: value must have a minimum value of 100\n"
+    runner = FakeRunner(([*NEW_ARGV, "true"], (255, "", error)))
+    with pytest.raises(TargetError) as raised:
+        Target(200, node="pve1", runner=runner).run(["true"])
+    assert raised.value.kind == "invalid"
+    runner.assert_done()

@@ -1,0 +1,204 @@
+#!/usr/bin/python
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: target_facts
+short_description: The fact pass of a GPU target - take its run lock and read what every recovery step needs
+description:
+  - Runs on the Proxmox node (or the bare GPU host) once per target and run. It takes the target's run lock
+    (the rules of M(target_lock)), then reads, in ONE C(pct exec) probe inside the CT plus reads on the node,
+    everything the steps of recover.yml need to decide whether they have work.
+  - Each step contributes its own probe part and node-side reads (C(module_utils/pve_steps.py)). C(preflight)
+    reads that the CT runs, its C(/dev/nvidia*), the driver inside against the node's kernel module, free disk
+    and every GPU's facts from one C(nvidia-smi) query. C(gpu_processes) reads the processes holding the
+    target's GPUs, by host pid, on the node.
+  - The facts are returned as C(ansible_facts.pve_gpu_recover), the one interface between the roles. Each step's
+    facts say what a run would change (C(changes), C(diff)), what stops it (C(problems)) and whether its acting
+    task has work (C(pending)).
+  - When no step has work, or a step found a problem, the lock is released in this same execution, so a converged
+    run makes no further remote call. Otherwise C(lock.held) is true and the run releases it after its last step.
+  - Changes nothing in the target; the lock file on the node is run bookkeeping and C(changed) is always false.
+version_added: "0.2.0"
+author: pve-gpu-recover contributors
+extends_documentation_fragment:
+  - action_common_attributes
+  - action_common_attributes.facts
+  - pve_target
+attributes:
+  check_mode:
+    support: full
+    details: Reads the same in check mode; the run lock is taken in check mode too (a drift check must not read
+      a target that a real run is changing).
+  diff_mode:
+    support: none
+  facts:
+    support: full
+  platform:
+    platforms: posix
+options:
+  run_id:
+    description:
+      - Identifies this run (recover.yml makes one per run); the run lock belongs to it.
+    type: str
+    required: true
+  owner:
+    description:
+      - Who runs it, shown to anyone who finds the target locked (e.g. C(alice@controller)).
+    type: str
+    default: unknown
+  lock_ttl:
+    description:
+      - Seconds after which a lock is considered stale (its run died) and may be taken over.
+    type: int
+    default: 7200
+  lock_dir:
+    description:
+      - Directory on the node that holds the lock files.
+    type: path
+    default: /run/lock/pve-gpu-recover
+  python:
+    description:
+      - Python interpreter inside the CT that runs the probe (ignored for a bare host, where the probe runs in this
+        module's own process).
+    type: str
+    default: python3
+  steps:
+    description:
+      - The settings of each step whose facts are read, by step name; each is checked against the step's own
+        options (the role variables C(<step>_<setting>) without the prefix) and takes its defaults.
+      - C(preflight) is always read. Known steps are C(preflight) (space_path, min_free_gib, expected_gpu_count,
+        kernel_version_file, library_globs) and C(gpu_processes) (protected, grace, kill_timeout,
+        memory_timeout, memory_threshold_mib, poll_interval).
+    type: dict
+    default: {}
+requirements:
+  - On the node, C(pct) (for a CT), coreutils C(timeout) and C(nvidia-smi).
+  - In the target, Python 3.9+ and C(nvidia-smi).
+seealso:
+  - module: target_lock
+  - module: gpu_processes
+  - module: gpu_info
+notes:
+  - Run it with C(delegate_to) the CT's node; the facts attach to the CT's inventory host (not the node) unless
+    C(delegate_facts) is set.
+"""
+
+EXAMPLES = r"""
+- name: Read what every step needs, in one pct exec, holding the run lock
+  target_facts:
+    vmid: 200
+    run_id: "{{ recover_run_id }}"
+    steps:
+      preflight: {expected_gpu_count: 8, min_free_gib: 20}
+      gpu_processes: {}
+  delegate_to: pve1
+
+- name: Stop, before anything changes, when a step found a problem (every problem at once)
+  ansible.builtin.assert:
+    that: ansible_facts.pve_gpu_recover.problems | length == 0
+    fail_msg: "{{ ansible_facts.pve_gpu_recover.problems | join(' | ') }}"
+
+- name: End the GPU holders only when the facts show some
+  gpu_processes:
+    vmid: 200
+  delegate_to: pve1
+  when: ansible_facts.pve_gpu_recover.gpu_processes.pending
+"""
+
+RETURN = r"""
+ansible_facts:
+  description: The facts of the target, under C(pve_gpu_recover).
+  returned: always
+  type: complex
+  contains:
+    pve_gpu_recover:
+      description:
+        - C(run_id), C(target) (label, vmid, node, hostname), C(lock) (path, held, action), C(pending) (the steps
+          with work, in order), C(problems) (every step's, in order), C(seconds) (the whole pass).
+        - Then one key per step read. Every step has C(changes) (one line per thing a run would change),
+          C(problems) (one sentence per thing that stops the step), C(diff) (before/after), C(pending) (its acting
+          task has work) and C(seconds); a step whose facts could not be read has C(error) instead of its own keys.
+        - C(preflight) adds C(checks) (name, ok, detail), C(gpus) (every field of the GPU query, as the target
+          numbers them), C(gpu_uuids), C(devices), C(node_driver_version), C(target_driver_version),
+          C(nvml_library_versions), C(space), C(python_version), C(hostname) and C(nvidia_smi_error).
+        - C(gpu_processes) adds C(processes) (what a run would end), C(protected) (left alone) and C(blockers)
+          (other owners' or protected processes holding memory on the target's GPUs, with the reason).
+      type: dict
+      sample:
+        run_id: 20261203T101500Z-3f2a1c
+        target: {label: CT 200 on pve1, vmid: 200, node: pve1, hostname: ct200}
+        lock: {path: /run/lock/pve-gpu-recover/ct-200.lock, held: false, action: taken}
+        pending: []
+        problems: []
+        seconds: 0.21
+        preflight: {problems: [], changes: [], pending: false, gpu_uuids: [GPU-bf580366-c11c-e730-752a-e9ca8716b7fa]}
+        gpu_processes: {processes: [], protected: [], blockers: [], changes: [], problems: [], pending: false}
+error:
+  description: On failure, what kind of failure it was, stable for code (e.g. C(stopped), C(missing), C(timeout), C(locked)).
+  returned: failure
+  type: str
+  sample: stopped
+cmd:
+  description: On failure of a command, the argv that ran (the C(pct exec) wrapper included).
+  returned: failure of a command
+  type: list
+  elements: str
+rc:
+  description: On failure of a command, its exit code.
+  returned: failure of a command
+  type: int
+stdout_tail:
+  description: On failure of a command, the last 20 lines of its stdout.
+  returned: failure of a command that printed
+  type: str
+stderr_tail:
+  description: On failure of a command, the last 20 lines of its stderr.
+  returned: failure of a command that printed
+  type: str
+lock:
+  description: On failure because another run holds the lock, the lock file, its holder and C(action=locked).
+  returned: failure
+  type: dict
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.pve_errors import RecoverError
+from ansible.module_utils.pve_lock import DEFAULT_LOCK_DIR, DEFAULT_TTL
+from ansible.module_utils.pve_steps import fact_pass, validate_specs
+from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={
+            **TARGET_ARGUMENT_SPEC,
+            "run_id": {"type": "str", "required": True},
+            "owner": {"type": "str", "default": "unknown"},
+            "lock_ttl": {"type": "int", "default": DEFAULT_TTL},
+            "lock_dir": {"type": "path", "default": DEFAULT_LOCK_DIR},
+            "python": {"type": "str", "default": "python3"},
+            "steps": {"type": "dict", "default": {}},
+        },
+        supports_check_mode=True,
+    )
+    p = module.params
+    try:
+        specs = validate_specs(p["steps"])
+        target = Target.from_params(p)
+        facts = fact_pass(
+            target,
+            specs,
+            lock={"lock_dir": p["lock_dir"], "run_id": p["run_id"], "owner": p["owner"], "ttl": p["lock_ttl"]},
+            python=p["python"],
+            check_mode=module.check_mode,
+            warn=module.warn,
+        )
+    except RecoverError as error:
+        module.fail_json(**error.to_result())  # every error of the pass already names its target
+    module.exit_json(changed=False, ansible_facts={"pve_gpu_recover": facts})
+
+
+if __name__ == "__main__":
+    main()

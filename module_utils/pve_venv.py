@@ -1,0 +1,426 @@
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The training venv step: is the venv exactly the locked set, and what would a run change.
+
+Its probe part (``pve_probe_training_venv``) reads, inside the target, the venv's ``pyvenv.cfg``, the Name and
+Version of every installed distribution and ``torch/version.py``, without running the venv's python
+(``import torch`` costs seconds). Everything here is pure: the lock text and the probe's answer in, facts out.
+
+Exact means exact: versions are compared as strings, local tag included. PEP 440 says ``torch==2.11.0`` is
+satisfied by ``2.11.0+cu130``; here they differ, because the local tag is the CUDA build and a wrong build is
+the drift this project exists to find. The lock is a ``uv pip compile --generate-hashes`` requirements file;
+the role reads it on the controller (``lookup('file', training_venv_lock_file)``) and passes its TEXT, so the
+node needs no copy of it and the fact pass sees exactly what the build will install.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ansible.module_utils import pve_probe_training_venv
+from ansible.module_utils.pve_errors import RecoverError
+
+NAME = "training_venv"
+PROBE = pve_probe_training_venv
+# The venv's own installers. `python3 -m venv` (the fallback builder) seeds pip (and setuptools on 3.11), uv
+# seeds nothing, and uv / pip-tools leave them out of a lock unless something depends on them. Counting them by
+# default would make every pip-built venv drift forever; a lock that pins one gets it compared like any other.
+TOOLING = ("pip", "setuptools", "wheel")
+SPEC = {
+    # Where the venv lives inside the target; a rebuild puts the new venv beside it and swaps.
+    "path": {"type": "path", "default": "/opt/venvs/train"},
+    # The lock's text (`uv pip compile --generate-hashes` output: name==version pins, hashes, index options).
+    "lock": {"type": "str", "required": True},
+    # Python minor the venv must have ("3.11"); None: the `--python-version` the lock was compiled with, found in
+    # uv's header, else not checked. A lock's wheels are only valid for the python it was compiled for.
+    "python": {"type": "str"},
+    # pip/setuptools/wheel when the lock does not pin them: "ignore" (see TOOLING) or "exact" (they are extra).
+    "tooling": {"type": "str", "default": "ignore", "choices": ["ignore", "exact"]},
+}
+SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
+
+_NAME_SEPARATORS = re.compile(r"[-_.]+")
+_PIN = re.compile(
+    r"^(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*(?:\[[^\]]*\])?\s*"
+    r"==\s*(?P<version>[A-Za-z0-9][A-Za-z0-9.+!_-]*)\s*(?:;\s*(?P<marker>.+))?$"
+)
+_HASH = re.compile(r"\s*--hash[=\s]\S+")
+_INLINE_COMMENT = re.compile(r"(^|\s+)#.*$")
+_OPTION = re.compile(r"^(?P<option>--?[A-Za-z][\w-]*)(?:\s*=\s*|\s+)?(?P<value>.*)$")
+_SOURCE_ANNOTATION = re.compile(r"^#\s*from\s+(?P<url>\S+)\s*$")
+_HEADER_PYTHON = re.compile(r"(?:^|\s)(?:--python-version|--python|-p)[=\s]+(?P<version>\d+\.\d+)(?:\.\d+)?\b")
+_PYTHON_MINOR = re.compile(r"^\d+\.\d+$")
+_VARIANT = re.compile(r"^(?P<variant>cu\d+|cpu|xpu|rocm\d+(?:\.\d+)*)(?:\.|$)")
+_INDEX_OPTIONS = {"--index-url": "index", "-i": "index", "--extra-index-url": "extra"}
+_REJECTED_OPTIONS = ("-e", "--editable", "-r", "--requirement", "-c", "--constraint")
+_FIX = "compile it with `uv pip compile --generate-hashes`"
+
+
+class VenvError(RecoverError):
+    """The lock cannot be used, or the probe answered something that is not a venv probe's answer."""
+
+
+# -- names and versions ----------------------------------------------------------------------------------------
+def canonical_name(name):
+    """PEP 503 normalization: ``Typing_Extensions`` -> ``typing-extensions``, ``zope.interface`` ->
+    ``zope-interface``."""
+    return _NAME_SEPARATORS.sub("-", name).lower()
+
+
+def variant(version):
+    """The build variant in a version's local tag: ``2.11.0+cu128`` -> ``cu128``, ``2.13.0+cpu`` -> ``cpu``,
+    ``2.11.0+rocm6.4`` -> ``rocm6.4``, ``2.1.0+cu121.with.pypi.cudnn`` -> ``cu121``; ``2.11.0`` -> None."""
+    _, plus, local = (version or "").partition("+")
+    match = _VARIANT.match(local) if plus else None
+    return match.group("variant") if match else None
+
+
+def freeze_lines(versions):
+    """``{"torch": "2.11.0+cu128", "six": "1.17.0"}`` -> ``"six==1.17.0\\ntorch==2.11.0+cu128\\n"``.
+
+    A name installed twice (``"2.10.0, 2.11.0"``, see :func:`installed_versions`) gives one line per record.
+    """
+    lines = [f"{name}=={one}" for name, joined in versions.items() for one in joined.split(", ")]
+    return "".join(f"{line}\n" for line in sorted(lines))
+
+
+# -- the lock --------------------------------------------------------------------------------------------------
+def _logical_lines(text):
+    """``(line number, text)`` per logical line: ``\\``-continued lines joined; a comment line stands alone."""
+    pending, start = [], 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if line.startswith("#"):  # like pip: a comment line ends a continued requirement
+            if pending:
+                yield start, " ".join(pending)
+                pending = []
+            yield number, line
+            continue
+        if not pending:
+            start = number
+        continued = line.endswith("\\")
+        pending.append(line[:-1].strip() if continued else line)
+        if not continued:
+            yield start, " ".join(p for p in pending if p)
+            pending = []
+    if pending:
+        yield start, " ".join(p for p in pending if p)
+
+
+def parse_lock(text):
+    """The pins and sources of a ``uv pip compile --generate-hashes`` lock.
+
+    ``"--index-url https://pypi.org/simple\\n--extra-index-url https://download.pytorch.org/whl/cu128\\n\\n"
+    "torch==2.11.0+cu128 \\\\\\n    --hash=sha256:ab...\\n    # from https://download.pytorch.org/whl/cu128\\n"``
+    -> ``{"distributions": {"torch": "2.11.0+cu128"}, "indexes": ["https://pypi.org/simple",
+    "https://download.pytorch.org/whl/cu128"], "torch_index": "https://download.pytorch.org/whl/cu128",
+    "find_links": [], "no_index": False, "sources": {"torch": "https://download.pytorch.org/whl/cu128"},
+    "markers": {}, "python": None}``.
+
+    ``python`` is the ``--python-version`` of uv's header comment; ``sources`` come from ``# from URL`` lines
+    (``--emit-index-annotation``). Anything that is not an exact pin (``>=``, ``name @ url``, ``-e``, ``-r``) or
+    a name pinned twice raises VenvError naming the line: a lock with it cannot say what must be installed.
+    """
+    lock = {
+        "distributions": {},
+        "indexes": [],
+        "torch_index": None,
+        "find_links": [],
+        "no_index": False,
+        "sources": {},
+        "markers": {},
+        "python": None,
+    }
+    indexes = {"index": [], "extra": []}
+    last, in_header = None, True
+    for number, line in _logical_lines(text):
+        if line.startswith("#"):
+            _read_comment(lock, line, last, in_header)
+            continue
+        requirement = _INLINE_COMMENT.sub("", line).strip()
+        if not requirement:
+            continue
+        in_header = False
+        if requirement.startswith("-"):
+            _read_option(lock, indexes, number, requirement)
+        else:
+            last = _read_pin(lock, number, requirement)
+    if not lock["distributions"]:
+        raise VenvError(f"the lock pins no distribution; {_FIX}", kind="lock")
+    lock["indexes"] = indexes["index"] + indexes["extra"]
+    lock["torch_index"] = torch_index(lock)
+    return lock
+
+
+def _read_comment(lock, line, last, in_header):
+    """uv's header names the python it compiled for; ``# from URL`` names where the pin above comes from."""
+    source = _SOURCE_ANNOTATION.match(line)
+    if source and last:
+        lock["sources"][last] = source.group("url")
+    header_python = _HEADER_PYTHON.search(line) if in_header and "compile" in line else None
+    if header_python:
+        lock["python"] = header_python.group("version")
+
+
+def _read_option(lock, indexes, number, line):
+    """Index, find-links and no-index options are kept; -e, -r, -c are refused; others (--trusted-host) pass."""
+    option = _OPTION.match(line)
+    name, value = (option.group("option"), option.group("value").strip()) if option else (line, "")
+    if name in _REJECTED_OPTIONS or not option:
+        raise VenvError(f"the lock, line {number}: `{line}` is not an exact pin (name==version); {_FIX}", kind="lock")
+    if name in _INDEX_OPTIONS:
+        # --index-url replaces the default index; each --extra-index-url adds one.
+        if _INDEX_OPTIONS[name] == "index":
+            indexes["index"] = [value]
+        else:
+            indexes["extra"].append(value)
+    elif name in ("--find-links", "-f"):
+        lock["find_links"].append(value)
+    elif name == "--no-index":
+        lock["no_index"] = True
+
+
+def _read_pin(lock, number, line):
+    """Record ``name==version`` (hashes, extras and a marker allowed) and return its canonical name."""
+    pin = _PIN.match(_HASH.sub("", line).strip())
+    if not pin:
+        what = "a direct reference" if " @ " in line or "://" in line else "not an exact pin (name==version)"
+        raise VenvError(f"the lock, line {number}: `{line}` is {what}; {_FIX}", kind="lock")
+    name = canonical_name(pin.group("name"))
+    if name in lock["distributions"]:
+        raise VenvError(
+            f"the lock, line {number}: {name} is pinned twice ({lock['distributions'][name]} and "
+            f"{pin.group('version')}, for different markers?); compile it for the target only, with "
+            f"`uv pip compile --python-platform x86_64-manylinux_2_28 --python-version 3.X`",
+            kind="lock",
+        )
+    lock["distributions"][name] = pin.group("version")
+    if pin.group("marker"):
+        lock["markers"][name] = pin.group("marker").strip()
+    return name
+
+
+def torch_index(lock):
+    """Where torch comes from: its ``# from`` annotation, else the index named for its variant
+    (``2.11.0+cu128`` -> ``https://download.pytorch.org/whl/cu128``), else None."""
+    if "torch" in lock["sources"]:
+        return lock["sources"]["torch"]
+    wanted = variant(lock["distributions"].get("torch"))
+    named = [url for url in lock["indexes"] if wanted and url.rstrip("/").rsplit("/", 1)[-1] == wanted]
+    return named[0] if named else None
+
+
+def expected_python(spec, lock):
+    """The python minor the venv must have: the spec's, else the lock's ``--python-version``, else None."""
+    return spec["python"] or lock["python"]
+
+
+def check_spec(spec):
+    """Why the step's settings cannot work (one sentence), or ``""``: called once the SPEC types are checked."""
+    try:
+        lock = parse_lock(spec["lock"])
+    except VenvError as error:
+        return str(error)
+    python = spec["python"]
+    if python is not None and not _PYTHON_MINOR.match(python):
+        return f"python is {python!r}; expected a minor version like '3.11'"
+    if python and lock["python"] and python != lock["python"]:
+        return (
+            f"python is {python} but the lock was compiled for {lock['python']} (--python-version in its "
+            f"header): set python to {lock['python']}, or compile the lock for {python}"
+        )
+    return ""
+
+
+# -- the venv --------------------------------------------------------------------------------------------------
+def check_answer(answer):
+    """The probe's answer comes from inside a CT: a part that is not what the probe prints is a VenvError."""
+    if not isinstance(answer, dict):
+        raise VenvError("the training_venv probe answered no object", kind="probe")
+    for key, kind in (("exists", bool), ("distributions", list), ("broken", list), ("errors", list)):
+        if not isinstance(answer.get(key), kind):
+            raise VenvError(f"the training_venv probe answered no {key!r} ({kind.__name__})", kind="probe")
+    for dist in answer["distributions"]:
+        if not (isinstance(dist, dict) and isinstance(dist.get("name"), str) and isinstance(dist.get("version"), str)):
+            raise VenvError(
+                f"the training_venv probe answered a distribution without name/version: {dist!r}", kind="probe"
+            )
+    if not all(isinstance(broken, dict) for broken in answer["broken"]):
+        raise VenvError("the training_venv probe answered a broken record that is not an object", kind="probe")
+    version_py = answer.get("torch_version_py")
+    if version_py is not None and not isinstance(version_py, dict):
+        raise VenvError("the training_venv probe answered a torch_version_py that is not an object", kind="probe")
+
+
+def installed_records(answer):
+    """``{canonical name: [version of each record]}``: a name appears twice when two records were left behind."""
+    records = {}
+    for dist in answer["distributions"]:
+        records.setdefault(canonical_name(dist["name"]), []).append(dist["version"])
+    return records
+
+
+def installed_versions(answer, pins=None):
+    """``{canonical name: exact version}`` of the venv, from the probe's answer.
+
+    torch's METADATA may say less than its build: PyPI's torch says ``2.11.0`` there and ``2.11.0+cu130`` in
+    torch/version.py, so ``{"distributions": [{"name": "torch", "version": "2.11.0"}], "torch_version_py":
+    {"version": "2.11.0+cu130"}}`` -> ``{"torch": "2.11.0+cu130"}``. A cu128 index wheel says ``2.11.0+cu128``
+    in both and stays so. Only when ``pins`` (the lock) pins exactly the plain version the METADATA says does the
+    plain version stand: that pin names PyPI's wheel, which is what is installed (else a rebuild from that very
+    lock would still differ). A name with several records gives their versions joined by ``", "``, which never
+    equals a pin.
+    """
+    versions = {name: ", ".join(sorted(set(found))) for name, found in installed_records(answer).items()}
+    build = (answer.get("torch_version_py") or {}).get("version")
+    metadata = versions.get("torch")
+    plain_pin = (pins or {}).get("torch") == metadata
+    if build and metadata and "+" not in metadata and build.startswith(f"{metadata}+") and not plain_pin:
+        versions["torch"] = build
+    return versions
+
+
+def torch_inconsistency(answer):
+    """Why torch's files and its METADATA do not describe one build (a half-finished install), or None."""
+    records = installed_records(answer).get("torch", [])
+    version_py = answer.get("torch_version_py")
+    build = (version_py or {}).get("version")
+    if not records:
+        return f"torch/version.py says {build} but no torch is installed (files left behind)" if version_py else None
+    if version_py is None:
+        return f"torch {', '.join(records)} is installed without torch/version.py"
+    if not build:
+        return "torch/version.py has no __version__"
+    if len(records) == 1 and records[0] != build and not build.startswith(f"{records[0]}+"):
+        return f"torch's METADATA says {records[0]} but torch/version.py says {build} (files of two builds mixed)"
+    return None
+
+
+def ignored_tooling(locked, policy):
+    """The venv's own installers left out of the comparison: ``TOOLING`` the lock does not pin, under "ignore"."""
+    return set(TOOLING) - set(locked) if policy == "ignore" else set()
+
+
+def compare(locked, installed, policy="ignore"):
+    """The differences between the lock and the venv, by EXACT version string (local tag included).
+
+    ``compare({"torch": "2.11.0+cu128", "six": "1.17.0"}, {"torch": "2.11.0+cu130", "sglang": "0.5.4",
+    "pip": "25.2"}, "ignore")`` -> ``{"missing": [{"name": "six", "locked": "1.17.0"}], "extra": [{"name":
+    "sglang", "installed": "0.5.4"}], "wrong": [{"name": "torch", "locked": "2.11.0+cu128", "installed":
+    "2.11.0+cu130"}]}``. ``policy`` "ignore" leaves out pip/setuptools/wheel that the lock does not pin; "exact"
+    counts them as extra. Each list is sorted by name.
+    """
+    ignored = ignored_tooling(locked, policy)
+    return {
+        "missing": [{"name": n, "locked": locked[n]} for n in sorted(set(locked) - set(installed))],
+        "extra": [{"name": n, "installed": installed[n]} for n in sorted(set(installed) - set(locked) - ignored)],
+        "wrong": [
+            {"name": n, "locked": locked[n], "installed": installed[n]}
+            for n in sorted(set(locked) & set(installed))
+            if locked[n] != installed[n]
+        ],
+    }
+
+
+def describe_wrong(entry):
+    """``torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)``; the note only when the
+    build variants differ (``numpy 2.3.3 -> 2.3.4``)."""
+    have, want = variant(entry["installed"]), variant(entry["locked"])
+    line = f"{entry['name']} {entry['installed']} -> {entry['locked']}"
+    if have == want:
+        return line
+    return f"{line} ({f'build variant {have}' if have else 'no build variant'}, expected {want or 'no variant'})"
+
+
+def venv_changes(path, answer, python, lock_count):
+    """What makes the venv as a whole need a rebuild (not one distribution), one line each."""
+    if not answer["exists"]:
+        what = f"python {python}" if python else "the target's python3"
+        if answer.get("directory"):
+            return [
+                f"replace {path}, a directory without pyvenv.cfg (moved aside), by a venv: {what}, {lock_count} "
+                "distributions from the lock"
+            ]
+        return [f"create venv at {path} ({what}, {lock_count} distributions from the lock)"]
+    changes = []
+    if python and answer.get("python") != python:
+        changes.append(f"rebuild venv at {path}: python {answer.get('python') or 'unknown'}, expected {python}")
+    interpreter = answer.get("interpreter") or {}
+    if interpreter.get("exists") is False:
+        changes.append(f"rebuild venv at {path}: its interpreter {interpreter.get('path')} is gone")
+    for broken in answer["broken"]:
+        changes.append(f"rebuild venv at {path}: {broken.get('record')} is broken ({broken.get('reason')})")
+    for name, found in sorted(installed_records(answer).items()):
+        if len(found) > 1:
+            changes.append(f"rebuild venv at {path}: {name} is installed {len(found)} times ({', '.join(found)})")
+    torch_problem = torch_inconsistency(answer)
+    if torch_problem:
+        changes.append(f"rebuild venv at {path}: {torch_problem}")
+    return changes
+
+
+def evaluate_step(spec, answer, node, context):
+    """The training venv facts of the fact pass: what is installed, how it differs from the lock, the diff.
+
+    Returns ``{"path", "exists", "python", "expected_python", "installed", "torch", "lock", "missing", "extra",
+    "wrong", "broken", "changes", "problems", "diff": {"before", "after"}, "pending"}``. A missing venv, a python
+    minor other than the expected one, a broken record and any distribution difference are drift (``changes``,
+    ``pending``); what the probe could not read is a problem (nothing is decided on half the facts).
+    """
+    label = context["target"]["label"]
+    check_answer(answer)
+    lock = parse_lock(spec["lock"])
+    locked = lock["distributions"]
+    python = expected_python(spec, lock)
+    installed = installed_versions(answer, locked) if answer["exists"] else {}
+    differences = compare(locked, installed, spec["tooling"])
+    ignored = ignored_tooling(locked, spec["tooling"])
+    changes = venv_changes(spec["path"], answer, python, len(locked))
+    if answer["exists"]:
+        changes += [describe_wrong(e) for e in differences["wrong"]]
+        changes += [f"install {e['name']} {e['locked']} (missing)" for e in differences["missing"]]
+        changes += [f"remove {e['name']} {e['installed']} (not in the lock)" for e in differences["extra"]]
+    problems = [f"{label}: the training venv probe could not read everything: {error}" for error in answer["errors"]]
+    version_py = answer.get("torch_version_py") or {}
+    torch = installed.get("torch")
+    return {
+        "path": spec["path"],
+        "exists": answer["exists"],
+        "python": answer.get("python"),
+        "expected_python": python,
+        "installed": installed,
+        "torch": {
+            "version": torch,
+            "variant": variant(torch),
+            "cuda": version_py.get("cuda"),
+            "git_version": version_py.get("git_version"),
+        }
+        if torch
+        else None,
+        "lock": {
+            "count": len(locked),
+            "torch": locked.get("torch"),
+            "indexes": lock["indexes"],
+            "torch_index": lock["torch_index"],
+        },
+        **differences,
+        "broken": answer["broken"],
+        "changes": changes,
+        "problems": problems,
+        "diff": {
+            "before": freeze_lines({n: v for n, v in installed.items() if n not in ignored}),
+            "after": freeze_lines(locked),
+        },
+        "pending": bool(changes) and not problems,
+    }
+
+
+# -- the fact pass ---------------------------------------------------------------------------------------------
+def probe_payload(spec, timeout=60):
+    """What the probe part reads inside the target: ``{"path": "/opt/venvs/train", "timeout": 60}``."""
+    return {"path": spec["path"], "timeout": timeout}
+
+
+def read_node(spec, target, answer, context):
+    """Nothing on the node: the venv lives inside the target."""
+    return {}

@@ -1,0 +1,239 @@
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+name: recover_report
+type: notification
+short_description: Write one JSON report per target and run of recover.yml, on the controller
+description:
+  - Collects, inside ansible-playbook (no module execution, no remote call), every result of the recovery roles
+    for each target and writes C(<report_dir>/<target>/<run id>.json) when the playbook ends, failed runs
+    included. The report holds the fact pass's facts (C(before)), each step's facts and result (what it
+    changed, ended, saved, swapped, purged), the GPUs and holders after the run, and every task's timing.
+  - Prints the path of each report at the end of the run, and says so when a step changed something before the
+    run failed (Ansible drops C(changed) from failed tasks, so the recap alone would hide it).
+  - Only targets that ran a task of a recovery step (a role named like a step of module_utils/pve_steps.py, or
+    the M(target_facts) fact pass) get a report; other playbooks are left alone.
+version_added: "0.2.0"
+author: pve-gpu-recover contributors
+requirements:
+  - Enabled in ansible.cfg (C(callbacks_enabled = recover_report)), as this project's ansible.cfg does.
+options:
+  report_dir:
+    description:
+      - Directory on the controller for the reports; relative paths are taken from the playbook's directory.
+    type: path
+    default: reports
+    env:
+      - name: PVE_GPU_RECOVER_REPORT_DIR
+    ini:
+      - section: pve_gpu_recover
+        key: report_dir
+"""
+
+import json
+import os
+import secrets
+import time
+
+from ansible import context
+from ansible.plugins.callback import CallbackBase
+
+# The roles whose tasks make up a report (one per step of recover.yml).
+STEP_ROLES = ("preflight", "gpu_processes", "training_code", "training_venv", "compile_cache", "verify")
+# Actions that run on the controller only: no module execution, no remote call.
+LOCAL_ACTIONS = {
+    "assert",
+    "debug",
+    "fail",
+    "set_fact",
+    "meta",
+    "validate_argument_spec",
+    "include_role",
+    "import_role",
+    "include_tasks",
+    "import_tasks",
+}
+# Result keys that are Ansible's own, not a step's.
+NOISE = ("invocation", "_ansible_no_log", "_ansible_verbose_always", "_ansible_delegated_vars", "ansible_facts")
+
+
+def short_action(action):
+    return action.rsplit(".", 1)[-1]
+
+
+def merge_after(before, steps):
+    """The GPUs and holders after the run, from the fact pass and what the steps did (no new read)."""
+    gpus = [dict(g) for g in before.get("preflight", {}).get("gpus") or []]
+    cleanup = steps.get("gpu_processes", {})
+    memory = {row.get("uuid"): row.get("memory_used_mib") for row in cleanup.get("memory") or []}
+    for gpu in gpus:
+        if gpu.get("uuid") in memory:
+            gpu["memory_used_mib"] = memory[gpu["uuid"]]
+    facts = before.get("gpu_processes", {})
+    ended = {k["pid"] for k in cleanup.get("killed") or []}
+    holders = [p for p in (facts.get("processes") or []) + (facts.get("blockers") or []) if p["pid"] not in ended]
+    return gpus, holders
+
+
+def step_status(records):
+    if any(r["status"] in ("failed", "unreachable") for r in records):
+        return "failed"
+    # A step whose remote tasks were all skipped had nothing to do (its local asserts passed).
+    acted = [r for r in records if r["remote"]] or records
+    if all(r["status"] == "skipped" for r in acted):
+        return "skipped"
+    return "changed" if any(r["changed"] for r in records) else "ok"
+
+
+def summary_lines(report):
+    """What each step changed (or, in check mode, would change), one line each, for the end of the run."""
+    lines = []
+    would = "would " if report["check_mode"] else ""
+    for step, entry in report["steps"].items():
+        if not (entry["changed"] or entry.get("killed")):
+            continue
+        lines.extend(f"{step}: {would}{change}" for change in entry.get("changes") or [])
+        killed = entry.get("killed") or []
+        if killed:
+            signals = ", ".join(f"pid {k['pid']} {k['signal']}" for k in killed)
+            lines.append(f"{step}: ended {len(killed)} process(es) ({signals})")
+    return lines
+
+
+class CallbackModule(CallbackBase):
+    CALLBACK_VERSION = 2.0
+    CALLBACK_TYPE = "notification"
+    CALLBACK_NAME = "recover_report"
+    CALLBACK_NEEDS_ENABLED = True
+
+    def __init__(self):
+        super().__init__()
+        self.basedir = os.getcwd()
+        self.run_id = None
+        self.task_started = {}
+        self.hosts = {}  # host -> {"tasks": [...], "before": facts, "results": {step: {...}}, ...}
+
+    # -- collecting --------------------------------------------------------------------------------------------
+    def v2_playbook_on_start(self, playbook):
+        self.basedir = playbook._basedir
+        self.started = time.time()
+
+    def v2_playbook_on_task_start(self, task, is_conditional):
+        self.task_started[task._uuid] = time.monotonic()
+
+    def v2_playbook_on_handler_task_start(self, task):
+        self.task_started[task._uuid] = time.monotonic()
+
+    def v2_runner_on_ok(self, result):
+        self._record(result, "ok")
+
+    def v2_runner_on_failed(self, result, ignore_errors=False):
+        self._record(result, "ignored" if ignore_errors else "failed")
+
+    def v2_runner_on_skipped(self, result):
+        self._record(result, "skipped")
+
+    def v2_runner_on_unreachable(self, result):
+        self._record(result, "unreachable")
+
+    def _record(self, result, status):
+        task = result._task
+        data = result._result
+        facts = data.get("ansible_facts") or {}
+        if "recover_run_id" in facts and self.run_id is None:
+            self.run_id = facts["recover_run_id"]
+        role = task._role.get_name() if task._role else None
+        action = short_action(task.action)
+        if role not in STEP_ROLES and action != "target_facts":
+            return
+        host = self.hosts.setdefault(
+            result._host.get_name(), {"tasks": [], "results": {}, "before": None, "error": None, "first": time.time()}
+        )
+        seconds = round(time.monotonic() - self.task_started.get(task._uuid, time.monotonic()), 3)
+        changed = bool(data.get("changed"))
+        record = {
+            "step": role,
+            "task": task.get_name(),
+            "action": action,
+            "status": status,
+            "changed": changed,
+            "remote": action not in LOCAL_ACTIONS,
+            "seconds": seconds,
+        }
+        host["tasks"].append(record)
+        if status in ("failed", "unreachable") and host["error"] is None:
+            host["error"] = {"step": role, "task": task.get_name(), "msg": data.get("msg")}
+        if action == "target_facts" and "pve_gpu_recover" in facts:
+            host["before"] = facts["pve_gpu_recover"]
+            self.run_id = self.run_id or host["before"].get("run_id")
+        elif record["remote"] and status != "skipped" and action not in ("target_lock", "target_facts"):
+            host["results"][role] = {k: v for k, v in data.items() if k not in NOISE}
+        elif action == "target_lock" and status != "skipped":
+            host["lock_released"] = {"action": data.get("action"), "status": status}
+
+    # -- writing -----------------------------------------------------------------------------------------------
+    def report_of(self, name, host, check_mode):
+        before = host["before"] or {}
+        steps = {}
+        for step in [s for s in STEP_ROLES if s in before or any(t["step"] == s for t in host["tasks"])]:
+            records = [t for t in host["tasks"] if t["step"] == step]
+            facts = before.get(step) if isinstance(before.get(step), dict) else {}
+            entry = dict(facts, **host["results"].get(step, {}))
+            if step == "gpu_processes":
+                entry.setdefault("killed", [])  # nothing ended when the step had no work
+            steps[step] = dict(
+                entry,
+                status=step_status(records) if records else "not_run",
+                changed=any(r["changed"] for r in records),
+                seconds=round(sum(r["seconds"] for r in records), 3),
+            )
+        gpus, holders = merge_after(before, steps)
+        target = before.get("target") or {}
+        failed = host["error"] is not None
+        return {
+            "target": name,
+            "run_id": self.run_id,
+            "check_mode": check_mode,
+            "node": target.get("node"),
+            "vmid": target.get("vmid"),
+            "status": "failed" if failed else ("changed" if any(s["changed"] for s in steps.values()) else "ok"),
+            "error": host["error"],
+            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "seconds": round(time.time() - self.started, 3),
+            "before": before,
+            "steps": steps,
+            "gpus": gpus,
+            "processes": holders,
+            "lock": dict(before.get("lock") or {}, released_by=host.get("lock_released")),
+            "tasks": host["tasks"],
+        }
+
+    def v2_playbook_on_stats(self, stats):
+        if not self.hosts:
+            return
+        self.run_id = self.run_id or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{secrets.token_hex(3)}"
+        check_mode = bool(context.CLIARGS.get("check", False))
+        directory = os.path.join(self.basedir, os.path.expanduser(self.get_option("report_dir")))
+        for name, host in sorted(self.hosts.items()):
+            report = self.report_of(name, host, check_mode)
+            path = os.path.join(directory, name, f"{self.run_id}.json")
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                temp = f"{path}.tmp"
+                with open(temp, "w", encoding="utf-8") as handle:
+                    json.dump(report, handle, indent=2, sort_keys=True, default=str)
+                    handle.write("\n")
+                os.replace(temp, path)  # a reader never sees half a report
+            except OSError as error:
+                self._display.warning(f"recover_report: cannot write {path}: {error}")
+                continue
+            changed = [s for s, v in report["steps"].items() if v["changed"] or v.get("killed")]
+            if report["status"] == "failed" and changed:
+                self._display.warning(
+                    f"{name}: the run failed after {', '.join(changed)} changed the target; see the report"
+                )
+            self._display.display(f"{name}: {report['status']}, report {path}")
+            for line in summary_lines(report):
+                self._display.display(f"  {line}")

@@ -1,0 +1,228 @@
+"""library/target_facts.py: the fact pass replayed through test_target_facts.yaml, its lock rules and its steps."""
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import target_facts
+import yaml
+from ansible.module_utils import pve_gpu_cleanup, pve_lock, pve_preflight
+from ansible.module_utils.pve_process import ProcessInfo
+
+from tests.conftest import FIXTURES
+from tests.fakes import FakeRunner, run_module
+
+DOC = yaml.safe_load((Path(__file__).with_suffix(".yaml")).read_text())
+CASES = DOC["cases"]
+ANCHORS = DOC["anchors"]
+TARGET_KEYS = ("failed", "error", "msg", "changed")
+NODE_VERSION = FIXTURES / "h200" / "proc_driver_nvidia_version.txt"
+APPS_ARGV = [
+    "timeout",
+    "-k",
+    "5",
+    "60",
+    "nvidia-smi",
+    "--query-compute-apps=pid,process_name,used_memory,gpu_uuid",
+    "--format=csv",
+]
+
+
+def probe_call(parts, answers, rc=0, stdout=None, stderr=""):
+    """The one pct exec of the fact pass: every part's payload on the argv, every part's answer on stdout."""
+    argv = [*ANCHORS["probe_argv"], json.dumps(parts)]
+    out = json.dumps({name: {"answer": answer} for name, answer in answers.items()}) if stdout is None else stdout
+    return argv, (rc, out, stderr)
+
+
+def runner_for(case):
+    calls = []
+    for call in case["calls"]:
+        stdout = json.dumps({"preflight": {"answer": call["probe"]}}) if "probe" in call else call.get("stdout", "")
+        calls.append(
+            ([*call["argv"], json.dumps({"preflight": call["payload"]})], (call["rc"], stdout, call.get("stderr", "")))
+        )
+    return FakeRunner(*calls)
+
+
+def node_version(monkeypatch, path):
+    text = path.read_text() if path else None
+    monkeypatch.setattr(
+        pve_preflight,
+        "read_node_driver_version",
+        lambda _p: pve_preflight.parse_kernel_driver_version(text) if text else None,
+    )
+
+
+@pytest.fixture(autouse=True)
+def node_named_pve1(monkeypatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
+
+
+def params(tmp_path, **extra):
+    return {"run_id": "run-1", "owner": "alice@ctl", "lock_dir": str(tmp_path), **extra}
+
+
+@pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_preflight_cases(case, check_mode, tmp_path, monkeypatch, capsys):
+    path = Path(case["node_version"].format(fixtures=FIXTURES)) if case["node_version"] else None
+    node_version(monkeypatch, path)
+    target_params = {k: v for k, v in case["params"].items() if k == "vmid"}
+    preflight = {k: v for k, v in case["params"].items() if k != "vmid"}
+    args = params(tmp_path, steps={"preflight": preflight}, **target_params)
+    result = run_module(target_facts, args, runner_for(case), monkeypatch, capsys, check_mode=check_mode)
+    facts = facts_of(result)
+    for key, want in case["expect"].items():
+        if key in TARGET_KEYS:
+            assert result.get(key, False if key in ("failed", "changed") else None) == want, key
+        elif key == "target":
+            assert facts["target"] == want
+        else:
+            assert facts["preflight"][key] == want, key
+    # A preflight-only pass has no work: the lock is released in the same execution, failed or not.
+    assert list(tmp_path.iterdir()) == []
+    if facts:
+        assert facts["lock"] == {"path": str(tmp_path / "ct-200.lock"), "held": False, "action": "taken"}
+        assert facts["problems"] == facts["preflight"]["problems"]
+        assert facts["preflight"]["problems"] == [c["detail"] for c in facts["preflight"]["checks"] if not c["ok"]]
+        assert result["changed"] is False
+
+
+def facts_of(result):
+    return result.get("ansible_facts", {}).get("pve_gpu_recover", {})
+
+
+class NodeProcesses:
+    """The node's /proc as the gpu_processes part reads it: a CT 200 training process holding GPU 0."""
+
+    def __init__(self, monkeypatch, holders):
+        self.holders = holders
+        monkeypatch.setattr(pve_gpu_cleanup, "read_process", self.holders.get)
+        monkeypatch.setattr(pve_gpu_cleanup, "device_holders", lambda owner: [])
+
+
+TRAIN = ProcessInfo(
+    pid=516, ns_pid=41, comm="python3", state="S", owner="ct:200", cmdline=["python3", "train.py"], start_time=10
+)
+NEIGHBOUR = ProcessInfo(
+    pid=777, ns_pid=7, comm="python3", state="S", owner="ct:201", cmdline=["python3"], start_time=12
+)
+UUID0 = "GPU-bf580366-c11c-e730-752a-e9ca8716b7fa"
+
+
+def two_step_runner(apps_stdout, healthy=None):
+    payload = {"preflight": ANCHORS["payload"]}
+    return FakeRunner(
+        probe_call(payload, {"preflight": healthy or ANCHORS["healthy"]}),
+        (APPS_ARGV, (0, apps_stdout, "")),
+    )
+
+
+def apps(*rows):
+    return "pid, process_name, used_gpu_memory [MiB], gpu_uuid\n" + "".join(f"{r}\n" for r in rows)
+
+
+@pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
+def test_holders_make_gpu_processes_pending_and_keep_the_lock(check_mode, tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    NodeProcesses(monkeypatch, {516: TRAIN})
+    runner = two_step_runner(apps(f"516, python3, 20000 MiB, {UUID0}"))
+    args = params(tmp_path, vmid=200, steps={"preflight": {"expected_gpu_count": 2}, "gpu_processes": {}})
+    result = run_module(target_facts, args, runner, monkeypatch, capsys, check_mode=check_mode)
+    facts = result["ansible_facts"]["pve_gpu_recover"]
+    assert facts["pending"] == ["gpu_processes"]
+    assert facts["gpu_processes"]["changes"] == ["end pid 516 (python3, pid 41 inside) on GPU 0, 20000 MiB"]
+    assert facts["gpu_processes"]["diff"]["before"] == "pid 516 (python3, pid 41 inside) on GPU 0, 20000 MiB\n"
+    # Work is pending: the lock stays held for the step, then recover.yml releases it.
+    assert facts["lock"]["held"] is True
+    assert json.loads((tmp_path / "ct-200.lock").read_text())["run_id"] == "run-1"
+    assert result["changed"] is False
+
+
+def test_a_neighbour_on_the_targets_gpu_is_a_problem_and_the_lock_is_released(tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    NodeProcesses(monkeypatch, {777: NEIGHBOUR})
+    runner = two_step_runner(apps(f"777, python3, 3000 MiB, {UUID0}"))
+    args = params(tmp_path, vmid=200, steps={"gpu_processes": {}})
+    facts = facts_of(run_module(target_facts, args, runner, monkeypatch, capsys))
+    assert facts["pending"] == []
+    assert facts["gpu_processes"]["problems"] == [
+        "CT 200 on pve1: cannot free its GPUs: pid 777 (python3, pid 7 inside) on GPU 0, 3000 MiB belongs to CT 201, "
+        "not to this target. Nothing was ended. Stop those processes yourself, or give this target "
+        "GPUs of its own"
+    ]
+    assert facts["problems"] == facts["gpu_processes"]["problems"]
+    assert facts["lock"]["held"] is False
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_converged_target_costs_one_probe_and_one_node_query(tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    NodeProcesses(monkeypatch, {})
+    runner = two_step_runner(apps())
+    args = params(tmp_path, vmid=200, steps={"gpu_processes": {}})
+    facts = run_module(target_facts, args, runner, monkeypatch, capsys)["ansible_facts"]["pve_gpu_recover"]
+    assert (facts["pending"], facts["problems"], facts["lock"]["held"]) == ([], [], False)
+    assert facts["target"] == {"label": "CT 200 on pve1", "vmid": 200, "node": "pve1", "hostname": "ct200"}
+
+
+def test_node_reads_that_fail_name_the_step_and_do_not_hide_preflight(tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    NodeProcesses(monkeypatch, {})
+    runner = FakeRunner(
+        probe_call({"preflight": ANCHORS["payload"]}, {"preflight": ANCHORS["healthy"]}),
+        (APPS_ARGV, (9, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n", "")),
+    )
+    args = params(tmp_path, vmid=200, steps={"gpu_processes": {}})
+    facts = run_module(target_facts, args, runner, monkeypatch, capsys)["ansible_facts"]["pve_gpu_recover"]
+    assert facts["preflight"]["problems"] == []
+    assert facts["gpu_processes"]["problems"][0].startswith(
+        "CT 200 on pve1: the gpu_processes facts could not be read:"
+    )
+    assert "exit 9" in facts["gpu_processes"]["problems"][0]
+    assert facts["lock"]["held"] is False
+
+
+def test_another_runs_lock_fails_before_anything_is_read(tmp_path, monkeypatch, capsys):
+    pve_lock.change_lock("present", lock_dir=str(tmp_path), vmid=200, run_id="other", owner="bob@ctl")
+    result = run_module(target_facts, params(tmp_path, vmid=200), FakeRunner(), monkeypatch, capsys)
+    assert result["failed"]
+    assert result["error"] == "locked"
+    assert result["msg"].startswith("CT 200 is locked by run other of bob@ctl")
+    assert json.loads((tmp_path / "ct-200.lock").read_text())["run_id"] == "other"
+
+
+def test_a_probe_that_fails_after_the_lock_was_taken_releases_it(tmp_path, monkeypatch, capsys):
+    runner = FakeRunner(probe_call({"preflight": ANCHORS["payload"]}, {}, rc=1, stdout="", stderr="Segmentation fault"))
+    result = run_module(target_facts, params(tmp_path, vmid=200), runner, monkeypatch, capsys)
+    assert result["failed"]
+    assert result["error"] == "probe"
+    assert "Segmentation fault" in result["msg"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        (
+            {"training_wheels": {}},
+            "unknown step(s) training_wheels; the steps are preflight, gpu_processes, training_venv",
+        ),
+        (
+            {"gpu_processes": {"poll_interval": 0}},
+            "settings of step gpu_processes: poll_interval must be more than 0 seconds, got 0",
+        ),
+        ({"gpu_processes": {"grace": "soon"}}, "settings of step gpu_processes: argument 'grace' is of type"),
+        (
+            {"preflight": {"min_free": 1}},
+            "settings of step preflight: unknown setting(s) min_free; known: expected_gpu_count,",
+        ),
+    ],
+)
+def test_wrong_step_settings_fail_before_any_call_or_lock(steps, message, tmp_path, monkeypatch, capsys):
+    result = run_module(target_facts, params(tmp_path, vmid=200, steps=steps), FakeRunner(), monkeypatch, capsys)
+    assert result["failed"]
+    assert result["msg"].startswith(message)
+    assert list(tmp_path.iterdir()) == []

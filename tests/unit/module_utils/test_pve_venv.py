@@ -1,0 +1,770 @@
+"""module_utils/pve_venv.py and its probe part: the lock, the venv's versions, the drift, read from real venvs.
+
+The pure functions are fed the fixtures of tests/fixtures/venv. The probe part runs against real venvs built
+in tmp_path with uv: tiny packages from PyPI (skipped when PyPI cannot be reached), hand-made torch wheels
+installed from a local directory, and the CPU torch wheel kept in /opt/wheels (skipped when absent). No test
+imports torch or runs the venv's python.
+"""
+
+import base64
+import glob
+import hashlib
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from ansible.module_utils import pve_probe_training_venv, pve_venv
+from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+from ansible.module_utils.pve_target import PROBES_MAIN, probe_name
+from ansible.module_utils.pve_venv import VenvError
+
+from tests.conftest import FIXTURES, ROOT
+
+VENV_FIXTURES = FIXTURES / "venv"
+LOCK = (VENV_FIXTURES / "lock_cu128.txt").read_text()
+VERSION_PY_CU130 = (VENV_FIXTURES / "version_py_cu130.txt").read_text()
+VERSION_PY_CU128 = VERSION_PY_CU130.replace("cu130", "cu128").replace("'13.0'", "'12.8'")
+CONTEXT = {"target": {"label": "CT 200 on pve1", "node": "pve1", "vmid": 200}, "check_mode": True, "steps": {}}
+SPEC = dict(pve_venv.SPEC_DEFAULTS, lock=LOCK)
+PATH = SPEC["path"]
+LOCKED = pve_venv.parse_lock(LOCK)["distributions"]
+TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
+UV = shutil.which("uv", path=str(ROOT / ".venv" / "bin")) or shutil.which("uv")
+UV_ENV = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_NO_CONFIG="1", UV_NO_PROGRESS="1")
+
+
+def freeze(text):
+    """``pip freeze`` lines -> the probe's distributions."""
+    return [dict(zip(("name", "version"), line.split("=="), strict=True)) for line in text.split()]
+
+
+def answer_of(distributions, version_py=VERSION_PY_CU128, **changed):
+    """A probe answer of an existing, healthy python 3.11 venv holding ``distributions``."""
+    return {
+        "path": PATH,
+        "exists": True,
+        "directory": True,
+        "python": "3.11",
+        "pyvenv": {"home": "/usr/bin", "version_info": "3.11.2", "uv": "0.13.9"},
+        "interpreter": {"path": "/usr/bin/python3.11", "exists": True},
+        "lib_pythons": ["3.11"],
+        "site_packages": f"{PATH}/lib/python3.11/site-packages",
+        "distributions": distributions,
+        "broken": [],
+        "torch_version_py": pve_probe_training_venv.parse_torch_version_py(version_py) if version_py else None,
+        "errors": [],
+        **changed,
+    }
+
+
+IN_SPEC = answer_of([{"name": n, "version": v, "installer": "uv", "direct_url": False} for n, v in LOCKED.items()])
+POLLUTED = answer_of(freeze((VENV_FIXTURES / "freeze_polluted.txt").read_text()), VERSION_PY_CU130)
+ABSENT = dict(answer_of([], None), exists=False, directory=False, python=None, pyvenv=None, interpreter=None)
+
+
+# -- names, variants, freeze lines -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "canonical"),
+    [
+        ("Typing_Extensions", "typing-extensions"),
+        ("zope.interface", "zope-interface"),
+        ("Jinja2", "jinja2"),
+        ("nvidia_cublas__cu12", "nvidia-cublas-cu12"),
+        ("flashinfer-python", "flashinfer-python"),
+    ],
+)
+def test_names_are_compared_in_pep_503_form(name, canonical):
+    assert pve_venv.canonical_name(name) == canonical
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [
+        ("2.11.0+cu128", "cu128"),
+        ("2.11.0+cu130", "cu130"),
+        ("2.13.0+cpu", "cpu"),
+        ("2.11.0+rocm6.4", "rocm6.4"),
+        ("2.1.0+cu121.with.pypi.cudnn", "cu121"),
+        ("2.11.0+xpu", "xpu"),
+        ("2.11.0", None),
+        ("1.0+local", None),
+        (None, None),
+    ],
+)
+def test_the_build_variant_is_the_local_tag_of_a_torch_build(version, expected):
+    assert pve_venv.variant(version) == expected
+
+
+def test_freeze_lines_are_sorted_with_one_line_per_record():
+    versions = {"torch": "2.11.0+cu128", "six": "1.17.0", "numpy": "2.3.3, 2.3.4"}
+    assert pve_venv.freeze_lines(versions) == "numpy==2.3.3\nnumpy==2.3.4\nsix==1.17.0\ntorch==2.11.0+cu128\n"
+    assert pve_venv.freeze_lines({}) == ""
+
+
+# -- the lock --------------------------------------------------------------------------------------------------
+def test_a_uv_lock_gives_its_pins_indexes_torch_index_and_python():
+    lock = pve_venv.parse_lock(LOCK)
+    assert len(lock["distributions"]) == 26
+    assert lock["distributions"]["torch"] == "2.11.0+cu128"
+    assert lock["distributions"]["nvidia-cudnn-cu12"] == "9.10.2.21"
+    # Names as uv writes them (already canonical), hash continuation lines and `# via` lines left out.
+    assert "typing-extensions" in lock["distributions"]
+    assert lock["indexes"] == ["https://pypi.org/simple", "https://download.pytorch.org/whl/cu128"]
+    assert lock["torch_index"] == "https://download.pytorch.org/whl/cu128"
+    assert lock["sources"]["numpy"] == "https://pypi.org/simple"
+    assert lock["python"] == "3.11"
+    assert (lock["markers"], lock["find_links"], lock["no_index"]) == ({}, [], False)
+
+
+def test_index_options_in_every_spelling_and_inline_comments_markers_extras():
+    lock = pve_venv.parse_lock(
+        "-i https://mirror.example/simple\n"
+        "--extra-index-url=https://download.pytorch.org/whl/cu128/\n"
+        "--find-links /srv/wheels\n"
+        "--no-index\n"
+        "Torch==2.11.0+cu128  # the known-good build\n"
+        "uvicorn[standard]==0.30.6 ; sys_platform == 'linux'\n"
+    )
+    assert lock["distributions"] == {"torch": "2.11.0+cu128", "uvicorn": "0.30.6"}
+    assert lock["indexes"] == ["https://mirror.example/simple", "https://download.pytorch.org/whl/cu128/"]
+    # No `# from` annotation: the index named for torch's variant.
+    assert lock["torch_index"] == "https://download.pytorch.org/whl/cu128/"
+    assert lock["markers"] == {"uvicorn": "sys_platform == 'linux'"}
+    assert (lock["find_links"], lock["no_index"], lock["python"]) == (["/srv/wheels"], True, None)
+
+
+def test_a_lock_without_an_index_for_torch_names_none():
+    assert pve_venv.parse_lock("torch==2.11.0+cu128\n")["torch_index"] is None
+    assert pve_venv.parse_lock("six==1.17.0\n")["torch_index"] is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("six==1.17.0\ntorch>=2.11\n", r"line 2: `torch>=2.11` is not an exact pin \(name==version\)"),
+        ("torch==2.*\n", r"line 1: `torch==2\.\*` is not an exact pin"),
+        ("torch @ https://download.pytorch.org/whl/torch.whl\n", r"line 1: .* is a direct reference"),
+        ("-e .\n", r"line 1: `-e \.` is not an exact pin"),
+        ("-r base.txt\nsix==1.17.0\n", r"line 1: `-r base\.txt` is not an exact pin"),
+        (
+            "torch==2.11.0+cu128 ; sys_platform == 'linux'\ntorch==2.11.0 ; sys_platform == 'darwin'\n",
+            r"line 2: torch is pinned twice \(2\.11\.0\+cu128 and 2\.11\.0",
+        ),
+        ("# only comments\n\n", r"the lock pins no distribution"),
+    ],
+)
+def test_a_lock_that_is_not_exact_pins_is_refused_naming_the_line(text, message):
+    with pytest.raises(VenvError, match=message) as raised:
+        pve_venv.parse_lock(text)
+    assert raised.value.kind == "lock"
+    assert "uv pip compile --generate-hashes" in str(raised.value) or "python-platform" in str(raised.value)
+
+
+def test_a_continued_pin_ends_at_a_comment_line_and_its_line_number_is_its_first():
+    lock = pve_venv.parse_lock("idna==3.10 \\\n# a comment\nsix==1.17.0\n")
+    assert lock["distributions"] == {"idna": "3.10", "six": "1.17.0"}
+    with pytest.raises(VenvError, match="line 3: `six>=1` is not"):
+        pve_venv.parse_lock("idna==3.10 \\\n# a comment\nsix>=1\n")
+    with pytest.raises(VenvError, match=re.escape("line 2: `torch~=2.11 --hash=sha256:aa` is not")):
+        pve_venv.parse_lock("idna==3.10\ntorch~=2.11 \\\n    --hash=sha256:aa\n")
+
+
+# -- installed versions ----------------------------------------------------------------------------------------
+def test_pypi_torch_says_its_build_only_in_version_py():
+    answer = answer_of([{"name": "torch", "version": "2.11.0"}], VERSION_PY_CU130)
+    assert pve_venv.installed_versions(answer) == {"torch": "2.11.0+cu130"}
+    assert pve_venv.installed_versions(answer, LOCKED) == {"torch": "2.11.0+cu130"}
+
+
+def test_an_index_wheel_says_its_build_in_both():
+    answer = answer_of([{"name": "torch", "version": "2.11.0+cu128"}], VERSION_PY_CU128)
+    assert pve_venv.installed_versions(answer) == {"torch": "2.11.0+cu128"}
+
+
+def test_a_lock_that_pins_pypi_torch_plain_is_met_by_pypi_torch():
+    # Else a venv rebuilt from that very lock would differ from it forever.
+    answer = answer_of([{"name": "torch", "version": "2.11.0"}], VERSION_PY_CU130)
+    assert pve_venv.installed_versions(answer, {"torch": "2.11.0"}) == {"torch": "2.11.0"}
+
+
+def test_a_version_py_of_another_release_does_not_replace_the_metadata():
+    answer = answer_of([{"name": "torch", "version": "2.10.0"}], VERSION_PY_CU130)
+    assert pve_venv.installed_versions(answer) == {"torch": "2.10.0"}
+    assert "METADATA says 2.10.0 but torch/version.py says 2.11.0+cu130" in pve_venv.torch_inconsistency(answer)
+
+
+def test_names_are_canonical_and_a_name_with_two_records_keeps_both_versions():
+    answer = answer_of(
+        [
+            {"name": "Jinja2", "version": "3.1.6"},
+            {"name": "typing_extensions", "version": "4.16.0"},
+            {"name": "numpy", "version": "2.3.4"},
+            {"name": "numpy", "version": "2.3.3"},
+        ],
+        None,
+    )
+    assert pve_venv.installed_versions(answer) == {
+        "jinja2": "3.1.6",
+        "typing-extensions": "4.16.0",
+        "numpy": "2.3.3, 2.3.4",
+    }
+
+
+@pytest.mark.parametrize(
+    ("distributions", "version_py", "why"),
+    [
+        ([{"name": "torch", "version": "2.11.0"}], VERSION_PY_CU130, None),
+        ([{"name": "torch", "version": "2.11.0+cu128"}], VERSION_PY_CU128, None),
+        ([{"name": "six", "version": "1.17.0"}], None, None),
+        ([], VERSION_PY_CU130, "torch/version.py says 2.11.0+cu130 but no torch is installed (files left behind)"),
+        ([{"name": "torch", "version": "2.11.0"}], None, "torch 2.11.0 is installed without torch/version.py"),
+        ([{"name": "torch", "version": "2.11.0"}], "debug = False\n", "torch/version.py has no __version__"),
+        (
+            [{"name": "torch", "version": "2.11.0+cu128"}],
+            VERSION_PY_CU130,
+            "torch's METADATA says 2.11.0+cu128 but torch/version.py says 2.11.0+cu130 (files of two builds mixed)",
+        ),
+    ],
+)
+def test_torch_files_and_metadata_must_describe_one_build(distributions, version_py, why):
+    assert pve_venv.torch_inconsistency(answer_of(distributions, version_py)) == why
+
+
+# -- compare ---------------------------------------------------------------------------------------------------
+def test_versions_are_compared_exactly_local_tag_included():
+    # PEP 440 says 2.11.0 matches 2.11.0+cu130; the build is what this step checks, so they differ.
+    assert pve_venv.compare({"torch": "2.11.0"}, {"torch": "2.11.0+cu130"}) == {
+        "missing": [],
+        "extra": [],
+        "wrong": [{"name": "torch", "locked": "2.11.0", "installed": "2.11.0+cu130"}],
+    }
+
+
+def test_compare_sorts_missing_extra_and_wrong_by_name():
+    locked = {"torch": "2.11.0+cu128", "six": "1.17.0", "idna": "3.10", "numpy": "2.3.4"}
+    installed = {"torch": "2.11.0+cu130", "sglang": "0.5.4", "numpy": "2.3.3", "flashinfer-python": "0.4.1"}
+    assert pve_venv.compare(locked, installed, "ignore") == {
+        "missing": [{"name": "idna", "locked": "3.10"}, {"name": "six", "locked": "1.17.0"}],
+        "extra": [{"name": "flashinfer-python", "installed": "0.4.1"}, {"name": "sglang", "installed": "0.5.4"}],
+        "wrong": [
+            {"name": "numpy", "locked": "2.3.4", "installed": "2.3.3"},
+            {"name": "torch", "locked": "2.11.0+cu128", "installed": "2.11.0+cu130"},
+        ],
+    }
+
+
+def test_tooling_is_ignored_unless_locked_or_the_policy_is_exact():
+    installed = {"six": "1.17.0", "pip": "25.2", "setuptools": "66.1.1", "wheel": "0.45.1"}
+    assert pve_venv.compare({"six": "1.17.0"}, installed, "ignore")["extra"] == []
+    assert [e["name"] for e in pve_venv.compare({"six": "1.17.0"}, installed, "exact")["extra"]] == [
+        "pip",
+        "setuptools",
+        "wheel",
+    ]
+    # A lock that pins one (torch needs setuptools on 3.12) gets it compared like any other.
+    wrong = pve_venv.compare({"six": "1.17.0", "setuptools": "80.9.0"}, installed, "ignore")["wrong"]
+    assert wrong == [{"name": "setuptools", "locked": "80.9.0", "installed": "66.1.1"}]
+
+
+@pytest.mark.parametrize(
+    ("installed", "locked", "line"),
+    [
+        ("2.11.0+cu130", "2.11.0+cu128", "torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)"),
+        ("2.11.0", "2.11.0+cu128", "torch 2.11.0 -> 2.11.0+cu128 (no build variant, expected cu128)"),
+        ("2.11.0+cu128", "2.11.0", "torch 2.11.0+cu128 -> 2.11.0 (build variant cu128, expected no variant)"),
+        ("2.10.0+cu128", "2.11.0+cu128", "torch 2.10.0+cu128 -> 2.11.0+cu128"),
+    ],
+)
+def test_a_wrong_version_names_both_builds_when_they_differ(installed, locked, line):
+    assert pve_venv.describe_wrong({"name": "torch", "installed": installed, "locked": locked}) == line
+
+
+# -- evaluate_step ---------------------------------------------------------------------------------------------
+def test_a_venv_that_is_the_lock_has_no_changes_and_equal_diff_sides():
+    facts = pve_venv.evaluate_step(SPEC, IN_SPEC, {}, CONTEXT)
+    assert (facts["changes"], facts["problems"], facts["pending"]) == ([], [], False)
+    assert (facts["missing"], facts["extra"], facts["wrong"], facts["broken"]) == ([], [], [], [])
+    assert facts["diff"]["before"] == facts["diff"]["after"]
+    assert "torch==2.11.0+cu128\n" in facts["diff"]["after"]
+    assert facts["torch"] == {
+        "version": "2.11.0+cu128",
+        "variant": "cu128",
+        "cuda": "12.8",
+        "git_version": "70d99e998b4955e0049d13a9ba1d3e2e1ac7a3e6",
+    }
+    assert facts["lock"] == {
+        "count": 26,
+        "torch": "2.11.0+cu128",
+        "indexes": ["https://pypi.org/simple", "https://download.pytorch.org/whl/cu128"],
+        "torch_index": "https://download.pytorch.org/whl/cu128",
+    }
+    assert (facts["path"], facts["exists"], facts["python"], facts["expected_python"]) == (PATH, True, "3.11", "3.11")
+
+
+def test_the_facts_have_the_documented_keys():
+    facts = pve_venv.evaluate_step(SPEC, IN_SPEC, {}, CONTEXT)
+    assert sorted(facts) == sorted(
+        [
+            "path",
+            "exists",
+            "python",
+            "expected_python",
+            "installed",
+            "torch",
+            "lock",
+            "missing",
+            "extra",
+            "wrong",
+            "broken",
+            "changes",
+            "problems",
+            "diff",
+            "pending",
+        ]
+    )
+    json.dumps(facts)  # facts travel as ansible_facts: plain JSON
+
+
+def test_a_polluted_venv_names_every_difference():
+    facts = pve_venv.evaluate_step(SPEC, POLLUTED, {}, CONTEXT)
+    assert facts["changes"] == [
+        "numpy 2.3.3 -> 2.3.4",
+        "torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)",
+        "triton 3.6.0 -> 3.5.0",
+        "install nvidia-cuda-cupti-cu12 12.8.90 (missing)",
+        "install nvidia-cuda-nvrtc-cu12 12.8.93 (missing)",
+        "install nvidia-cuda-runtime-cu12 12.8.90 (missing)",
+        "install nvidia-cufft-cu12 11.3.3.83 (missing)",
+        "install nvidia-cufile-cu12 1.13.1.3 (missing)",
+        "install nvidia-curand-cu12 10.3.9.90 (missing)",
+        "install nvidia-cusolver-cu12 11.7.3.90 (missing)",
+        "install nvidia-cusparse-cu12 12.5.8.93 (missing)",
+        "install nvidia-cusparselt-cu12 0.7.1 (missing)",
+        "install nvidia-nccl-cu12 2.27.5 (missing)",
+        "install nvidia-nvjitlink-cu12 12.8.93 (missing)",
+        "install nvidia-nvshmem-cu12 3.3.20 (missing)",
+        "install nvidia-nvtx-cu12 12.8.90 (missing)",
+        "remove cuda-bindings 13.0.3 (not in the lock)",
+        "remove cuda-pathfinder 1.3.2 (not in the lock)",
+        "remove flashinfer-python 0.4.1 (not in the lock)",
+        "remove nvidia-cublas 13.0.0.19 (not in the lock)",
+        "remove nvidia-cuda-runtime 13.0.48 (not in the lock)",
+        "remove nvidia-cudnn-cu13 9.13.0.50 (not in the lock)",
+        "remove nvidia-nccl-cu13 2.27.7 (not in the lock)",
+        "remove sglang 0.5.4 (not in the lock)",
+        "remove tilelang 0.1.6 (not in the lock)",
+    ]
+    assert (facts["pending"], facts["problems"]) == (True, [])
+    assert facts["torch"]["variant"] == "cu130"
+    # The diff: the venv's exact versions (torch's build from version.py), pip left out (tooling: ignore).
+    before = facts["diff"]["before"].splitlines()
+    assert "torch==2.11.0+cu130" in before
+    assert "jinja2==3.1.6" in before
+    assert not [line for line in before if line.startswith("pip==")]
+    assert before == sorted(before)
+    assert facts["diff"]["after"] == pve_venv.freeze_lines(LOCKED)
+
+
+def test_the_tooling_policy_exact_counts_pip_of_a_polluted_venv():
+    facts = pve_venv.evaluate_step(dict(SPEC, tooling="exact"), POLLUTED, {}, CONTEXT)
+    assert "remove pip 25.2 (not in the lock)" in facts["changes"]
+    assert "pip==25.2" in facts["diff"]["before"].splitlines()
+
+
+def test_a_missing_venv_is_created_from_the_whole_lock():
+    facts = pve_venv.evaluate_step(SPEC, ABSENT, {}, CONTEXT)
+    assert facts["changes"] == [f"create venv at {PATH} (python 3.11, 26 distributions from the lock)"]
+    assert (facts["pending"], facts["exists"], facts["installed"], facts["torch"]) == (True, False, {}, None)
+    assert len(facts["missing"]) == 26
+    assert facts["diff"] == {"before": "", "after": pve_venv.freeze_lines(LOCKED)}
+
+
+def test_a_directory_that_is_not_a_venv_is_replaced():
+    facts = pve_venv.evaluate_step(dict(SPEC, python=None), dict(ABSENT, directory=True), {}, CONTEXT)
+    assert facts["changes"] == [
+        f"replace {PATH}, a directory without pyvenv.cfg (moved aside), by a venv: python 3.11, 26 distributions "
+        "from the lock"
+    ]
+
+
+def test_a_venv_of_another_python_minor_is_rebuilt():
+    answer = dict(IN_SPEC, python="3.12")
+    facts = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    assert facts["changes"] == [f"rebuild venv at {PATH}: python 3.12, expected 3.11"]
+    assert (facts["pending"], facts["expected_python"]) == (True, "3.11")
+
+
+def test_python_comes_from_the_spec_before_the_lock_and_is_unchecked_without_either():
+    lock_without_header = "six==1.17.0\n"
+    answer = answer_of([{"name": "six", "version": "1.17.0"}], None, python="3.12")
+    assert pve_venv.evaluate_step(dict(SPEC, lock=lock_without_header), answer, {}, CONTEXT)["changes"] == []
+    facts = pve_venv.evaluate_step(dict(SPEC, lock=lock_without_header, python="3.11"), answer, {}, CONTEXT)
+    assert facts["changes"] == [f"rebuild venv at {PATH}: python 3.12, expected 3.11"]
+
+
+def test_a_venv_whose_interpreter_is_gone_is_rebuilt():
+    answer = dict(IN_SPEC, interpreter={"path": "/root/.pyenv/versions/3.11.7/bin/python3.11", "exists": False})
+    facts = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    assert facts["changes"] == [
+        f"rebuild venv at {PATH}: its interpreter /root/.pyenv/versions/3.11.7/bin/python3.11 is gone"
+    ]
+
+
+def test_broken_records_duplicates_and_mixed_torch_files_are_drift():
+    distributions = [*IN_SPEC["distributions"], {"name": "numpy", "version": "2.3.3"}]
+    answer = dict(
+        IN_SPEC, distributions=distributions, broken=[{"record": "six-1.17.0.dist-info", "reason": "no METADATA"}]
+    )
+    answer["torch_version_py"] = dict(answer["torch_version_py"], version="2.10.0+cu128")
+    facts = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    assert facts["changes"] == [
+        f"rebuild venv at {PATH}: six-1.17.0.dist-info is broken (no METADATA)",
+        f"rebuild venv at {PATH}: numpy is installed 2 times (2.3.4, 2.3.3)",
+        f"rebuild venv at {PATH}: torch's METADATA says 2.11.0+cu128 but torch/version.py says 2.10.0+cu128 (files "
+        "of two builds mixed)",
+        "numpy 2.3.3, 2.3.4 -> 2.3.4",
+    ]
+    assert facts["pending"] is True
+
+
+def test_what_the_probe_could_not_read_is_a_problem_and_nothing_is_pending():
+    answer = dict(POLLUTED, errors=["stopped after 60 s having read 10 of 300 records in /opt/venvs/train/..."])
+    facts = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    assert facts["problems"] == [
+        "CT 200 on pve1: the training venv probe could not read everything: stopped after 60 s having read 10 of "
+        "300 records in /opt/venvs/train/..."
+    ]
+    assert facts["changes"]
+    assert facts["pending"] is False
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (None, "answered no object"),
+        ({k: v for k, v in IN_SPEC.items() if k != "distributions"}, "answered no 'distributions' (list)"),
+        (dict(IN_SPEC, exists="yes"), "answered no 'exists' (bool)"),
+        (dict(IN_SPEC, distributions=[{"name": "six"}]), "a distribution without name/version"),
+        (dict(IN_SPEC, torch_version_py="2.11.0"), "torch_version_py that is not an object"),
+        (dict(IN_SPEC, broken=["six"]), "a broken record that is not an object"),
+    ],
+)
+def test_an_answer_that_is_not_the_probes_is_a_clear_error(answer, message):
+    with pytest.raises(VenvError, match=re.escape(message)) as raised:
+        pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    assert raised.value.kind == "probe"
+
+
+# -- the spec and the fact-pass interface ----------------------------------------------------------------------
+def test_the_spec_validates_with_ansible_and_fills_defaults():
+    result = ArgumentSpecValidator(pve_venv.SPEC).validate({"lock": LOCK})
+    assert result.error_messages == []
+    assert result.validated_parameters == {
+        "path": "/opt/venvs/train",
+        "lock": LOCK,
+        "python": None,
+        "tooling": "ignore",
+    }
+    assert ArgumentSpecValidator(pve_venv.SPEC).validate({}).error_messages == ["missing required arguments: lock"]
+    assert "tooling" in ArgumentSpecValidator(pve_venv.SPEC).validate({"lock": LOCK, "tooling": "x"}).error_messages[0]
+
+
+@pytest.mark.parametrize(
+    ("changed", "message"),
+    [
+        ({}, ""),
+        ({"python": "3.11"}, ""),
+        ({"python": "3.12"}, "python is 3.12 but the lock was compiled for 3.11 (--python-version in its header)"),
+        ({"python": "python3.11"}, "python is 'python3.11'; expected a minor version like '3.11'"),
+        ({"lock": "torch>=2\n"}, "the lock, line 1: `torch>=2` is not an exact pin"),
+    ],
+)
+def test_check_spec_names_settings_that_cannot_work(changed, message):
+    assert pve_venv.check_spec(dict(SPEC, **changed)).startswith(message)
+    assert bool(pve_venv.check_spec(dict(SPEC, **changed))) == bool(message)
+
+
+def test_the_step_plugs_into_the_registry():
+    assert pve_venv.NAME == "training_venv"
+    assert probe_name(pve_venv.PROBE) == pve_venv.NAME
+    assert pve_venv.probe_payload(SPEC, 30) == {"path": "/opt/venvs/train", "timeout": 30}
+    assert pve_venv.read_node(SPEC, None, IN_SPEC, CONTEXT) == {}
+
+
+# -- the probe part's parsers ----------------------------------------------------------------------------------
+def test_version_py_is_parsed_without_exec():
+    assert pve_probe_training_venv.parse_torch_version_py(VERSION_PY_CU130) == {
+        "version": "2.11.0+cu130",
+        "cuda": "13.0",
+        "git_version": "70d99e998b4955e0049d13a9ba1d3e2e1ac7a3e6",
+        "hip": None,
+        "rocm": None,
+        "xpu": None,
+        "debug": False,
+    }
+    older = "__version__ = \"2.5.1+cu124\"\ndebug = False\ncuda = '12.4'\ngit_version = 'a8d6afb'\nhip = None\n"
+    assert pve_probe_training_venv.parse_torch_version_py(older) == {
+        "version": "2.5.1+cu124",
+        "cuda": "12.4",
+        "git_version": "a8d6afb",
+        "hip": None,
+        "rocm": None,
+        "xpu": None,
+        "debug": False,
+    }
+    assert pve_probe_training_venv.parse_torch_version_py("import os\nos.system('reboot')\n")["version"] is None
+
+
+# -- the probe part against real venvs -------------------------------------------------------------------------
+def uv(*args):
+    if UV is None:
+        pytest.skip("uv is not installed (make setup installs it into .venv)")
+    return subprocess.run([UV, *map(str, args)], capture_output=True, text=True, env=UV_ENV, check=False)
+
+
+def make_venv(path, python=sys.executable):
+    done = uv("venv", "--quiet", "--python", python, path)
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+def site_packages(venv):
+    (found,) = glob.glob(str(venv / "lib" / "python*" / "site-packages"))
+    return Path(found)
+
+
+def probe(venv, timeout=60):
+    return pve_probe_training_venv.probe({"path": str(venv), "timeout": timeout})
+
+
+def record_line(name, data):
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}\n"
+
+
+def build_wheel(directory, name, version, files):
+    """A pure-python wheel ``name-version-py3-none-any.whl`` holding ``files`` ({path: text}) in ``directory``."""
+    info = f"{name}-{version}.dist-info"
+    contents = {path: text.encode() for path, text in files.items()}
+    contents[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\nA stand-in.\n".encode()
+    contents[f"{info}/WHEEL"] = (
+        b"Wheel-Version: 1.0\nGenerator: pve-gpu-recover tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
+    record = "".join(record_line(path, data) for path, data in contents.items()) + f"{info}/RECORD,,\n"
+    wheel = directory / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, data in contents.items():
+            archive.writestr(path, data)
+        archive.writestr(f"{info}/RECORD", record)
+    return wheel
+
+
+def fake_torch_venv(tmp_path, metadata_version, version_py):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    # Importing this torch fails: the probe must never import it.
+    files = {"torch/__init__.py": "raise ImportError('the probe imported torch')\n", "torch/version.py": version_py}
+    build_wheel(wheels, "torch", metadata_version, files)
+    venv = make_venv(tmp_path / "venv")
+    done = uv(
+        "pip",
+        "install",
+        "--quiet",
+        "--python",
+        venv,
+        "--no-index",
+        "--find-links",
+        wheels,
+        f"torch=={metadata_version}",
+    )
+    assert done.returncode == 0, done.stderr
+    return venv
+
+
+def test_no_venv_and_a_directory_that_is_not_one(tmp_path):
+    assert probe(tmp_path / "absent") == {
+        "path": str(tmp_path / "absent"),
+        "exists": False,
+        "directory": False,
+        "python": None,
+        "pyvenv": None,
+        "interpreter": None,
+        "lib_pythons": [],
+        "site_packages": None,
+        "distributions": [],
+        "broken": [],
+        "torch_version_py": None,
+        "errors": [],
+    }
+    assert (probe(tmp_path)["exists"], probe(tmp_path)["directory"]) == (False, True)
+
+
+def test_a_uv_venv_with_packages_from_pypi(tmp_path):
+    venv = make_venv(tmp_path / "venv")
+    done = uv("pip", "install", "--quiet", "--python", venv, "six==1.17.0", "idna==3.10")
+    if done.returncode != 0:
+        pytest.skip(f"PyPI cannot be reached: {done.stderr.strip().splitlines()[-1:]}")
+    answer = probe(venv)
+    assert answer["exists"] is True
+    assert answer["python"] == "{}.{}".format(*sys.version_info[:2])
+    assert answer["pyvenv"]["uv"]
+    assert answer["interpreter"]["exists"] is True
+    assert sorted((d["name"], d["version"], d["installer"], d["direct_url"]) for d in answer["distributions"]) == [
+        ("idna", "3.10", "uv", False),
+        ("six", "1.17.0", "uv", False),
+    ]
+    assert (answer["torch_version_py"], answer["broken"], answer["errors"]) == (None, [], [])
+    facts = pve_venv.evaluate_step(
+        dict(SPEC, lock="idna==3.10\nsix==1.17.0\n", python=answer["python"]), answer, {}, CONTEXT
+    )
+    assert (facts["changes"], facts["pending"]) == ([], False)
+
+
+def test_a_venv_made_by_python_venv_names_its_python_with_version(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    answer = probe(venv)
+    assert "version" in answer["pyvenv"]
+    assert "uv" not in answer["pyvenv"]
+    assert answer["python"] == "{}.{}".format(*sys.version_info[:2])
+    assert answer["distributions"] == []
+
+
+def test_the_python_minor_comes_from_lib_when_pyvenv_cfg_names_none(tmp_path):
+    venv = make_venv(tmp_path / "venv")
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    assert probe(venv)["python"] == "{}.{}".format(*sys.version_info[:2])
+
+
+def test_a_dangling_interpreter_and_a_missing_site_packages_are_reported(tmp_path):
+    venv = make_venv(tmp_path / "venv")
+    (venv / "bin" / "python").unlink()
+    (venv / "bin" / "python").symlink_to(tmp_path / "gone" / "python3.11")
+    shutil.rmtree(venv / "lib")
+    answer = probe(venv)
+    assert answer["interpreter"] == {"path": str(tmp_path / "gone" / "python3.11"), "exists": False}
+    minor = "{}.{}".format(*sys.version_info[:2])
+    assert answer["broken"] == [{"record": f"lib/python{minor}/site-packages", "reason": "missing"}]
+    assert answer["errors"] == []
+
+
+def test_broken_records_egg_info_and_hundreds_of_distributions(tmp_path):
+    venv = make_venv(tmp_path / "venv")
+    packages = site_packages(venv)
+    long_description = "\n" + "All work and no play.\n" * 200  # the body is never read
+    for number in range(500):
+        record = packages / f"pkg{number}-1.{number}.dist-info"
+        record.mkdir()
+        (record / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: pkg{number}\nVersion: 1.{number}\n{long_description}"
+        )
+    (packages / "broken-1.0.dist-info").mkdir()
+    (packages / "nameless-1.0.dist-info").mkdir()
+    (packages / "nameless-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\n\nName: nameless\n")
+    (packages / "legacy-0.1.egg-info").mkdir()
+    (packages / "legacy-0.1.egg-info" / "PKG-INFO").write_text("Metadata-Version: 1.0\nName: legacy\nVersion: 0.1\n")
+    (packages / "oldfile-0.2-py3.11.egg-info").write_text("Metadata-Version: 1.1\nName: oldfile\nVersion: 0.2\n")
+    (packages / "noinfo-0.3.egg-info").mkdir()
+    answer = probe(venv)
+    names = {d["name"]: d["version"] for d in answer["distributions"]}
+    assert len(names) == 502
+    assert (names["pkg499"], names["legacy"], names["oldfile"]) == ("1.499", "0.1", "0.2")
+    assert answer["broken"] == [
+        {"record": "broken-1.0.dist-info", "reason": "no METADATA"},
+        {"record": "nameless-1.0.dist-info", "reason": "its metadata has no Name or no Version"},
+        {"record": "noinfo-0.3.egg-info", "reason": "no PKG-INFO"},
+    ]
+    assert answer["errors"] == []
+    stopped = probe(venv, timeout=0)
+    assert stopped["errors"] == [f"stopped after 0 s having read 0 of 505 records in {packages}"]
+
+
+@pytest.mark.parametrize(
+    ("metadata_version", "version_py", "exact", "variant"),
+    [
+        ("2.11.0+cu128", VERSION_PY_CU128, "2.11.0+cu128", "cu128"),  # the cu128 index's wheel
+        ("2.11.0", VERSION_PY_CU130, "2.11.0+cu130", "cu130"),  # PyPI's wheel
+    ],
+)
+def test_a_torch_wheel_installed_by_uv_is_read_from_its_files(tmp_path, metadata_version, version_py, exact, variant):
+    venv = fake_torch_venv(tmp_path, metadata_version, version_py)
+    answer = probe(venv)
+    assert [(d["name"], d["version"], d["installer"]) for d in answer["distributions"]] == [
+        ("torch", metadata_version, "uv")
+    ]
+    assert answer["torch_version_py"]["version"] == exact
+    installed = pve_venv.installed_versions(answer)
+    assert installed == {"torch": exact}
+    assert pve_venv.variant(installed["torch"]) == variant
+    python = answer["python"]
+    facts = pve_venv.evaluate_step(dict(SPEC, lock="torch==2.11.0+cu128\n", python=python), answer, {}, CONTEXT)
+    expected = (
+        [] if variant == "cu128" else ["torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)"]
+    )
+    assert facts["changes"] == expected
+
+
+def other_python(minor):
+    """An interpreter of ``minor`` that runs (pyenv shims exist for versions that are not selected)."""
+    candidates = [
+        shutil.which(f"python{minor}"),
+        *sorted(glob.glob(str(Path.home() / f".pyenv/versions/{minor}.*/bin/python{minor}"))),
+    ]
+    for candidate in filter(None, candidates):
+        if subprocess.run([candidate, "-c", "pass"], capture_output=True, check=False).returncode == 0:
+            return candidate
+    return None
+
+
+@pytest.mark.parametrize("minor", ["3.9", "3.10"])
+def test_the_probe_runs_as_the_fact_pass_ships_it_on_old_pythons(tmp_path, minor):
+    python = other_python(minor)
+    if python is None:
+        pytest.skip(f"no python{minor} here")
+    venv = fake_torch_venv(tmp_path, "2.11.0", VERSION_PY_CU130)
+    # What Target.run_probes feeds a CT's python3 on stdin: the part's source, exec'd, then probe(payload).
+    sources = {pve_venv.NAME: inspect.getsource(pve_probe_training_venv)}
+    payloads = {pve_venv.NAME: pve_venv.probe_payload(dict(SPEC, path=str(venv)), 30)}
+    program = PROBES_MAIN.replace("SOURCES", repr(json.dumps(sources)))
+    done = subprocess.run(
+        [python, "-I", "-", json.dumps(payloads)], input=program, capture_output=True, text=True, check=True
+    )
+    answer = json.loads(done.stdout)[pve_venv.NAME]["answer"]
+    assert answer == json.loads(json.dumps(probe(venv)))
+    assert answer["torch_version_py"]["version"] == "2.11.0+cu130"
+
+
+@pytest.fixture(scope="module")
+def cpu_torch_venv(tmp_path_factory):
+    """A python 3.11 uv venv holding the real CPU torch wheel of /opt/wheels, without its dependencies."""
+    if not TORCH_WHEEL.exists():
+        pytest.skip(f"{TORCH_WHEEL} is absent")
+    python = other_python("3.11")
+    if python is None:
+        pytest.skip("no python3.11 here (the wheel is cp311)")
+    venv = make_venv(tmp_path_factory.mktemp("torch") / "venv", python)
+    done = uv("pip", "install", "--quiet", "--python", venv, "--no-deps", TORCH_WHEEL)
+    assert done.returncode == 0, done.stderr
+    return venv
+
+
+def test_the_real_cpu_torch_wheel_is_read_as_its_build(cpu_torch_venv):
+    answer = probe(cpu_torch_venv)
+    assert answer["python"] == "3.11"
+    torch = [d for d in answer["distributions"] if d["name"] == "torch"]
+    # Installed from a path: uv records a direct_url.json.
+    assert torch == [{"name": "torch", "version": "2.13.0+cpu", "installer": "uv", "direct_url": True}]
+    assert answer["torch_version_py"]["version"] == "2.13.0+cpu"
+    assert answer["torch_version_py"]["cuda"] is None
+    assert len(answer["torch_version_py"]["git_version"]) == 40
+    facts = pve_venv.evaluate_step(dict(SPEC, lock="torch==2.13.0+cpu\n", python="3.11"), answer, {}, CONTEXT)
+    assert (facts["changes"], facts["torch"]["variant"]) == ([], "cpu")
+    facts = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    assert "torch 2.13.0+cpu -> 2.11.0+cu128 (build variant cpu, expected cu128)" in facts["changes"]

@@ -1,0 +1,166 @@
+"""plugins/callback/recover_report.py: the report's pure parts, and the callback inside a real ansible-playbook."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from ansible.module_utils import _internal as module_internal
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "plugins" / "callback"))
+controller = module_internal.is_controller
+import recover_report  # noqa: E402
+
+# Importing controller code (the callback's base class) makes module_utils act as on the controller (warnings go to
+# Display, not to the module's result); the module tests in this same process need module semantics back.
+module_internal.is_controller = controller
+
+GPU0 = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
+GPU1 = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
+BEFORE = {
+    "preflight": {"gpus": [{"uuid": GPU0, "memory_used_mib": 20009}, {"uuid": GPU1, "memory_used_mib": 0}]},
+    "gpu_processes": {
+        "processes": [{"pid": 516, "gpus": [0]}, {"pid": 517, "gpus": [0]}],
+        "blockers": [{"pid": 777, "gpus": [1]}],
+    },
+}
+
+
+def test_after_the_run_the_gpus_and_holders_reflect_what_the_step_did():
+    steps = {
+        "gpu_processes": {"killed": [{"pid": 516}, {"pid": 517}], "memory": [{"uuid": GPU0, "memory_used_mib": 0}]}
+    }
+    gpus, holders = recover_report.merge_after(BEFORE, steps)
+    assert [g["memory_used_mib"] for g in gpus] == [0, 0]
+    assert holders == [{"pid": 777, "gpus": [1]}]
+    # Nothing read again: the before facts are not touched.
+    assert BEFORE["preflight"]["gpus"][0]["memory_used_mib"] == 20009
+
+
+def test_in_check_mode_nothing_ended_so_every_holder_is_still_there():
+    gpus, holders = recover_report.merge_after(BEFORE, {"gpu_processes": {"killed": []}})
+    assert [h["pid"] for h in holders] == [516, 517, 777]
+    assert gpus[0]["memory_used_mib"] == 20009
+
+
+@pytest.mark.parametrize(
+    ("statuses", "want"),
+    [
+        ([("ok", False, False), ("skipped", False, True)], "skipped"),
+        ([("ok", False, False), ("ok", True, True)], "changed"),
+        ([("ok", False, True)], "ok"),
+        ([("ok", False, True), ("failed", False, True)], "failed"),
+        ([("unreachable", False, True)], "failed"),
+    ],
+)
+def test_step_status(statuses, want):
+    records = [{"status": s, "changed": c, "remote": r} for s, c, r in statuses]
+    assert recover_report.step_status(records) == want
+
+
+def test_summary_names_what_changed_and_what_was_ended():
+    report = {
+        "check_mode": False,
+        "steps": {
+            "preflight": {"changed": False, "changes": []},
+            "gpu_processes": {
+                "changed": False,  # a failed task loses `changed`; what it ended still counts
+                "changes": ["end pid 516 (python3) on GPU 0, 20000 MiB"],
+                "killed": [{"pid": 516, "signal": "SIGKILL"}],
+            },
+        },
+    }
+    assert recover_report.summary_lines(report) == [
+        "gpu_processes: end pid 516 (python3) on GPU 0, 20000 MiB",
+        "gpu_processes: ended 1 process(es) (pid 516 SIGKILL)",
+    ]
+    assert recover_report.summary_lines(dict(report, check_mode=True))[0].startswith("gpu_processes: would end")
+
+
+def run_playbook(tmp_path, *args):
+    """A playbook whose roles are named like recovery steps, run by a real ansible-playbook on localhost."""
+    roles = tmp_path / "roles"
+    (roles / "preflight" / "tasks").mkdir(parents=True)
+    (roles / "gpu_processes" / "tasks").mkdir(parents=True)
+    (roles / "preflight" / "tasks" / "main.yml").write_text(
+        textwrap.dedent("""\
+        - name: Name the run
+          ansible.builtin.set_fact:
+            recover_run_id: run-test
+        - name: A remote call
+          ansible.builtin.command:
+            argv: ["true"]
+          changed_when: false
+        """)
+    )
+    (roles / "gpu_processes" / "tasks" / "main.yml").write_text(
+        textwrap.dedent("""\
+        - name: Fail like a step that ended processes and then found the memory still held
+          ansible.builtin.fail:
+            msg: GPU 0 still holds 300 MiB
+          when: fail_it | bool
+        """)
+    )
+    playbook = tmp_path / "play.yml"
+    playbook.write_text("- hosts: all\n  gather_facts: false\n  roles: [preflight, gpu_processes]\n")
+    env = dict(
+        os.environ,
+        ANSIBLE_CALLBACK_PLUGINS=str(ROOT / "plugins" / "callback"),
+        ANSIBLE_CALLBACKS_ENABLED="recover_report",
+        ANSIBLE_ROLES_PATH=str(roles),
+        PVE_GPU_RECOVER_REPORT_DIR=str(tmp_path / "reports"),
+        ANSIBLE_NOCOLOR="1",
+    )
+    env.pop("ANSIBLE_CONFIG", None)
+    command = [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "localhost,", "-c", "local", *args]
+    command += ["-e", f"ansible_python_interpreter={sys.executable}"]
+    return subprocess.run([*command, str(playbook)], cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+
+
+def test_a_failed_run_still_writes_its_report_and_prints_its_path(tmp_path):
+    done = run_playbook(tmp_path, "-e", "fail_it=true")
+    assert done.returncode == 2, done.stdout + done.stderr
+    path = tmp_path / "reports" / "localhost" / "run-test.json"
+    report = json.loads(path.read_text())
+    assert f"localhost: failed, report {path}" in done.stdout
+    assert report["status"] == "failed"
+    assert report["error"] == {
+        "step": "gpu_processes",
+        "task": "gpu_processes : Fail like a step that ended processes and then found the memory still held",
+        "msg": "GPU 0 still holds 300 MiB",
+    }
+    assert report["steps"]["preflight"]["status"] == "ok"
+    assert report["steps"]["gpu_processes"]["status"] == "failed"
+    assert report["check_mode"] is False
+    assert [(t["action"], t["remote"], t["status"]) for t in report["tasks"]] == [
+        ("set_fact", False, "ok"),
+        ("command", True, "ok"),
+        ("fail", False, "failed"),
+    ]
+
+
+def test_a_check_run_is_marked_as_such(tmp_path):
+    done = run_playbook(tmp_path, "--check", "-e", "fail_it=false")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "reports" / "localhost" / "run-test.json").read_text())
+    assert (report["check_mode"], report["status"], report["error"]) == (True, "ok", None)
+    assert report["steps"]["gpu_processes"]["status"] == "skipped"
+
+
+def test_the_callback_documentation_renders():
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible-doc")), "-t", "callback", "--json", "recover_report"],
+        cwd=ROOT,
+        env={"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)["recover_report"]["doc"]
+    assert doc["options"]["report_dir"]["env"] == [{"name": "PVE_GPU_RECOVER_REPORT_DIR"}]
