@@ -276,6 +276,9 @@ def start_ct(vmid):
     """Start the CT (if stopped) and create its GPU device nodes the way passthrough bind-mounts them."""
     if not ct_running(vmid):
         lxc("lxc-start", vmid)
+    # A real CT's init brings its loopback up; ours (sleep) does not, and the venv tests serve indexes there.
+    init = lxc("lxc-info", vmid, "-p", "-H").stdout.strip()
+    run(["nsenter", "--target", init, "--net", "--", "ip", "link", "set", "lo", "up"])
     gpus = gpulab.read_config(path("gpu"))["views"].get(f"ct{vmid}", [])
     if not gpus:
         return

@@ -1,0 +1,496 @@
+#!/usr/bin/python
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: training_venv
+short_description: Make a target's training venv exactly the pinned set - rebuilt beside the old one, swapped atomically
+description:
+  - Reads the venv at I(path) inside the target (its files only, never C(import torch)) and compares it with the
+    lock, exact version strings included (C(2.11.0+cu128) is not C(2.11.0+cu130)). It reads again even when the
+    fact pass of M(target_facts) just did, since those facts can be seconds old.
+  - When the venv is anything but the lock (missing, polluted by other packages, another torch build, another
+    python minor, a broken record), it builds a new venv from the lock BESIDE the old one, checks it, and swaps
+    it in; all of it in ONE C(pct exec) (a build script sent to the target's python on stdin).
+  - Layout, since a venv embeds its own path and cannot be moved. Each version is built at C(<path>.<stamp>)
+    (UTC, C(20261203T101500Z)) and never moved. I(path) becomes a symlink to the current version, swapped by
+    renaming a new symlink over it (rename(2), atomic, so a job sees the old venv or the new one, never half of either).
+    The lock a version was built from is kept as C(<path>.<stamp>.lock.txt).
+  - While a version is built it holds a marker file, C(.pve-gpu-recover-building), removed only once the check
+    passed. A marked version that is not the current one is what an interrupted run left; the next run removes
+    it. Nothing else is ever removed as a leftover.
+  - The build uses uv (I(uv)) - C(uv venv) then C(uv pip sync --require-hashes) of the lock - and falls back to
+    C(python3 -m venv) plus C(pip install --no-deps --require-hashes) when uv is not found. The indexes are only
+    the lock's C(--index-url)/C(--extra-index-url) lines; index settings of the target's environment and uv/pip
+    configuration files are ignored.
+  - Before the swap the new venv's python must run (and be the expected minor) and its installed set must be the
+    lock exactly; otherwise the new directory is removed and I(path) is left as it was. After the swap the venv is
+    read again through I(path), in the same C(pct exec), by the fact pass's reader and compared by the same
+    rules; still out of spec fails the task.
+  - The old venv is never deleted by the swap. A previous version behind the symlink stays where it is (and still
+    works). A real directory at I(path), a venv made before this module, is renamed to C(<path>.<stamp>-previous);
+    it works again only once renamed back, since a venv embeds its path. Either way its freeze
+    (C(name==version) lines, torch's exact build from C(torch/version.py)) is saved to C(<old dir>.freeze.txt)
+    first.
+version_added: "0.3.0"
+author: pve-gpu-recover contributors
+extends_documentation_fragment:
+  - action_common_attributes
+  - pve_target
+attributes:
+  check_mode:
+    support: full
+    details: Reads and compares exactly as a real run does and changes nothing; C(changed) is true exactly when a
+      real run would build.
+  diff_mode:
+    support: full
+    details: Before is the venv's freeze (sorted C(name==version) lines; pip, setuptools and wheel left out under
+      I(tooling=ignore) when the lock does not pin them), after is the lock's pins.
+  platform:
+    platforms: posix
+options:
+  state:
+    description:
+      - C(present) makes the venv at I(path) exactly the lock.
+    type: str
+    choices: [present]
+    default: present
+  path:
+    description:
+      - Where the venv lives inside the target. After the first build it is a symlink to C(<path>.<stamp>).
+    type: path
+    default: /opt/venvs/train
+  lock:
+    description:
+      - The lock's TEXT (not a file name), as C(uv pip compile --generate-hashes) writes it. Every line must be an
+        exact C(name==version) pin with hashes; its C(--index-url)/C(--extra-index-url) lines are the only indexes.
+      - The roles read it on the controller, C(lookup('file', training_venv_lock_file)).
+    type: str
+    required: true
+  python:
+    description:
+      - Python minor the venv must have (C(3.11)); the build asks uv for it, or runs C(python3.11 -m venv).
+      - Unset, the C(--python-version) in the lock's uv header is used; without one, C(python3) of the target.
+    type: str
+  tooling:
+    description:
+      - C(ignore) leaves pip, setuptools and wheel out of the comparison when the lock does not pin them
+        (C(python3 -m venv) seeds them, uv does not).
+      - C(exact) counts them as extra; a pip-built venv then has them removed after the install.
+    type: str
+    choices: [ignore, exact]
+    default: ignore
+  uv:
+    description:
+      - uv inside the target, a path or a name looked up on the PATH of a non-login root shell
+        (C(pct exec --keep-env 0)), where C(~/.local/bin) is not.
+      - When it cannot be run, the build falls back to C(python3 -m venv) and pip; when that cannot work either
+        (no C(python3-venv)), the task fails naming both.
+    type: str
+    default: uv
+  uv_wheel:
+    description:
+      - PyPI's uv wheel (C(uv-<version>-py3-none-manylinux_*_x86_64.whl)) on the node. When a build is due, its
+        C(uv) executable is installed into the target at C(/usr/local/lib/pve-gpu-recover/uv-<version>/uv) (kept
+        when already there) and used instead of I(uv). Never a C(curl | sh).
+      - The role copies the wheel from the controller to the node only when a build is due.
+    type: path
+  keep:
+    description:
+      - How many finished versions (C(<path>.<stamp>)) stay after a build, the current one counted (C(1) keeps
+        only the current one). Older ones are removed with their lock file; their freeze file stays.
+      - A version that a live process of the target uses (its executable, its argv[0] or a mapped file lies in it)
+        is never removed; the result names it in I(retention_skipped).
+      - C(<path>.<stamp>-previous) directories are never removed. Unset, nothing is removed.
+      - Applies only when the module builds.
+    type: int
+  build_timeout:
+    description:
+      - Seconds the build may take; a command still running then is killed and what was built is removed.
+        The C(pct exec) gets 60 more seconds for that cleanup.
+    type: int
+    default: 1800
+  python_executable:
+    description:
+      - Interpreter inside the target that runs the reader and the build script (not the venv's python).
+        Ignored for a bare host, where both run in this module's own process.
+    type: str
+    default: python3
+requirements:
+  - In the target, Python 3.9+ and either uv or the C(venv) module with C(ensurepip) (Debian C(python3-venv)).
+  - Network from the target to the lock's indexes.
+seealso:
+  - module: target_facts
+notes:
+  - A job started through I(path) (C(<path>/bin/python)) reads files through the symlink; after a swap, what it
+    imports later comes from the new version. Console scripts of a version (C(<path>/bin/torchrun)) name that
+    version's own python and stay on it.
+  - Retention runs only when the module builds; a converged run makes no change at all.
+"""
+
+EXAMPLES = r"""
+- name: Make CT 200's training venv exactly the pinned set
+  training_venv:
+    vmid: 200
+    lock: "{{ lookup('file', 'files/lock_cu128.txt') }}"
+    python: "3.11"
+  delegate_to: pve1
+
+- name: Use the uv installed in root's home, keep the current and one older version
+  training_venv:
+    vmid: 200
+    lock: "{{ lookup('file', 'files/lock_cu128.txt') }}"
+    uv: /root/.local/bin/uv
+    keep: 2
+  delegate_to: pve1
+
+- name: Only report what a rebuild would change (run with --check --diff)
+  training_venv:
+    vmid: 200
+    lock: "{{ lookup('file', 'files/lock_cu128.txt') }}"
+  delegate_to: pve1
+  check_mode: true
+  register: venv_drift
+"""
+
+RETURN = r"""
+venv:
+  description:
+    - The venv's path, I(path) (after a build, the symlink to I(current)).
+    - Not returned as C(path) - Ansible would add the owner, mode and size of a file of that name on the node,
+      which is not the target's venv.
+  returned: always
+  type: str
+  sample: /opt/venvs/train
+current:
+  description: The version directory this run built and swapped in; null when nothing was built.
+  returned: always
+  type: str
+  sample: /opt/venvs/train.20261203T101500Z
+previous:
+  description:
+    - The venv that was at I(path) before the swap; null when nothing was built or there was none.
+    - C(path) where it is now, C(freeze) its freeze file, C(moved) whether it was renamed (a venv made before this
+      module, now C(<path>.<stamp>-previous)), C(note) how to go back.
+  returned: always
+  type: dict
+  sample:
+    path: /opt/venvs/train.20261120T081500Z
+    freeze: /opt/venvs/train.20261120T081500Z.freeze.txt
+    moved: false
+    note: "unchanged in place; to go back: ln -sfn train.20261120T081500Z /opt/venvs/train"
+builder:
+  description:
+    - What built I(current) - C(name) (C(uv) or C(venv+pip)), C(path), C(version) and, for C(venv+pip),
+      C(fallback) (why uv was not used); null when nothing was built.
+  returned: always
+  type: dict
+  sample: {name: uv, path: /usr/local/bin/uv, version: 0.13.9}
+lock_file:
+  description: The copy of the lock that I(current) was built from; null when nothing was built.
+  returned: always
+  type: str
+  sample: /opt/venvs/train.20261203T101500Z.lock.txt
+cleaned:
+  description: Unfinished versions left by interrupted runs, removed before this build.
+  returned: always
+  type: list
+  elements: str
+removed:
+  description: Older versions removed by retention (I(keep)).
+  returned: always
+  type: list
+  elements: str
+retention_skipped:
+  description: Versions retention would have removed but kept, each with C(path), C(pids) and C(reason).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{path: /opt/venvs/train.20261120T081500Z, pids: [4711], reason: in use by pid 4711}]
+installed:
+  description: The venv's distributions and their exact versions (after a build, the new venv's).
+  returned: always
+  type: dict
+  sample: {torch: 2.11.0+cu128, six: 1.17.0}
+missing:
+  description: Locked distributions not installed, each with C(name) and C(locked) (empty after a build).
+  returned: always
+  type: list
+  elements: dict
+extra:
+  description: Installed distributions the lock does not pin, each with C(name) and C(installed).
+  returned: always
+  type: list
+  elements: dict
+wrong:
+  description: Distributions installed at another version than locked, each with C(name), C(locked), C(installed).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{name: torch, locked: 2.11.0+cu128, installed: 2.11.0+cu130}]
+changes:
+  description: What the build changes (or, in check mode, would change), one line each; empty when converged.
+  returned: always
+  type: list
+  elements: str
+  sample: ["torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)", "remove sglang 0.5.4 (not in the lock)"]
+seconds:
+  description: Seconds the module took.
+  returned: always
+  type: float
+error:
+  description:
+    - On failure, what kind of failure it was, stable for code. From the build - C(index_unreachable),
+      C(not_on_index), C(hash_mismatch), C(no_space), C(timeout), C(no_builder) (no uv and no working
+      C(-m venv)), C(venv_failed), C(python) (the python minor is not in the target), C(not_found), C(check)
+      (the new venv was not the lock), C(layout) (I(path) is a file), C(os_error), C(install_failed).
+      From the module - C(invalid), C(problems) (the venv could not be read), C(verify) (still out of spec after
+      the swap), and the target's (C(stopped), C(missing), C(probe), ...).
+  returned: failure
+  type: str
+  sample: index_unreachable
+cmd:
+  description: On failure of a command, the argv that ran (the C(pct exec) wrapper included, or the build's command).
+  returned: failure of a command
+  type: list
+  elements: str
+rc:
+  description: On failure of a command, its exit code.
+  returned: failure of a command
+  type: int
+stdout_tail:
+  description: On failure of a command, the last 20 lines of its stdout.
+  returned: failure of a command that printed
+  type: str
+stderr_tail:
+  description: On failure of a command, the last 20 lines of its stderr.
+  returned: failure of a command that printed
+  type: str
+left_behind:
+  description: On a failed build, a path of this build that could not be removed (null when everything was); a
+    marked version is removed by the next run.
+  returned: failure of the build
+  type: str
+"""
+
+import re
+import time
+import zipfile
+from datetime import UTC, datetime
+
+from ansible.module_utils import pve_probe_training_venv, pve_script_training_venv
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.pve_errors import RecoverError
+from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
+from ansible.module_utils.pve_venv import (
+    NAME,
+    SPEC,
+    TOOLING,
+    VenvError,
+    check_spec,
+    evaluate_step,
+    expected_python,
+    ignored_tooling,
+    parse_lock,
+    probe_payload,
+)
+
+BUILD = "build"
+# Where a uv from a wheel goes inside the target, one directory per version.
+UV_HOME = "/usr/local/lib/pve-gpu-recover"
+UV_IN_WHEEL = re.compile(r"uv-([0-9][^/]*)\.data/scripts/uv")
+# The pct exec of a build gets this much more than build_timeout, so the script's own deadline fires first and
+# it can still remove what it built and answer.
+CLEANUP_GRACE = 60
+ARGUMENT_SPEC = {
+    **TARGET_ARGUMENT_SPEC,
+    "state": {"type": "str", "choices": ["present"], "default": "present"},
+    **SPEC,
+    "uv": {"type": "str", "default": "uv"},
+    "uv_wheel": {"type": "path"},
+    "keep": {"type": "int"},
+    "build_timeout": {"type": "int", "default": 1800},
+    "python_executable": {"type": "str", "default": "python3"},
+}
+# What the build script answers on success, and the type of each key (its answer comes from inside the CT).
+BUILT_KEYS = {"current": str, "builder": dict, "lock_file": str, "cleaned": list, "removed": list}
+BUILT_KEYS.update({"retention_skipped": list, "previous": (dict, type(None))})
+
+
+def check_options(params):
+    """Why the options cannot work (one sentence), or ``""``."""
+    wrong = check_spec({name: params[name] for name in SPEC})
+    if wrong:
+        return wrong
+    if params["keep"] is not None and params["keep"] < 1:
+        return f"keep is {params['keep']}; the current venv counts, so keep is at least 1 (unset: remove nothing)"
+    if params["build_timeout"] < 1:
+        return f"build_timeout is {params['build_timeout']}; give the build at least 1 second"
+    return ""
+
+
+def build_payload(spec, params, stamp):
+    """What the build script needs, the lock's meaning included (the script parses nothing of ours).
+
+    ``build_payload({"path": "/opt/venvs/train", "lock": "six==1.17.0 --hash=sha256:ab\\n", "python": None,
+    "tooling": "ignore"}, {"uv": "uv", "keep": None, "build_timeout": 1800}, "20261203T101500Z")`` ->
+    ``{"path": "/opt/venvs/train", "lock": ..., "python": None, "stamp": "20261203T101500Z", "uv": "uv", "keep":
+    None, "timeout": 1800, "expected": {"six": "1.17.0"}, "ignore": ["pip", "setuptools", "wheel"],
+    "drop_tooling": []}``.
+    """
+    lock = parse_lock(spec["lock"])
+    locked = lock["distributions"]
+    exact = spec["tooling"] == "exact"
+    return {
+        "path": spec["path"],
+        "lock": spec["lock"],
+        "python": expected_python(spec, lock),
+        "stamp": stamp,
+        "uv": params["uv"],
+        "keep": params["keep"],
+        "timeout": params["build_timeout"],
+        "expected": locked,
+        "ignore": sorted(ignored_tooling(locked, spec["tooling"])),
+        # `python3 -m venv` seeds pip/setuptools: under tooling=exact a pip build removes those the lock lacks.
+        "drop_tooling": sorted(set(TOOLING) - set(locked)) if exact else [],
+    }
+
+
+def part_answer(parts, name, label):
+    """The answer of one part of a run_probes call; a part that raised is a TargetError naming it."""
+    part = parts[name]
+    if "error" in part:
+        raise TargetError(f"{label}: the {name} part failed: {part['error']}", kind="probe")
+    return part["answer"]
+
+
+def built_of(answer, path):
+    """The build script's answer when it built and swapped; its structured error as a RecoverError otherwise."""
+    if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+        return_text = answer.get("stderr_tail")
+        raise VenvError(
+            f"building the venv failed ({answer['error']}): {answer.get('message')}; {path} was left as it was",
+            kind=answer["error"],
+            cmd=answer.get("cmd"),
+            rc=answer.get("rc"),
+            stderr=return_text if isinstance(return_text, str) else None,
+            details={"cleaned": answer.get("cleaned") or [], "left_behind": answer.get("left_behind")},
+        )
+    for key, kind in BUILT_KEYS.items():
+        if not isinstance(answer, dict) or not isinstance(answer.get(key), kind):
+            raise VenvError(f"the build script answered no {key!r} in the expected shape", kind="probe")
+    return answer
+
+
+def out_of_spec(facts):
+    """Why the venv is not the lock (one sentence), or ``""``: a venv that was just built must have no changes."""
+    reasons = facts["problems"] + facts["changes"]
+    if not reasons:
+        return ""
+    more = f" (and {len(reasons) - 5} more)" if len(reasons) > 5 else ""
+    return f"the venv at {facts['path']} is still not the lock after the build: {'; '.join(reasons[:5])}{more}"
+
+
+def result_of(before, after, built, seconds):
+    """The module's result: ``changed`` and the diff from the first read (identical in check mode), what is
+    installed from the last read, what the build did."""
+    facts = after or before
+    built = built or {}
+    return {
+        "changed": before["pending"],
+        "venv": before["path"],  # not "path": exit_json would add stats of the node's file of that name
+        "current": built.get("current"),
+        "previous": built.get("previous"),
+        "builder": built.get("builder"),
+        "lock_file": built.get("lock_file"),
+        "cleaned": built.get("cleaned", []),
+        "removed": built.get("removed", []),
+        "retention_skipped": built.get("retention_skipped", []),
+        "installed": facts["installed"],
+        "missing": facts["missing"],
+        "extra": facts["extra"],
+        "wrong": facts["wrong"],
+        "changes": before["changes"],
+        "diff": before["diff"],
+        "seconds": round(seconds, 3),
+    }
+
+
+def uv_from_wheel(wheel_path):
+    """``(version, executable bytes)`` of PyPI's uv wheel, whose binary is ``uv-<version>.data/scripts/uv``."""
+    try:
+        with zipfile.ZipFile(wheel_path) as wheel:
+            names = [n for n in wheel.namelist() if UV_IN_WHEEL.fullmatch(n)]
+            if not names:
+                raise VenvError(
+                    f"{wheel_path} holds no uv-<version>.data/scripts/uv: give PyPI's uv wheel for this platform "
+                    f"(uv-<version>-py3-none-manylinux_*_x86_64.whl)",
+                    kind="uv_wheel",
+                )
+            return UV_IN_WHEEL.fullmatch(names[0]).group(1), wheel.read(names[0])
+    except (OSError, zipfile.BadZipFile) as error:
+        raise VenvError(f"cannot read the uv wheel {wheel_path}: {error}", kind="uv_wheel") from None
+
+
+def install_uv(target, wheel_path):
+    """Put the wheel's uv into the target at a versioned path (kept when already there); return that path.
+
+    Never a ``curl | sh``: the binary comes from the wheel the controller handed to the node, over the same
+    ``pct exec`` as everything else.
+    """
+    version, binary = uv_from_wheel(wheel_path)
+    path = f"{UV_HOME}/uv-{version}/uv"
+    script = (
+        'set -e; [ -x "$1" ] && exit 0; mkdir -p "${1%/*}"; t="$1.tmp.$$"; cat > "$t"; chmod 755 "$t"; mv -f "$t" "$1"'
+    )
+    target.run(["sh", "-c", script, "sh", path], stdin=binary)
+    return path
+
+
+def utc_stamp():
+    """The name of a new version: ``20261203T101500Z`` (UTC, so names sort by time on every target)."""
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def main():
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    started = time.monotonic()
+    p = module.params
+    spec = {name: p[name] for name in SPEC}
+    target = None
+    try:
+        wrong = check_options(p)
+        if wrong:
+            raise VenvError(f"{wrong}; fix the training_venv_* variable of that name", kind="invalid")
+        target = Target.from_params(p)
+        context = {"target": {"label": target.label, "vmid": target.vmid, "node": target.node}, "steps": {}}
+        read = (pve_probe_training_venv, probe_payload(spec, p["timeout"]))
+        answer = target.run_probe(read[0], read[1], python=p["python_executable"])
+        before = evaluate_step(spec, answer, {}, dict(context, check_mode=module.check_mode))
+        if before["problems"]:
+            raise VenvError("; ".join(before["problems"]), kind="problems")
+        built = after = None
+        if before["pending"] and not module.check_mode:
+            # One pct exec: build and swap, then the reader part reads the venv again through the new symlink.
+            payload = build_payload(spec, p, utc_stamp())
+            if p["uv_wheel"]:
+                payload["uv"] = install_uv(target, p["uv_wheel"])
+            build = (pve_script_training_venv, payload)
+            parts = target.run_probes(
+                {BUILD: build, NAME: read}, python=p["python_executable"], timeout=p["build_timeout"] + CLEANUP_GRACE
+            )
+            built = built_of(part_answer(parts, BUILD, target.label), spec["path"])
+            after = evaluate_step(spec, part_answer(parts, NAME, target.label), {}, dict(context, check_mode=False))
+            if out_of_spec(after):
+                details = {key: built[key] for key in ("current", "previous", "builder", "lock_file")}
+                details.update({key: after[key] for key in ("installed", "missing", "extra", "wrong")})
+                raise VenvError(out_of_spec(after), kind="verify", details=details)
+        result = result_of(before, after, built, time.monotonic() - started)
+    except RecoverError as error:
+        module.fail_json(**error.to_result(prefix=f"{target.label}: " if target else ""))
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,961 @@
+"""library/training_venv.py and its build script (module_utils/pve_script_training_venv.py).
+
+Three layers: the pure parts (plans, failure kinds, the payload, the reader the check uses); the module replayed
+on a CT target through FakeRunner, every ``pct exec`` argv and stdin asserted; and the module on a bare host,
+where the script runs in-process and builds real venvs in tmp_path with uv (and with ``python3 -m venv`` + pip)
+from two local PEP 503 indexes served on 127.0.0.1: "pypi" (PyPI's torch 2.11.0, a cu130 build, and small
+packages) and "cu128" (torch 2.11.0+cu128). The wheels are made here, the locks carry their real sha256.
+No test reaches PyPI, imports torch or sleeps.
+"""
+
+import ast
+import base64
+import errno
+import hashlib
+import http.server
+import importlib.util
+import inspect
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import urllib.parse
+import zipfile
+from pathlib import Path
+
+import pytest
+import training_venv
+import yaml
+from ansible.module_utils import pve_probe_training_venv, pve_venv
+from ansible.module_utils import pve_script_training_venv as script
+from ansible.module_utils.pve_target import PROBES_MAIN, Target
+from ansible.module_utils.pve_venv import VenvError
+
+from tests.conftest import ROOT
+from tests.fakes import FakeRunner, run_module
+
+UV = str(ROOT / ".venv" / "bin" / "uv")
+SYSTEM_PYTHON = "/usr/bin/python3.11"
+VERSION_PY = "__version__ = '{version}'\ndebug = False\ncuda: Optional[str] = '{cuda}'\ngit_version = 'abc123'\n"
+STAMPS = [f"20261203T10{minute:02d}00Z" for minute in range(60)]
+
+
+# -- the pure parts --------------------------------------------------------------------------------------------
+def test_version_names_match_exactly_and_nothing_else():
+    pattern = script.version_pattern("/opt/venvs/train")
+    assert pattern.match("train.20261203T101500Z")
+    for other in (
+        "train",
+        "train.20261203T101500Z-previous",
+        "train.20261203T101500Z.lock.txt",
+        "train.20261203T101500Z.freeze.txt",
+        "train.20261203T101500Z.link",
+        "train.backup",
+        "trainX20261203T101500Z",
+        "other.20261203T101500Z",
+    ):
+        assert not pattern.match(other), other
+    assert script.version_dir("/opt/venvs/train", "20261203T101500Z") == "/opt/venvs/train.20261203T101500Z"
+    assert script.previous_dir("/v/t", "20261203T101500Z") == "/v/t.20261203T101500Z-previous"
+
+
+def test_a_leftover_is_one_of_our_names_a_real_directory_marked_and_not_current():
+    entries = [
+        ("train.20261203T101500Z", True, True),  # interrupted: removed
+        ("train.20261203T091500Z", True, False),  # finished: retention's business
+        ("train.20261203T081500Z", True, True),  # marked but current: never
+        ("train.20261203T071500Z", False, True),  # not a real directory (a symlink)
+        ("train.backup", True, True),  # not our name
+        ("train.20261203T061500Z-previous", True, True),
+    ]
+    assert script.plan_leftovers("/v/train", entries, "/v/train.20261203T081500Z") == ["/v/train.20261203T101500Z"]
+
+
+def test_retention_keeps_the_newest_the_current_counted_and_skips_what_is_used():
+    versions = ["/v/t.20261203T010000Z", "/v/t.20261203T030000Z", "/v/t.20261203T020000Z", "/v/t.20261203T040000Z"]
+    current = "/v/t.20261203T040000Z"
+    assert script.plan_retention(versions, current, None, {}) == ([], [])
+    assert script.plan_retention(versions, current, 2, {}) == (["/v/t.20261203T010000Z", "/v/t.20261203T020000Z"], [])
+    assert script.plan_retention(versions, current, 1, {"/v/t.20261203T010000Z": [77, 41]}) == (
+        ["/v/t.20261203T020000Z", "/v/t.20261203T030000Z"],
+        [{"path": "/v/t.20261203T010000Z", "pids": [41, 77], "reason": "in use by pid 41, 77"}],
+    )
+    assert script.plan_retention(versions, current, 9, {}) == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        (
+            "error: Failed to download `idna==3.10`\n  Caused by: connection closed before message completed",
+            "index_unreachable",
+        ),
+        ("  Caused by: tcp connect error: Connection refused (os error 111)", "index_unreachable"),
+        (
+            "WARNING: Retrying ... NewConnectionError('<...>: Failed to establish a new connection')",
+            "index_unreachable",
+        ),
+        ("error: Failed to install: torch\n  Caused by: No space left on device (os error 28)", "no_space"),
+        ("OSError: [Errno 28] No space left on device", "no_space"),
+        ("ERROR: THESE PACKAGES DO NOT MATCH THE HASHES FROM THE REQUIREMENTS FILE.", "hash_mismatch"),
+        ("error: Hash mismatch for `six==1.17.0`", "hash_mismatch"),
+        ("ERROR: No matching distribution found for torch==2.11.0+cu128", "not_on_index"),
+        (
+            "  x No solution found when resolving dependencies:\n  Because torch==2.11.0+cu128 was not found",
+            "not_on_index",
+        ),
+        (
+            "error: No interpreter found for Python 3.12 in managed installations or search path",
+            "python",
+        ),
+        ("Segmentation fault", "install_failed"),
+        ("", "install_failed"),
+    ],
+)
+def test_a_failed_install_is_named_by_what_it_printed(text, kind):
+    assert script.classify_failure(text)[0] == kind
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        (
+            "Resolved 3 packages in 7ms\nerror: Failed to download `idna==3.10`\n  cause: Failed to fetch: http://x\n"
+            "  cause: connection closed before message completed\n",
+            "Failed to download `idna==3.10`: connection closed before message completed",
+        ),
+        (
+            "ERROR: No matching distribution found for torch==2.11.0+cu128\n",
+            "No matching distribution found for torch==2.11.0+cu128",
+        ),
+        ("Collecting six\nKilled\n", "Killed"),
+        ("", "no output"),
+    ],
+)
+def test_a_failed_command_is_summed_up_by_its_error_line_and_last_cause(text, line):
+    assert script.failure_line(text) == line
+
+
+def test_differences_compare_exact_strings_and_ignore_only_the_named_tooling():
+    expected = {"torch": "2.11.0+cu128", "six": "1.17.0"}
+    installed = {"torch": "2.11.0+cu130", "pip": "23.0.1", "sglang": "0.5.4"}
+    assert script.differences(expected, installed, ["pip"]) == [
+        "torch 2.11.0+cu130, expected 2.11.0+cu128",
+        "six 1.17.0 is missing",
+        "sglang 0.5.4 is not in the lock",
+    ]
+    assert script.differences(expected, dict(expected), []) == []
+
+
+@pytest.mark.parametrize(
+    ("records", "build", "pins"),
+    [
+        ([("torch", "2.11.0")], "2.11.0+cu130", {"torch": "2.11.0+cu128"}),  # PyPI's torch: its build
+        ([("torch", "2.11.0")], "2.11.0+cu130", {"torch": "2.11.0"}),  # a plain pin names PyPI's wheel
+        ([("torch", "2.11.0+cu128")], "2.11.0+cu128", {}),
+        ([("torch", "2.10.0")], "2.11.0+cu130", {}),  # another release: METADATA stands
+        ([("Jinja2", "3.1.6"), ("typing_extensions", "4.16.0"), ("numpy", "2.3.4"), ("numpy", "2.3.3")], None, {}),
+    ],
+)
+def test_the_scripts_reader_reads_versions_as_the_fact_pass_does(records, build, pins):
+    answer = {"distributions": [{"name": n, "version": v} for n, v in records], "torch_version_py": {"version": build}}
+    assert script.installed_versions(records, build, pins) == pve_venv.installed_versions(answer, pins)
+    assert script.freeze_text(script.installed_versions(records, build, pins)) == pve_venv.freeze_lines(
+        pve_venv.installed_versions(answer, pins)
+    )
+
+
+def test_the_script_imports_only_the_standard_library():
+    # Its source travels alone to the target's python: nothing of ours, nothing installed.
+    tree = ast.parse(inspect.getsource(script))
+    imported = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+
+
+def test_the_payload_carries_what_the_lock_means():
+    spec = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore"}
+    params = {"uv": "/root/.local/bin/uv", "keep": 2, "build_timeout": 900}
+    assert training_venv.build_payload(spec, params, "20261203T101500Z") == {
+        "path": "/opt/venvs/train",
+        "lock": SMALL_LOCK,
+        "python": "3.11",  # from the lock's uv header
+        "stamp": "20261203T101500Z",
+        "uv": "/root/.local/bin/uv",
+        "keep": 2,
+        "timeout": 900,
+        "expected": {"six": "1.17.0", "torch": "2.11.0+cu128"},
+        "ignore": ["pip", "setuptools", "wheel"],
+        "drop_tooling": [],
+    }
+    exact = training_venv.build_payload(dict(spec, tooling="exact", python="3.11"), params, "20261203T101500Z")
+    assert (exact["ignore"], exact["drop_tooling"]) == ([], ["pip", "setuptools", "wheel"])
+
+
+@pytest.mark.parametrize(
+    ("changed", "message"),
+    [
+        ({}, ""),
+        ({"keep": 0}, "keep is 0; the current venv counts, so keep is at least 1"),
+        ({"build_timeout": 0}, "build_timeout is 0; give the build at least 1 second"),
+        ({"lock": "torch>=2\n"}, "the lock, line 1: `torch>=2` is not an exact pin"),
+        ({"python": "3.12"}, "python is 3.12 but the lock was compiled for 3.11"),
+    ],
+)
+def test_options_that_cannot_work_are_named(changed, message):
+    params = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore"}
+    params.update({"keep": None, "build_timeout": 1800, **changed})
+    assert training_venv.check_options(params).startswith(message)
+    assert bool(training_venv.check_options(params)) == bool(message)
+
+
+def test_the_documented_options_are_the_argument_spec():
+    found = importlib.util.spec_from_file_location("pve_target_fragment", ROOT / "plugins/doc_fragments/pve_target.py")
+    fragment = importlib.util.module_from_spec(found)
+    found.loader.exec_module(fragment)
+    options = yaml.safe_load(training_venv.DOCUMENTATION)["options"]
+    options.update(yaml.safe_load(fragment.ModuleDocFragment.DOCUMENTATION)["options"])
+    assert sorted(options) == sorted(training_venv.ARGUMENT_SPEC)
+    for name, rules in training_venv.ARGUMENT_SPEC.items():
+        documented = options[name]
+        assert (documented["type"], documented.get("default"), documented.get("choices")) == (
+            rules.get("type", "str"),
+            rules.get("default"),
+            rules.get("choices"),
+        ), name
+
+
+# -- the module on a CT, replayed ------------------------------------------------------------------------------
+SMALL_LOCK = (
+    "# This file was autogenerated by uv via the following command:\n"
+    "#    uv pip compile requirements.in --generate-hashes --python-version 3.11\n"
+    "--index-url https://pypi.org/simple\n"
+    "--extra-index-url https://download.pytorch.org/whl/cu128\n\n"
+    f"six==1.17.0 \\\n    --hash=sha256:{'a' * 64}\n"
+    f"torch==2.11.0+cu128 \\\n    --hash=sha256:{'b' * 64}\n"
+)
+CT_PATH = "/opt/venvs/train"
+CT_PARAMS = {"vmid": 200, "lock": SMALL_LOCK}
+PCT = ["pct", "exec", "200", "--keep-env", "0", "--", "timeout", "-k", "5"]
+WRAPPER = ["env", "LC_ALL=C", "LANG=C", "python3", "-I", "-"]
+READ_PAYLOAD = {"path": CT_PATH, "timeout": 60}
+STAMP = "20261203T101500Z"
+BUILD_PAYLOAD = {
+    "path": CT_PATH,
+    "lock": SMALL_LOCK,
+    "python": "3.11",
+    "stamp": STAMP,
+    "uv": "uv",
+    "keep": None,
+    "timeout": 1800,
+    "expected": {"six": "1.17.0", "torch": "2.11.0+cu128"},
+    "ignore": ["pip", "setuptools", "wheel"],
+    "drop_tooling": [],
+}
+
+
+def venv_answer(distributions, torch_build, exists=True):
+    """The reader's answer for a python 3.11 venv at CT_PATH holding ``distributions`` ({name: version})."""
+    return {
+        "path": CT_PATH,
+        "exists": exists,
+        "directory": exists,
+        "python": "3.11" if exists else None,
+        "pyvenv": {"home": "/usr/bin", "version_info": "3.11.2"} if exists else None,
+        "interpreter": {"path": "/usr/bin/python3.11", "exists": True} if exists else None,
+        "lib_pythons": ["3.11"] if exists else [],
+        "site_packages": f"{CT_PATH}/lib/python3.11/site-packages" if exists else None,
+        "distributions": [
+            {"name": n, "version": v, "installer": "uv", "direct_url": False} for n, v in distributions.items()
+        ],
+        "broken": [],
+        "torch_version_py": pve_probe_training_venv.parse_torch_version_py(
+            VERSION_PY.format(version=torch_build, cuda="12.8")
+        )
+        if torch_build
+        else None,
+        "errors": [],
+    }
+
+
+IN_SPEC = venv_answer({"six": "1.17.0", "torch": "2.11.0+cu128"}, "2.11.0+cu128")
+POLLUTED = venv_answer({"six": "1.17.0", "torch": "2.11.0", "sglang": "0.5.4"}, "2.11.0+cu130")
+BUILT = {
+    "path": CT_PATH,
+    "current": f"{CT_PATH}.{STAMP}",
+    "previous": {
+        "path": f"{CT_PATH}.{STAMP}-previous",
+        "freeze": f"{CT_PATH}.{STAMP}-previous.freeze.txt",
+        "moved": True,
+        "note": "moved from /opt/venvs/train: ...",
+    },
+    "builder": {"name": "uv", "path": "/usr/local/bin/uv", "version": "0.13.9"},
+    "python": "3.11",
+    "lock_file": f"{CT_PATH}.{STAMP}.lock.txt",
+    "cleaned": [],
+    "removed": [],
+    "retention_skipped": [],
+    "seconds": 41.2,
+}
+INDEX_DOWN = {
+    "error": "index_unreachable",
+    "message": "installing the lock with `uv pip sync` failed (exit 2): connection closed before message completed",
+    "cmd": ["/usr/local/bin/uv", "pip", "sync", "--python", f"{CT_PATH}.{STAMP}/bin/python", "--require-hashes"],
+    "rc": 2,
+    "stderr_tail": "error: Failed to download `torch==2.11.0+cu128`\n  Caused by: connection closed",
+    "cleaned": [],
+    "left_behind": None,
+}
+
+
+def read_call(answer):
+    payloads = {"training_venv": READ_PAYLOAD}
+    out = json.dumps({"training_venv": {"answer": answer, "seconds": 0.02}})
+    return [*PCT, "60", *WRAPPER, json.dumps(payloads)], (0, out, "")
+
+
+def build_call(built, reread):
+    # build_timeout (1800) + 60 s for the script's own cleanup; the reader part rides along in the same pct exec.
+    payloads = {"build": BUILD_PAYLOAD, "training_venv": READ_PAYLOAD}
+    out = json.dumps(
+        {"build": {"answer": built, "seconds": 41.2}, "training_venv": {"answer": reread, "seconds": 0.02}}
+    )
+    return [*PCT, "1860", *WRAPPER, json.dumps(payloads)], (0, out, "")
+
+
+@pytest.fixture
+def on_pve1(monkeypatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
+    monkeypatch.setattr(training_venv, "utc_stamp", lambda: STAMP)
+
+
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_an_in_spec_venv_costs_one_pct_exec_and_changes_nothing(monkeypatch, capsys):
+    for check_mode in (False, True):
+        runner = FakeRunner(read_call(IN_SPEC))
+        result = run_module(training_venv, CT_PARAMS, runner, monkeypatch, capsys, check_mode=check_mode)
+        assert (result["changed"], result["current"], result["builder"], result["changes"]) == (False, None, None, [])
+        assert result["diff"]["before"] == result["diff"]["after"] == "six==1.17.0\ntorch==2.11.0+cu128\n"
+
+
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_check_mode_reports_the_rebuild_and_the_real_run_does_it_in_one_more_pct_exec(monkeypatch, capsys):
+    check = run_module(training_venv, CT_PARAMS, FakeRunner(read_call(POLLUTED)), monkeypatch, capsys, check_mode=True)
+    runner = FakeRunner(read_call(POLLUTED), build_call(BUILT, IN_SPEC))
+    real = run_module(training_venv, CT_PARAMS, runner, monkeypatch, capsys)
+    assert check["changed"] is real["changed"] is True
+    assert (
+        check["diff"]
+        == real["diff"]
+        == {
+            "before": "sglang==0.5.4\nsix==1.17.0\ntorch==2.11.0+cu130\n",
+            "after": "six==1.17.0\ntorch==2.11.0+cu128\n",
+        }
+    )
+    assert (
+        check["changes"]
+        == real["changes"]
+        == [
+            "torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)",
+            "remove sglang 0.5.4 (not in the lock)",
+        ]
+    )
+    # Check mode reports what is; the real run what is now.
+    assert (check["wrong"], check["extra"], check["current"]) == (
+        [{"name": "torch", "locked": "2.11.0+cu128", "installed": "2.11.0+cu130"}],
+        [{"name": "sglang", "installed": "0.5.4"}],
+        None,
+    )
+    assert (real["wrong"], real["extra"], real["missing"]) == ([], [], [])
+    assert real["installed"] == {"six": "1.17.0", "torch": "2.11.0+cu128"}
+    assert (real["current"], real["previous"], real["builder"]) == (
+        BUILT["current"],
+        BUILT["previous"],
+        BUILT["builder"],
+    )
+    # What travels on stdin: the build script's and the reader's sources, run in that order in one process.
+    sources = {"build": inspect.getsource(script), "training_venv": inspect.getsource(pve_probe_training_venv)}
+    assert runner.stdin[1] == PROBES_MAIN.replace("SOURCES", repr(json.dumps(sources)))
+
+
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_a_failed_build_fails_with_its_kind_command_and_stderr(monkeypatch, capsys):
+    runner = FakeRunner(read_call(POLLUTED), build_call(INDEX_DOWN, POLLUTED))
+    result = run_module(training_venv, CT_PARAMS, runner, monkeypatch, capsys)
+    assert result["failed"] is True
+    assert result["error"] == "index_unreachable"
+    assert result["msg"] == (
+        "CT 200 on pve1: building the venv failed (index_unreachable): installing the lock with `uv pip sync` failed "
+        "(exit 2): connection closed before message completed; /opt/venvs/train was left as it was"
+    )
+    assert (result["cmd"], result["rc"]) == (INDEX_DOWN["cmd"], 2)
+    assert result["stderr_tail"] == INDEX_DOWN["stderr_tail"]
+    assert (result["cleaned"], result["left_behind"]) == ([], None)
+
+
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_a_venv_still_out_of_spec_after_the_swap_fails_naming_both_versions(monkeypatch, capsys):
+    runner = FakeRunner(read_call(POLLUTED), build_call(BUILT, POLLUTED))
+    result = run_module(training_venv, CT_PARAMS, runner, monkeypatch, capsys)
+    assert (result["failed"], result["error"]) == (True, "verify")
+    assert result["msg"].startswith(
+        "CT 200 on pve1: the venv at /opt/venvs/train is still not the lock after the build: torch 2.11.0+cu130 -> "
+    )
+    assert (result["current"], result["previous"]) == (BUILT["current"], BUILT["previous"])
+    assert result["extra"] == [{"name": "sglang", "installed": "0.5.4"}]
+
+
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_a_build_answer_of_the_wrong_shape_is_refused(monkeypatch, capsys):
+    runner = FakeRunner(read_call(POLLUTED), build_call({"current": 7}, IN_SPEC))
+    result = run_module(training_venv, CT_PARAMS, runner, monkeypatch, capsys)
+    assert (result["error"], result["msg"]) == (
+        "probe",
+        "CT 200 on pve1: the build script answered no 'current' in the expected shape",
+    )
+
+
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_what_the_reader_could_not_read_stops_before_any_build(monkeypatch, capsys):
+    unreadable = dict(POLLUTED, errors=["cannot list /opt/venvs/train/lib/python3.11/site-packages: Permission denied"])
+    result = run_module(training_venv, CT_PARAMS, FakeRunner(read_call(unreadable)), monkeypatch, capsys)
+    assert (result["failed"], result["error"]) == (True, "problems")
+    assert "Permission denied" in result["msg"]
+
+
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_options_that_cannot_work_fail_before_any_call(monkeypatch, capsys):
+    result = run_module(training_venv, dict(CT_PARAMS, keep=0), FakeRunner(), monkeypatch, capsys)
+    assert (result["failed"], result["error"]) == (True, "invalid")
+    assert result["msg"].startswith("keep is 0;")
+
+
+# -- real venvs on a bare host ---------------------------------------------------------------------------------
+def record_line(name, data):
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}\n"
+
+
+def make_wheel(directory, name, version, files):
+    """A pure-python wheel ``name-version-py3-none-any.whl`` holding ``files`` ({path: text}) and its dist-info."""
+    info = f"{name}-{version}.dist-info"
+    contents = {path: text.encode() for path, text in files.items()}
+    contents[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\nA stand-in.\n".encode()
+    contents[f"{info}/WHEEL"] = (
+        b"Wheel-Version: 1.0\nGenerator: pve-gpu-recover tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
+    record = "".join(record_line(path, data) for path, data in contents.items()) + f"{info}/RECORD,,\n"
+    wheel = directory / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, data in contents.items():
+            archive.writestr(path, data)
+        archive.writestr(f"{info}/RECORD", record)
+    return wheel
+
+
+class IndexServer(http.server.ThreadingHTTPServer):
+    """PEP 503 simple indexes under ``/<index>/simple/`` and their files under ``/<index>/files/``.
+
+    ``drop``: wheel names whose download gets no answer at all (the connection is closed); ``hang``: wheel name ->
+    (requested, release) events: the request waits until released, like an index that went silent.
+    """
+
+    daemon_threads = True
+    drop: set
+    hang: dict
+
+
+class IndexHandler(http.server.SimpleHTTPRequestHandler):
+    def do_GET(self):
+        name = os.path.basename(urllib.parse.unquote(urllib.parse.urlsplit(self.path).path))
+        if name in self.server.drop:
+            self.close_connection = True
+            return
+        if name in self.server.hang:
+            requested, release = self.server.hang[name]
+            requested.set()
+            release.wait(60)
+            self.close_connection = True
+            return
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+class Indexes:
+    """The two local indexes, their wheels' sha256 and the locks made of them."""
+
+    def __init__(self, root):
+        self.root = root
+        self.hashes = {}
+        self.server = IndexServer(("127.0.0.1", 0), lambda *a: IndexHandler(*a, directory=str(root)))
+        self.server.drop, self.server.hang = set(), {}
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def add(self, index, name, version, files=None):
+        files = dict(files or {f"{name.replace('-', '_')}.py": f"VERSION = {version!r}\n"})
+        wheels = self.root / index / "files"
+        wheels.mkdir(parents=True, exist_ok=True)
+        wheel = make_wheel(wheels, name, version, files)
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        self.hashes[(name, version)] = digest
+        page = self.root / index / "simple" / name
+        page.mkdir(parents=True, exist_ok=True)
+        link = f'<a href="../../files/{urllib.parse.quote(wheel.name)}#sha256={digest}">{wheel.name}</a>'
+        (page / "index.html").write_text(f"<!DOCTYPE html>\n<html><body>\n{link}\n</body></html>\n")
+
+    def url(self, index):
+        return f"http://127.0.0.1:{self.server.server_address[1]}/{index}/simple"
+
+    def lock(self, pins):
+        """A lock as `uv pip compile --generate-hashes` writes it, the torch index as an extra index."""
+        lines = [f"--index-url {self.url('pypi')}", f"--extra-index-url {self.url('cu128')}", ""]
+        for name, version in sorted(pins.items()):
+            lines += [f"{name}=={version} \\", f"    --hash=sha256:{self.hashes[(name, version)]}"]
+        return "\n".join(lines) + "\n"
+
+
+GOOD = {"idna": "3.10", "six": "1.17.0", "torch": "2.11.0+cu128"}
+SMALLER = {"six": "1.17.0", "torch": "2.11.0+cu128"}
+GOOD_FREEZE = "idna==3.10\nsix==1.17.0\ntorch==2.11.0+cu128\n"
+
+
+@pytest.fixture(scope="module")
+def indexes(tmp_path_factory):
+    index = Indexes(tmp_path_factory.mktemp("index"))
+    # PyPI's torch says 2.11.0 in METADATA and is a cu130 build; the cu128 index's says its build in both.
+    torch_files = {"torch/__init__.py": "raise ImportError('nothing here may import torch')\n"}
+    index.add(
+        "pypi",
+        "torch",
+        "2.11.0",
+        dict(torch_files, **{"torch/version.py": VERSION_PY.format(version="2.11.0+cu130", cuda="13.0")}),
+    )
+    index.add(
+        "cu128",
+        "torch",
+        "2.11.0+cu128",
+        dict(torch_files, **{"torch/version.py": VERSION_PY.format(version="2.11.0+cu128", cuda="12.8")}),
+    )
+    for name, version in (("six", "1.17.0"), ("idna", "3.10"), ("sglang", "0.5.4")):
+        index.add("pypi", name, version)
+    index.thread.start()
+    yield index
+    index.server.shutdown()
+    index.server.server_close()
+
+
+@pytest.fixture
+def host(indexes, tmp_path, monkeypatch):
+    """A bare host: PATH of a plain system, fresh uv/pip caches, no retries (a dropped wheel fails at once)."""
+    if not (Path(UV).exists() and Path(SYSTEM_PYTHON).exists()):
+        pytest.skip(f"needs {UV} and {SYSTEM_PYTHON}")
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu1")
+    stamps = iter(STAMPS)
+    monkeypatch.setattr(training_venv, "utc_stamp", lambda: next(stamps))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "uv-cache"))
+    monkeypatch.setenv("UV_HTTP_RETRIES", "0")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    indexes.server.drop.clear()
+    indexes.server.hang.clear()
+    (tmp_path / "venvs").mkdir()
+    return Host(indexes, tmp_path / "venvs" / "train", monkeypatch)
+
+
+class Host:
+    def __init__(self, indexes, path, monkeypatch):
+        self.indexes = indexes
+        self.path = path
+        self.monkeypatch = monkeypatch
+
+    def run(self, capsys, pins=GOOD, *, check_mode=False, **params):
+        args = {"path": str(self.path), "lock": self.indexes.lock(pins), "python": "3.11", "uv": UV, **params}
+        return run_module(training_venv, args, FakeRunner(), self.monkeypatch, capsys, check_mode=check_mode)
+
+    def version(self, stamp):
+        return Path(f"{self.path}.{stamp}")
+
+    def uv(self, *args):
+        done = subprocess.run([UV, *map(str, args)], capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr
+        return done
+
+    def pollute(self, venv):
+        """What experiments do: PyPI's torch (a cu130 build) over the cu128 one, and a package the lock lacks."""
+        self.uv(
+            "pip",
+            "install",
+            "--quiet",
+            "--python",
+            Path(venv) / "bin" / "python",
+            "--index-url",
+            self.indexes.url("pypi"),
+            "--reinstall",
+            "--no-deps",
+            "torch==2.11.0",
+            "sglang==0.5.4",
+            "six==1.17.0",
+            "idna==3.10",
+        )
+
+
+def works(venv, *modules):
+    """The venv's python runs and imports ``modules`` from it."""
+    code = f"import sys{''.join(f', {m}' for m in modules)}; print(sys.prefix)"
+    done = subprocess.run([f"{venv}/bin/python", "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def snapshot(root):
+    """Every path under ``root``: kind, link target, size, mtime. What check mode and a converged run must keep."""
+    found = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            full = os.path.join(directory, name)
+            info = os.lstat(full)
+            link = os.readlink(full) if stat.S_ISLNK(info.st_mode) else None
+            found[os.path.relpath(full, root)] = (stat.S_IFMT(info.st_mode), link, info.st_size, info.st_mtime_ns)
+    return found
+
+
+def probe(path):
+    return pve_probe_training_venv.probe({"path": str(path), "timeout": 30})
+
+
+def test_a_missing_venv_is_built_as_a_version_behind_a_symlink(host, capsys):
+    result = host.run(capsys)
+    new = host.version(STAMPS[0])
+    assert result["changed"] is True
+    assert result["changes"] == [f"create venv at {host.path} (python 3.11, 3 distributions from the lock)"]
+    assert result["diff"] == {"before": "", "after": GOOD_FREEZE}
+    assert (result["current"], result["previous"], result["cleaned"], result["removed"]) == (str(new), None, [], [])
+    assert result["builder"] == {"name": "uv", "path": UV, "version": "0.13.9"}
+    assert (result["installed"], result["missing"], result["extra"], result["wrong"]) == (GOOD, [], [], [])
+    assert os.readlink(host.path) == new.name  # relative: the layout survives a bind mount elsewhere
+    assert not (new / script.MARKER).exists()
+    assert Path(result["lock_file"]).read_text() == host.indexes.lock(GOOD)
+    assert works(host.path, "six", "idna") == str(host.path)
+
+
+def test_a_polluted_venv_made_before_this_tool_is_rebuilt_and_moved_aside_with_its_freeze(host, capsys):
+    host.uv("venv", "--quiet", "--python", "3.11", host.path)
+    host.pollute(host.path)
+    result = host.run(capsys)
+    moved = Path(f"{host.path}.{STAMPS[0]}-previous")
+    assert result["changed"] is True
+    assert result["diff"]["before"] == "idna==3.10\nsglang==0.5.4\nsix==1.17.0\ntorch==2.11.0+cu130\n"
+    assert "remove sglang 0.5.4 (not in the lock)" in result["changes"]
+    assert result["previous"] == {
+        "path": str(moved),
+        "freeze": f"{moved}.freeze.txt",
+        "moved": True,
+        "note": f"moved from {host.path}: a venv embeds its path, so it works again only once renamed back "
+        f"(rm {host.path} && mv {moved} {host.path})",
+    }
+    # The freeze is what the fact pass read (torch's build from version.py), every record, before the swap.
+    assert Path(result["previous"]["freeze"]).read_text() == result["diff"]["before"]
+    assert (moved / "pyvenv.cfg").exists()
+    assert host.path.is_symlink() and (result["installed"], result["extra"], result["wrong"]) == (GOOD, [], [])
+    assert works(host.path, "six", "idna")
+
+
+def test_a_polluted_version_is_rebuilt_and_the_old_one_stays_where_it_is_and_works(host, capsys):
+    host.run(capsys, SMALLER)
+    old = host.version(STAMPS[0])
+    host.pollute(host.path)  # through the symlink: into the current version
+    before = snapshot(host.path.parent)
+    check = host.run(capsys, check_mode=True)
+    assert snapshot(host.path.parent) == before  # check mode changed nothing
+    real = host.run(capsys)
+    assert check["changed"] is real["changed"] is True
+    assert check["diff"] == real["diff"]
+    assert (
+        check["changes"]
+        == real["changes"]
+        == [
+            "torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)",
+            "remove sglang 0.5.4 (not in the lock)",
+        ]
+    )
+    assert real["previous"]["path"] == str(old) and real["previous"]["moved"] is False
+    assert real["current"] == str(host.version(STAMPS[1]))  # the check-mode run took no stamp's directory
+    assert Path(f"{old}.freeze.txt").read_text() == "idna==3.10\nsglang==0.5.4\nsix==1.17.0\ntorch==2.11.0+cu130\n"
+    # The old version was not moved: a job started from it still finds everything where it was.
+    assert works(old, "sglang") == str(old)
+    assert works(host.path, "idna") == str(host.path)
+    # The script's reader (the check before the swap) and the fact pass's reader agree on a real polluted venv.
+    read = script.read_venv(str(old))
+    assert script.installed_versions(read["records"], read["torch_build"], GOOD) == pve_venv.installed_versions(
+        probe(old), GOOD
+    )
+
+
+def test_an_in_spec_venv_is_left_alone_and_nothing_is_built(host, capsys):
+    host.run(capsys)
+    before = snapshot(host.path.parent)
+    for check_mode in (True, False):
+        result = host.run(capsys, check_mode=check_mode)
+        assert (result["changed"], result["changes"], result["current"], result["builder"]) == (False, [], None, None)
+        assert result["diff"]["before"] == result["diff"]["after"] == GOOD_FREEZE
+    assert snapshot(host.path.parent) == before
+
+
+def test_an_index_that_drops_a_download_leaves_the_old_venv_and_the_next_run_succeeds(host, capsys):
+    host.run(capsys, SMALLER)
+    old = host.version(STAMPS[0])
+    host.indexes.server.drop.add("idna-3.10-py3-none-any.whl")
+    failed = host.run(capsys)
+    assert failed["failed"] is True
+    assert failed["error"] == "index_unreachable", failed["msg"]
+    assert failed["msg"] == (
+        "host gpu1: building the venv failed (index_unreachable): installing the lock with `uv pip sync` failed "
+        "(exit 2): Failed to download `idna==3.10`: connection closed before message completed; the target cannot "
+        f"download from the lock's indexes; check its network or proxy and run again; {host.path} was left as it was"
+    )
+    assert failed["cmd"][1:3] == ["pip", "sync"] and failed["stderr_tail"]
+    assert failed["left_behind"] is None
+    # The old venv is untouched and works; nothing of the failed build is left.
+    assert os.readlink(host.path) == old.name
+    assert works(host.path, "six") == str(host.path)
+    assert sorted(p.name for p in host.path.parent.iterdir()) == [
+        "train",
+        f"train.{STAMPS[0]}",
+        f"train.{STAMPS[0]}.lock.txt",
+    ]
+    host.indexes.server.drop.clear()
+    again = host.run(capsys)
+    assert (again["changed"], again["current"], again["installed"]) == (True, str(host.version(STAMPS[2])), GOOD)
+
+
+def test_an_interrupted_build_is_removed_by_the_next_run(host, capsys):
+    host.run(capsys, SMALLER)
+    # A build killed mid-download, as `timeout -k` kills the pct exec's process group: run the script the way
+    # Target.run_probes ships it, let it hang on one wheel, then SIGKILL its group.
+    requested, release = threading.Event(), threading.Event()
+    host.indexes.server.hang["idna-3.10-py3-none-any.whl"] = (requested, release)
+    spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
+    payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[1])
+    program = PROBES_MAIN.replace("SOURCES", repr(json.dumps({"build": inspect.getsource(script)})))
+    build = subprocess.Popen(
+        [SYSTEM_PYTHON, "-I", "-", json.dumps({"build": payload})],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    build.stdin.write(program.encode())
+    build.stdin.close()
+    try:
+        assert requested.wait(60), "the build never asked for the wheel"
+        os.killpg(build.pid, signal.SIGKILL)
+        build.wait(30)
+    finally:
+        release.set()
+    leftover = host.version(STAMPS[1])
+    assert (leftover / script.MARKER).exists()
+    assert os.readlink(host.path) == host.version(STAMPS[0]).name  # the old venv is still the current one
+    host.indexes.server.hang.clear()
+    result = host.run(capsys)  # takes STAMPS[1] from the host's clock too: a leftover of the same second
+    assert result["cleaned"] == [str(leftover)]
+    assert (result["changed"], result["current"], result["installed"]) == (True, str(leftover), GOOD)
+    assert not (leftover / script.MARKER).exists()
+
+
+def test_a_build_past_build_timeout_is_killed_and_removed(host, capsys):
+    host.run(capsys, SMALLER)
+    requested, release = threading.Event(), threading.Event()
+    host.indexes.server.hang["idna-3.10-py3-none-any.whl"] = (requested, release)
+    try:
+        result = host.run(capsys, build_timeout=2)  # the one wait: the build's own deadline
+    finally:
+        release.set()
+    assert requested.is_set()
+    assert (result["failed"], result["error"], result["left_behind"]) == (True, "timeout", None)
+    assert (
+        "installing the lock with `uv pip sync` did not finish within the build's 2 s (build_timeout)" in result["msg"]
+    )
+    assert os.readlink(host.path) == host.version(STAMPS[0]).name
+    assert not host.version(STAMPS[1]).exists() and not Path(f"{host.version(STAMPS[1])}.lock.txt").exists()
+    assert works(host.path, "six")
+
+
+def test_a_full_disk_removes_what_was_built_and_says_so(host, capsys, monkeypatch):
+    host.run(capsys, SMALLER)
+
+    def disk_full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(script, "write_atomic", disk_full)
+    result = host.run(capsys)
+    lock_file = f"{host.version(STAMPS[1])}.lock.txt"
+    assert (result["failed"], result["error"]) == (True, "no_space")
+    assert f"No space left on device ({lock_file})" in result["msg"]
+    assert not host.version(STAMPS[1]).exists()
+    assert os.readlink(host.path) == host.version(STAMPS[0]).name
+
+
+def test_no_uv_and_no_venv_module_is_one_clear_error(host, capsys, tmp_path):
+    broken = tmp_path / "bin"
+    broken.mkdir()
+    # What Debian's python3 without python3-venv says.
+    (broken / "python3.11").write_text(
+        "#!/bin/sh\necho 'The virtual environment was not created successfully because ensurepip is not\n"
+        "available.  On Debian/Ubuntu systems, you need to install the python3-venv\npackage' >&2\nexit 1\n"
+    )
+    (broken / "python3.11").chmod(0o755)
+    host.monkeypatch.setenv("PATH", f"{broken}:/usr/bin:/bin")
+    result = host.run(capsys, uv="/nonexistent/uv")
+    assert (result["failed"], result["error"]) == (True, "no_builder")
+    assert "no uv (/nonexistent/uv is not an executable file)" in result["msg"]
+    assert f"`{broken}/python3.11 -m venv` fails because ensurepip/venv is missing" in result["msg"]
+    assert "`apt install python3-venv`" in result["msg"] and "give the role a uv" in result["msg"]
+    assert "ensurepip is not" in result["stderr_tail"]
+    assert list(host.path.parent.iterdir()) == []  # nothing built is left
+
+
+@pytest.mark.parametrize("tooling", ["ignore", "exact"])
+def test_without_uv_the_venv_is_built_with_venv_and_pip(host, capsys, tooling):
+    check = subprocess.run([SYSTEM_PYTHON, "-c", "import ensurepip, venv"], capture_output=True, check=False)
+    if check.returncode != 0:
+        pytest.skip(f"{SYSTEM_PYTHON} has no venv/ensurepip")
+    result = host.run(capsys, uv="/nonexistent/uv", tooling=tooling)
+    assert result["changed"] is True, result.get("msg")
+    assert result["builder"]["name"] == "venv+pip"
+    assert result["builder"]["path"] == SYSTEM_PYTHON
+    assert result["builder"]["fallback"] == "/nonexistent/uv is not an executable file"
+    assert (result["missing"], result["extra"], result["wrong"]) == ([], [], [])
+    tooling_installed = {name for name in result["installed"] if name in ("pip", "setuptools")}
+    # `-m venv` seeds pip (and setuptools on 3.11): kept under "ignore", removed under "exact".
+    assert tooling_installed == ({"pip", "setuptools"} if tooling == "ignore" else set())
+    assert {k: v for k, v in result["installed"].items() if k not in ("pip", "setuptools")} == GOOD
+    assert works(host.path, "six", "idna")
+
+
+def test_retention_keeps_the_newest_and_never_a_version_a_process_uses(host, capsys):
+    host.run(capsys, GOOD)
+    host.run(capsys, SMALLER)
+    first, second = host.version(STAMPS[0]), host.version(STAMPS[1])
+    # A job still running from the first version (started by its own path, as its console scripts do).
+    job = subprocess.Popen(
+        [f"{first}/bin/python", "-c", "import sys, six; print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert job.stdout.readline() == "ready\n"
+        result = host.run(capsys, GOOD, keep=1)
+    finally:
+        job.stdin.close()
+        job.wait(30)
+    third = host.version(STAMPS[2])
+    assert result["current"] == str(third)
+    assert result["removed"] == [str(second)]
+    assert result["retention_skipped"] == [
+        {"path": str(first), "pids": [job.pid], "reason": f"in use by pid {job.pid}"}
+    ]
+    # A removed version goes with its lock; its freeze (what it held when it was replaced) stays.
+    assert not second.exists() and not Path(f"{second}.lock.txt").exists()
+    assert Path(f"{second}.freeze.txt").read_text() == "six==1.17.0\ntorch==2.11.0+cu128\n"
+    # The job has ended: the next build removes the first version and the one it replaces.
+    result = host.run(capsys, SMALLER, keep=1)
+    assert (result["removed"], result["retention_skipped"]) == ([str(first), str(third)], [])
+    assert sorted(p.name for p in host.path.parent.iterdir() if not p.name.endswith(".txt")) == [
+        "train",
+        f"train.{STAMPS[3]}",
+    ]
+
+
+def test_the_script_runs_as_shipped_on_python_3_9(host, capsys):
+    candidates = [Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9", Path("/usr/bin/python3.9")]
+    python = next((str(p) for p in candidates if p.exists()), None)
+    if python is None or subprocess.run([python, "-c", "pass"], check=False).returncode != 0:
+        pytest.skip("no python3.9 here")
+    spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
+    payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[0])
+    program = PROBES_MAIN.replace("SOURCES", repr(json.dumps({"build": inspect.getsource(script)})))
+    done = subprocess.run(
+        [python, "-I", "-", json.dumps({"build": payload})], input=program, capture_output=True, text=True, check=True
+    )
+    answer = json.loads(done.stdout)["build"]["answer"]
+    assert answer["current"] == str(host.version(STAMPS[0])), answer
+    assert host.run(capsys)["changed"] is False
+
+
+def uv_wheel(directory, version="0.13.9", binary=b"\x7fELF uv"):
+    path = Path(directory) / f"uv-{version}-py3-none-manylinux_2_17_x86_64.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(f"uv-{version}.data/scripts/uv", binary)
+        wheel.writestr(f"uv-{version}.dist-info/METADATA", f"Name: uv\nVersion: {version}\n\n")
+    return path
+
+
+def test_the_uv_of_pypis_wheel_is_found_with_its_version(tmp_path):
+    assert training_venv.uv_from_wheel(uv_wheel(tmp_path)) == ("0.13.9", b"\x7fELF uv")
+
+
+def test_a_file_that_is_no_uv_wheel_is_a_clear_error(tmp_path):
+    other = tmp_path / "six-1.17.0-py3-none-any.whl"
+    with zipfile.ZipFile(other, "w") as wheel:
+        wheel.writestr("six.py", "")
+    with pytest.raises(VenvError, match=r"holds no uv-<version>\.data/scripts/uv"):
+        training_venv.uv_from_wheel(other)
+    with pytest.raises(VenvError, match="cannot read the uv wheel"):
+        training_venv.uv_from_wheel(tmp_path / "missing.whl")
+
+
+def test_uv_goes_into_the_ct_at_a_versioned_path_over_one_pct_exec(tmp_path):
+    script = (
+        'set -e; [ -x "$1" ] && exit 0; mkdir -p "${1%/*}"; t="$1.tmp.$$"; cat > "$t"; chmod 755 "$t"; mv -f "$t" "$1"'
+    )
+    path = "/usr/local/lib/pve-gpu-recover/uv-0.13.9/uv"
+    runner = FakeRunner(
+        (
+            [
+                "pct",
+                "exec",
+                "200",
+                "--keep-env",
+                "0",
+                "--",
+                "timeout",
+                "-k",
+                "5",
+                "60",
+                "env",
+                "LC_ALL=C",
+                "LANG=C",
+                "sh",
+                "-c",
+                script,
+                "sh",
+                path,
+            ],
+            (0, "", ""),
+        )
+    )
+    assert training_venv.install_uv(Target(200, node="pve1", runner=runner), uv_wheel(tmp_path)) == path
+    assert runner.stdin == [b"\x7fELF uv"]
+    runner.assert_done()
+
+
+def test_uv_installed_from_a_wheel_on_a_bare_host_runs(tmp_path):
+    wheel = uv_wheel(tmp_path, binary=b"#!/bin/sh\necho uv 0.13.9\n")
+    home = tmp_path / "lib"
+    target = Target(node="host1")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training_venv, "UV_HOME", str(home))
+        path = training_venv.install_uv(target, wheel)
+        again = training_venv.install_uv(target, wheel)  # kept: already there
+    assert path == again == f"{home}/uv-0.13.9/uv"
+    assert subprocess.run([path], capture_output=True, text=True, check=True).stdout == "uv 0.13.9\n"
