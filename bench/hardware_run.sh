@@ -17,7 +17,7 @@ export ANSIBLE_CONFIG=$PWD/ansible.cfg ANSIBLE_NOCOLOR=1
 RECOVER=(ansible-playbook -i inventory/localhost recover.yml -e preflight_min_free_gib=1
          -e "preflight_expected_gpu_count=$(nvidia-smi -L | wc -l)")
 export PVE_GPU_RECOVER_REPORT_DIR=$OUT/reports
-FIELDS=$(python3 -c 'import sys; sys.path.insert(0, "module_utils"); import nvidia_smi as s; print(",".join(f[0] for f in s.GPU_FIELDS))')
+FIELDS=$(python3 -c 'import sys; sys.path.insert(0, "tests"); import conftest; from ansible.module_utils.nvidia_smi import GPU_FIELDS; print(",".join(f[0] for f in GPU_FIELDS))')
 
 step() { echo; echo "== $* ($(date -u +%H:%M:%S.%N | cut -c1-12))"; }
 {

@@ -90,11 +90,11 @@ def step_status(records):
 def summary_lines(report):
     """What each step changed (or, in check mode, would change), one line each, for the end of the run."""
     lines = []
-    would = "would " if report["check_mode"] else ""
+    verb = "would change" if report["check_mode"] else "changed"
     for step, entry in report["steps"].items():
         if not (entry["changed"] or entry.get("killed")):
             continue
-        lines.extend(f"{step}: {would}{change}" for change in entry.get("changes") or [])
+        lines.extend(f"{step} {verb}: {change}" for change in entry.get("changes") or [])
         killed = entry.get("killed") or []
         if killed:
             signals = ", ".join(f"pid {k['pid']} {k['signal']}" for k in killed)

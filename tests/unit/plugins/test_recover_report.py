@@ -76,10 +76,10 @@ def test_summary_names_what_changed_and_what_was_ended():
         },
     }
     assert recover_report.summary_lines(report) == [
-        "gpu_processes: end pid 516 (python3) on GPU 0, 20000 MiB",
+        "gpu_processes changed: end pid 516 (python3) on GPU 0, 20000 MiB",
         "gpu_processes: ended 1 process(es) (pid 516 SIGKILL)",
     ]
-    assert recover_report.summary_lines(dict(report, check_mode=True))[0].startswith("gpu_processes: would end")
+    assert recover_report.summary_lines(dict(report, check_mode=True))[0].startswith("gpu_processes would change: end")
 
 
 def run_playbook(tmp_path, *args):
