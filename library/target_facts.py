@@ -48,6 +48,16 @@ options:
       - Who runs it, shown to anyone who finds the target locked (e.g. C(alice@controller)).
     type: str
     default: unknown
+  controller:
+    description:
+      - Host name of the controller that runs this play, recorded in the lock. With I(controller_pid), a lock whose
+        controller is this very machine (a bare host run locally) and whose pid is gone is taken over at once.
+      - A lock of a controller elsewhere holds until its ttl, and a run that finds it says so.
+    type: str
+  controller_pid:
+    description:
+      - Pid of the ansible-playbook process on the controller (recover.yml passes it), recorded in the lock.
+    type: int
   lock_ttl:
     description:
       - Seconds after which a lock is considered stale (its run died) and may be taken over.
@@ -176,6 +186,8 @@ def main():
             **TARGET_ARGUMENT_SPEC,
             "run_id": {"type": "str", "required": True},
             "owner": {"type": "str", "default": "unknown"},
+            "controller": {"type": "str"},
+            "controller_pid": {"type": "int"},
             "lock_ttl": {"type": "int", "default": DEFAULT_TTL},
             "lock_dir": {"type": "path", "default": DEFAULT_LOCK_DIR},
             "python": {"type": "str", "default": "python3"},
@@ -190,7 +202,14 @@ def main():
         facts = fact_pass(
             target,
             specs,
-            lock={"lock_dir": p["lock_dir"], "run_id": p["run_id"], "owner": p["owner"], "ttl": p["lock_ttl"]},
+            lock={
+                "lock_dir": p["lock_dir"],
+                "run_id": p["run_id"],
+                "owner": p["owner"],
+                "ttl": p["lock_ttl"],
+                "controller": p["controller"],
+                "controller_pid": p["controller_pid"],
+            },
             python=p["python"],
             check_mode=module.check_mode,
             warn=module.warn,

@@ -201,7 +201,32 @@ def describe_holder(holder, now):
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
     minutes = max(0, int((now - created) // 60))
     problem = f"; the lock file holds {holder['problem']}" if holder.get("problem") else ""
-    return f"run {holder.get('run_id')} of {holder.get('owner')} (started {started}, {minutes} min ago{problem})"
+    where = ""
+    if holder.get("controller"):
+        pid = f" pid {holder['controller_pid']}" if holder.get("controller_pid") else ""
+        where = f", controller {holder['controller']}{pid}"
+    return f"run {holder.get('run_id')} of {holder.get('owner')} (started {started}, {minutes} min ago{where}{problem})"
+
+
+def why_held(holder, now, ttl, hostname, alive):
+    """Why another run's lock still holds, and when it stops: what a person needs before removing it by hand.
+
+    ``alive(pid)`` says whether a pid of this machine lives. A run whose controller is this machine and alive is
+    still working; one whose controller is elsewhere may have been cut off (the node became unreachable, the
+    controller died), which nothing here can see, so the lock holds until its ttl.
+    """
+    created = holder.get("created", now)
+    created = created if in_range(created, 0, MAX_CREATED) else now
+    left = max(0, int((created + (holder.get("ttl") or ttl) - now) // 60))
+    pid = holder.get("controller_pid")
+    if holder.get("controller") == hostname and isinstance(pid, int) and alive(pid):
+        return f"that run is still working (its controller pid {pid} lives on this machine)"
+    if holder.get("controller") and holder.get("controller") != hostname:
+        return (
+            f"if that run was cut off (its node unreachable, its controller {holder['controller']} gone), nothing "
+            f"here can tell: the lock expires in {left} min"
+        )
+    return f"the lock expires in {left} min"
 
 
 def dir_problem(info, euid):
@@ -509,9 +534,9 @@ def change_in_dir(state, dir_fd, path, name, *, vmid, run_id, owner, ttl, check_
     action, changed = plan_lock(state, current, run_id, now, ttl, hostname=hostname, pid_exists=pid_exists)
     if action == "locked":
         raise LockError(
-            f"{what} is locked by {describe_holder(current, now)}: another recover run is working on it; wait "
-            f"for it to finish or, if it died, remove {path} on this node (it expires after "
-            f"{current.get('ttl') or ttl} s)",
+            f"{what} is locked by {describe_holder(current, now)}: another recover run is working on it "
+            f"({why_held(current, now, ttl, hostname, pid_exists)}); wait for it to finish or, if you know it is "
+            f"gone, remove {path} on this node",
             kind="locked",
             details={"path": path, "holder": current, "action": action},
         )

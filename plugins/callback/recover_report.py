@@ -11,6 +11,7 @@ description:
     for each target and writes C(<report_dir>/<target>/<run id>.json) when the playbook ends, failed runs
     included. The report holds the fact pass's facts (C(before)), each step's facts and result (what it
     changed, ended, saved, swapped, purged), the GPUs and holders after the run, and every task's timing.
+  - Exports C(PVE_GPU_RECOVER_CONTROLLER_PID), the pid of ansible-playbook, which recover.yml records in the run lock.
   - Prints the path of each report at the end of the run, and says so when a step changed something before the
     run failed (Ansible drops C(changed) from failed tasks, so the recap alone would hide it).
   - Only targets that ran a task of a recovery step (a role named like a step of module_utils/pve_steps.py, or
@@ -119,6 +120,9 @@ class CallbackModule(CallbackBase):
     def v2_playbook_on_start(self, playbook):
         self.basedir = playbook._basedir
         self.started = time.time()
+        # The pid of ansible-playbook itself, for the run lock (recover.yml reads it): forks inherit it, and it
+        # lives exactly as long as the run.
+        os.environ.setdefault("PVE_GPU_RECOVER_CONTROLLER_PID", str(os.getpid()))
 
     def v2_playbook_on_task_start(self, task, is_conditional):
         self.task_started[task._uuid] = time.monotonic()

@@ -226,3 +226,17 @@ def test_wrong_step_settings_fail_before_any_call_or_lock(steps, message, tmp_pa
     assert result["failed"]
     assert result["msg"].startswith(message)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_lock_records_the_controller_so_a_later_run_can_tell_why_it_holds(tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    NodeProcesses(monkeypatch, {516: TRAIN})
+    runner = two_step_runner(apps(f"516, python3, 20000 MiB, {UUID0}"))
+    args = params(tmp_path, vmid=200, steps={"gpu_processes": {}}, controller="laptop", controller_pid=4242)
+    run_module(target_facts, args, runner, monkeypatch, capsys)
+    held = json.loads((tmp_path / "ct-200.lock").read_text())
+    assert (held["controller"], held["controller_pid"], held["owner"]) == ("laptop", 4242, "alice@ctl")
+    # Another run meets it: who holds it, from where, and why it still holds.
+    other = run_module(target_facts, dict(args, run_id="run-2"), FakeRunner(), monkeypatch, capsys)
+    assert "controller laptop pid 4242" in other["msg"]
+    assert "if that run was cut off (its node unreachable, its controller laptop gone)" in other["msg"]

@@ -55,7 +55,8 @@ def test_another_run_is_refused_with_who_and_what_to_do(tmp_path, capsys):
     result = lock({"vmid": 200, "run_id": "run-2", "owner": "bob@ctl", "lock_dir": str(tmp_path)}, capsys)
     assert result["failed"]
     assert result["msg"].startswith("CT 200 is locked by run run-1 of alice@ctl (started ")
-    assert f"remove {tmp_path}/ct-200.lock on this node (it expires after 7200 s)" in result["msg"]
+    assert "(the lock expires in 119 min); wait for it to finish" in result["msg"]
+    assert f"remove {tmp_path}/ct-200.lock on this node" in result["msg"]
     assert json.loads((tmp_path / "ct-200.lock").read_text())["run_id"] == "run-1"
 
 

@@ -338,3 +338,27 @@ def test_release_keeps_another_runs_lock_and_removes_its_own(tmp_path):
     mine = change_lock("absent", lock_dir=str(tmp_path), vmid=200, run_id="run-1")
     assert mine["action"] == "released"
     assert list(tmp_path.iterdir()) == []
+
+
+# -- why a lock still holds (issue 8, item 7): what a person reads before removing it by hand --------------------
+HOLDER = {"run_id": "r1", "owner": "alice@ctl", "created": 1000.0, "ttl": 7200}
+
+
+def test_a_lock_of_a_live_run_on_this_machine_says_it_is_still_working():
+    holder = dict(HOLDER, controller="node1", controller_pid=4242)
+    assert pve_lock.why_held(holder, 1060.0, 7200, "node1", lambda pid: pid == 4242) == (
+        "that run is still working (its controller pid 4242 lives on this machine)"
+    )
+
+
+def test_a_lock_of_a_controller_elsewhere_says_it_may_have_been_cut_off_and_when_it_expires():
+    holder = dict(HOLDER, controller="laptop", controller_pid=4242)
+    assert pve_lock.why_held(holder, 1060.0, 7200, "node1", lambda pid: True) == (
+        "if that run was cut off (its node unreachable, its controller laptop gone), nothing here can tell: the "
+        "lock expires in 119 min"
+    )
+    assert "controller laptop pid 4242" in pve_lock.describe_holder(holder, 1060.0)
+
+
+def test_a_lock_without_controller_only_says_when_it_expires():
+    assert pve_lock.why_held(HOLDER, 1060.0, 7200, "node1", lambda pid: True) == "the lock expires in 119 min"
