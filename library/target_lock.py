@@ -8,12 +8,17 @@ module: target_lock
 short_description: Take or release the run lock of a GPU target so two recovery runs never overlap
 description:
   - A lock file per target on the node (C(<lock_dir>/ct-<vmid>.lock), or C(host.lock) for a bare host) with the
-    run id, owner and start time in it. It is written to a temporary file first and then hard-linked to its name
-    (C(link(2)) fails when the name exists), so no reader ever sees a half-written lock and two runs cannot both
-    create it.
+    run id, owner, start time and, when given, the controller's host name and ansible-playbook pid in it. It is
+    written to a new temporary file (C(O_CREAT|O_EXCL|O_NOFOLLOW)) and then hard-linked to its name (C(link(2))
+    fails when the name exists), so no reader ever sees a half-written lock and two runs cannot both create it.
+  - The lock directory must be owned by root and writable by nobody else, and nothing in it is followed through a
+    symlink; a FIFO, a directory or unreadable content at the lock's name is reported as found, never waited on.
+    Every change happens under C(flock) of the directory, so two runs that find the same stale lock cannot both
+    take it.
   - I(state=present) takes the lock for I(run_id); the same run taking it again is a no-op. Another run's lock
-    fails the task with who holds it, since when, and what to do. A lock older than I(ttl) seconds is taken over
-    with a warning (its run died without releasing it); the stale file is renamed aside, not deleted.
+    fails the task with who holds it, since when, from which controller, why it still holds and what to do. A lock
+    older than I(ttl) seconds, dated more than a minute in the future, or whose controller is this machine and
+    whose pid is gone, is taken over with a warning; the stale file is renamed aside, not deleted.
   - I(state=absent) releases the lock of I(run_id); a lock of another run is left alone.
   - The lock lives on the node in C(/run/lock), so a node reboot clears it.
 version_added: "0.1.0"
