@@ -1,0 +1,418 @@
+#!/usr/bin/python
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: training_code
+short_description: Put a target's training code at its pinned commit - every local change saved first
+description:
+  - Reads the git repository at I(path) inside the target - HEAD, branch, C(git status --porcelain -z) with
+    untracked files, whether I(commit) is there - and compares it with the pinned commit. It reads again even when
+    the fact pass of M(target_facts) just did, since those facts can be seconds old.
+  - At I(commit) and clean (no staged, unstaged or untracked change), nothing is done, on a branch or detached alike.
+    Ignored files (checkpoints, data, caches in C(.gitignore)) never count as changes and are never touched.
+  - Otherwise, in ONE C(pct exec) (a script sent to the target's python on stdin), it re-checks, fetches I(commit)
+    from I(remote) when the repository lacks it, saves every local change to C(<backup_dir>/<UTC stamp>/), proves
+    the saved copy restores the tree, and only then checks I(commit) out, detached, and removes the untracked
+    files it saved. Then it reads the repository again in the same C(pct exec); not at I(commit) and clean fails
+    the task.
+  - "The backup: C(changes.patch) (C(git diff --binary HEAD): every tracked change, staged or not, binary files
+    included), C(staged.patch) (C(git diff --binary --cached HEAD)), C(untracked.tar.gz) (untracked files that are
+    not ignored), C(HEAD) (the old sha and branch), C(status.txt) and C(RESTORE.txt) (the commands that put it back:
+    at the old HEAD, C(git apply changes.patch), optionally C(git apply --cached staged.patch), and
+    C(tar -xzf untracked.tar.gz -C <path>))."
+  - Before anything is reset, each patch is applied to the old HEAD in a throw-away index and must give exactly
+    the tree C(git stash create) records for the work tree and the index, and the tarball must list exactly the
+    untracked files. Any failure up to there leaves the repository exactly as it was.
+  - Detached, because the pin is a commit, not a branch. No branch is ever moved, so commits a branch had beyond
+    the pin stay on it; a detached HEAD that no branch or tag holds is kept as
+    C(refs/pve-gpu-recover/detached/<stamp>). When HEAD already is I(commit) (on a branch or not), only the tree is
+    reset (C(git reset --hard)) and the branch stays checked out.
+  - The untracked files removed are exactly those saved, not C(git clean) - after the checkout C(git clean) would
+    read the commit's C(.gitignore), and a file only the old C(.gitignore) ignored (never saved) could be deleted.
+  - Refused before anything changes, one sentence each - no repository at I(path), git missing, an unfinished
+    merge/rebase/cherry-pick/revert/bisect, a conflict, an untracked git repository inside, I(commit) missing and
+    no I(remote), ignored files that the checkout would overwrite, a backup that would not fit.
+version_added: "0.4.0"
+author: pve-gpu-recover contributors
+extends_documentation_fragment:
+  - action_common_attributes
+  - pve_target
+attributes:
+  check_mode:
+    support: full
+    details: Reads and decides exactly as a real run does and changes nothing (no fetch, no backup); C(changed)
+      and the diff are those of a real run.
+  diff_mode:
+    support: full
+    details: Before is C(HEAD <sha>) and the repository's C(git status --porcelain) lines (a rename as C(old -> new),
+      a name with a newline JSON-quoted); after is C(HEAD <commit>).
+  platform:
+    platforms: posix
+options:
+  state:
+    description:
+      - C(present) puts the repository at I(path) at I(commit), clean.
+    type: str
+    choices: [present]
+    default: present
+  path:
+    description:
+      - The repository inside the target, the top of its work tree. It must exist; the module never clones.
+    type: path
+    default: /srv/train
+  commit:
+    description:
+      - The known-good commit, its full sha (40 hex digits, 64 in a SHA-256 repository). A branch or tag name is
+        refused, since it may move and the pin must not.
+    type: str
+    required: true
+  remote:
+    description:
+      - Where to fetch I(commit) from when the repository lacks it - a remote's name (C(origin)) or a URL, reached
+        from inside the target with its credentials (C(git fetch --no-tags <remote> <commit>); the server must
+        serve a commit by its sha, as GitHub, GitLab and git's protocol v2 do for any commit a ref holds).
+      - Unset, a missing commit fails the task with what to do.
+    type: str
+  backup_dir:
+    description:
+      - Where local changes are saved, one C(<UTC stamp>) directory per run that had changes (mode 0700).
+        Must lie outside I(path).
+    type: path
+    default: /var/backups/pve-gpu-recover/training_code
+  git:
+    description:
+      - git inside the target, a name on the PATH of a non-login root shell or a path.
+    type: str
+    default: git
+  reset_timeout:
+    description:
+      - Seconds the fetch, the backup and the checkout may take together; a git command still running then is
+        killed (with what it started) and the task fails. Before the checkout, nothing is changed then.
+    type: int
+    default: 600
+  python_executable:
+    description:
+      - Interpreter inside the target that runs the reader and the reset script. Ignored for a bare host, where
+        both run in this module's own process.
+    type: str
+    default: python3
+requirements:
+  - In the target, Python 3.9+ and git (2.38+ reads a repository another user owns; older ones need
+    C(safe.directory) in root's git config).
+seealso:
+  - module: target_facts
+notes:
+  - git runs as root with C(-c safe.directory=<path>), C(-c core.fsmonitor=false) and C(-c core.hooksPath=/dev/null)
+    - nothing the repository's config names (hooks, an fsmonitor) runs as root. Clean/smudge filters (git-lfs)
+    still apply.
+  - Submodules are not managed - their pointers count like any tracked change, their work trees are not reset.
+  - A file that only the old C(.gitignore) ignored is not saved and not removed; after the checkout it shows as
+    untracked, the task fails naming it, and the next run saves and removes it.
+"""
+
+EXAMPLES = r"""
+- name: Put CT 200's training code at the known-good commit
+  training_code:
+    vmid: 200
+    path: /srv/train
+    commit: 4f3c2a1b0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b
+  delegate_to: pve1
+
+- name: Fetch the commit from origin when the repository lacks it
+  training_code:
+    vmid: 200
+    path: /srv/train
+    commit: 4f3c2a1b0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b
+    remote: origin
+  delegate_to: pve1
+
+- name: Only report what a reset would change (run with --check --diff)
+  training_code:
+    vmid: 200
+    commit: 4f3c2a1b0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b
+  delegate_to: pve1
+  check_mode: true
+  register: code_drift
+"""
+
+RETURN = r"""
+repo:
+  description:
+    - The repository's path, I(path).
+    - Not returned as C(path) - Ansible would add the owner, mode and size of a file of that name on the node,
+      which is not the target's repository.
+  returned: always
+  type: str
+  sample: /srv/train
+commit:
+  description: The pinned commit (lower case).
+  returned: always
+  type: str
+  sample: 4f3c2a1b0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b
+head:
+  description: HEAD's sha (after a reset, the new one; in check mode, the one found); null without a commit.
+  returned: always
+  type: str
+  sample: 4f3c2a1b0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b
+branch:
+  description: The branch HEAD is on; null when detached (after a reset to another commit, always).
+  returned: always
+  type: str
+  sample: main
+head_before:
+  description: HEAD's sha before this run.
+  returned: always
+  type: str
+  sample: 9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d
+branch_before:
+  description: The branch HEAD was on before this run; null when it was detached.
+  returned: always
+  type: str
+  sample: main
+dirty:
+  description:
+    - The local changes - C(staged), C(unstaged) and C(untracked) paths (a rename as C(old -> new)); ignored
+      files never appear. After a reset, what is left (nothing); in check mode, what a reset would save.
+  returned: always
+  type: dict
+  sample: {staged: [data.py], unstaged: [model.py], untracked: [notes.txt]}
+fetched:
+  description: Whether I(commit) was fetched from I(remote).
+  returned: always
+  type: bool
+backup:
+  description:
+    - Where the local changes were saved - C(dir), C(files), C(changed) (tracked paths), C(untracked) (files)
+      and C(restore) (its RESTORE.txt); null when nothing was dirty or nothing was done.
+  returned: always
+  type: dict
+  sample:
+    dir: /var/backups/pve-gpu-recover/training_code/20261203T101500Z
+    files: [HEAD, RESTORE.txt, changes.patch, staged.patch, status.txt, untracked.tar.gz]
+    changed: 2
+    untracked: 1
+    restore: /var/backups/pve-gpu-recover/training_code/20261203T101500Z/RESTORE.txt
+kept_ref:
+  description: The ref that keeps a detached HEAD no branch or tag held (its commits stay reachable); null otherwise.
+  returned: always
+  type: str
+  sample: refs/pve-gpu-recover/detached/20261203T101500Z
+removed:
+  description: The untracked files removed after they were saved (those the commit does not track).
+  returned: always
+  type: list
+  elements: str
+changes:
+  description: What the run changes (or, in check mode, would change), one line each; empty when converged.
+  returned: always
+  type: list
+  elements: str
+  sample: ["save 2 changed and 1 untracked files to a backup, then check out 4f3c2a1b0e9d (HEAD is 9e8d7c6b5a4f on main)"]
+seconds:
+  description: Seconds the module took.
+  returned: always
+  type: float
+saved_in:
+  description: On a failure after the local changes were saved, the backup directory that holds them.
+  returned: failure after the backup was written
+  type: str
+  sample: /var/backups/pve-gpu-recover/training_code/20261203T101500Z
+error:
+  description:
+    - On failure, what kind of failure it was, stable for code. From the reset - C(fetch), C(missing) (the
+      commit is nowhere), C(collision) (ignored files in the way), C(backup) (the saved copy would not restore the
+      tree), C(no_space), C(timeout), C(reset) (the checkout failed), C(conflict), C(operation), C(nested),
+      C(unborn), C(no_repository), C(no_git), C(git), C(os_error). From the module - C(invalid), C(problems)
+      (what the read found makes a reset unsafe), C(verify) (not at the commit and clean after the reset), and the
+      target's (C(stopped), C(missing), C(probe), ...).
+  returned: failure
+  type: str
+  sample: fetch
+cmd:
+  description: On failure of a command, the argv that ran (the C(pct exec) wrapper included, or the git command).
+  returned: failure of a command
+  type: list
+  elements: str
+rc:
+  description: On failure of a command, its exit code.
+  returned: failure of a command
+  type: int
+stdout_tail:
+  description: On failure of a command, the last 20 lines of its stdout.
+  returned: failure of a command that printed
+  type: str
+stderr_tail:
+  description: On failure of a command, the last 20 lines of its stderr.
+  returned: failure of a command that printed
+  type: str
+"""
+
+import time
+from datetime import UTC, datetime
+
+from ansible.module_utils import pve_probe_training_code, pve_script_training_code
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.pve_code import NAME, SPEC, CodeError, check_spec, evaluate_step, probe_payload, short
+from ansible.module_utils.pve_errors import RecoverError
+from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
+
+RESET = "reset"
+# The pct exec of a reset gets reset_timeout, the re-read's timeout and this much more, so that the script's own
+# deadline fires first and it can still answer.
+GRACE = 10
+ARGUMENT_SPEC = {
+    **TARGET_ARGUMENT_SPEC,
+    "state": {"type": "str", "choices": ["present"], "default": "present"},
+    **SPEC,
+    "reset_timeout": {"type": "int", "default": 600},
+    "python_executable": {"type": "str", "default": "python3"},
+}
+# What the reset script answers on success, and the type of each key (its answer comes from inside the CT).
+DONE_KEYS = {"head": str, "fetched": bool, "removed": list, "backup": (dict, type(None))}
+DONE_KEYS.update({"kept_ref": (str, type(None)), "head_before": (str, type(None)), "branch_before": (str, type(None))})
+
+
+def check_options(params):
+    """Why the options cannot work (one sentence), or ``""``."""
+    wrong = check_spec({name: params[name] for name in SPEC})
+    if wrong:
+        return wrong
+    if params["reset_timeout"] < 1:
+        return f"reset_timeout is {params['reset_timeout']}; give the reset at least 1 second"
+    return ""
+
+
+def reset_payload(spec, params, stamp):
+    """What the reset script needs: ``{"path", "commit", "remote", "backup_dir", "git", "stamp", "timeout"}``."""
+    return {
+        "path": spec["path"],
+        "commit": spec["commit"].lower(),
+        "remote": spec["remote"] or None,
+        "backup_dir": spec["backup_dir"],
+        "git": spec["git"],
+        "stamp": stamp,
+        "timeout": params["reset_timeout"],
+    }
+
+
+def part_answer(parts, name, label):
+    """The answer of one part of a run_probes call; a part that raised is a TargetError naming it."""
+    part = parts[name]
+    if "error" in part:
+        raise TargetError(f"{label}: the {name} part failed: {part['error']}", kind="probe")
+    return part["answer"]
+
+
+def failure_tail(answer, path):
+    """What the failed reset left: the tree as it was, or where the saved changes are."""
+    backup = answer.get("backup")
+    if not answer.get("touched"):
+        return f"{path} was left as it was"
+    if backup:
+        return f"the local changes are saved in {backup} ({backup}/RESTORE.txt says how to put them back)"
+    return f"{path} had no local change to lose; run again"
+
+
+def done_of(answer, path):
+    """The reset script's answer when it reset; its structured error as a CodeError otherwise."""
+    if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+        stderr = answer.get("stderr_tail")
+        raise CodeError(
+            f"resetting the training code failed ({answer['error']}): {answer.get('message')}; "
+            f"{failure_tail(answer, path)}",
+            kind=answer["error"],
+            cmd=answer.get("cmd"),
+            rc=answer.get("rc"),
+            stderr=stderr if isinstance(stderr, str) else None,
+            details={"saved_in": answer.get("backup")} if answer.get("backup") else {},
+        )
+    for key, kind in DONE_KEYS.items():
+        if not isinstance(answer, dict) or not isinstance(answer.get(key), kind):
+            raise CodeError(f"the reset script answered no {key!r} in the expected shape", kind="probe")
+    return answer
+
+
+def out_of_spec(facts, done):
+    """Why the repository is not at the commit and clean after the reset (one sentence), or ``""``."""
+    reasons = facts["problems"] + facts["changes"]
+    if not reasons:
+        return ""
+    saved = f"; the local changes are saved in {done['backup']['dir']}" if done.get("backup") else ""
+    left = facts["diff"]["before"].splitlines()[1:6]
+    shown = f" (status: {', '.join(left)})" if left else ""
+    return (
+        f"{facts['path']} is not at {short(facts['commit'])} and clean after the reset: {'; '.join(reasons[:5])}"
+        f"{shown}{saved}"
+    )
+
+
+def result_of(before, after, done, seconds):
+    """The module's result: ``changed``, the changes and the diff from the first read (identical in check mode),
+    the state from the last read, what the reset did."""
+    facts = after or before
+    done = done or {}
+    return {
+        "changed": before["pending"],
+        "repo": before["path"],  # not "path": exit_json would add stats of the node's file of that name
+        "commit": before["commit"],
+        "head": facts["head"],
+        "branch": facts["branch"],
+        "head_before": before["head"],
+        "branch_before": before["branch"],
+        "dirty": facts["dirty"],
+        "fetched": done.get("fetched", False),
+        "backup": done.get("backup"),
+        "kept_ref": done.get("kept_ref"),
+        "removed": done.get("removed", []),
+        "changes": before["changes"],
+        "diff": before["diff"],
+        "seconds": round(seconds, 3),
+    }
+
+
+def utc_stamp():
+    """The name of a backup: ``20261203T101500Z`` (UTC, so names sort by time on every target)."""
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def main():
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    started = time.monotonic()
+    p = module.params
+    spec = {name: p[name] for name in SPEC}
+    target = None
+    try:
+        wrong = check_options(p)
+        if wrong:
+            raise CodeError(f"{wrong}; fix the training_code_* variable of that name", kind="invalid")
+        target = Target.from_params(p)
+        context = {"target": {"label": target.label, "vmid": target.vmid, "node": target.node}, "steps": {}}
+        read = (pve_probe_training_code, probe_payload(spec, p["timeout"]))
+        answer = target.run_probe(read[0], read[1], python=p["python_executable"])
+        before = evaluate_step(spec, answer, {}, dict(context, check_mode=module.check_mode))
+        if before["problems"]:
+            raise CodeError("; ".join(before["problems"]), kind="problems")
+        done = after = None
+        if before["pending"] and not module.check_mode:
+            # One pct exec: save, fetch, check out, then the reader part reads the repository again.
+            reset = (pve_script_training_code, reset_payload(spec, p, utc_stamp()))
+            parts = target.run_probes(
+                {RESET: reset, NAME: read},
+                python=p["python_executable"],
+                timeout=p["reset_timeout"] + p["timeout"] + GRACE,
+            )
+            done = done_of(part_answer(parts, RESET, target.label), spec["path"])
+            after = evaluate_step(spec, part_answer(parts, NAME, target.label), {}, dict(context, check_mode=False))
+            if out_of_spec(after, done):
+                saved = {"saved_in": done["backup"]["dir"]} if done["backup"] else {}
+                raise CodeError(out_of_spec(after, done), kind="verify", details=saved)
+        result = result_of(before, after, done, time.monotonic() - started)
+    except RecoverError as error:
+        module.fail_json(**error.to_result(prefix=f"{target.label}: " if target else ""))
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The training code step: is the repository at the pinned commit and clean, and what would a run change.
+
+Its probe part (``pve_probe_training_code``) reads, inside the target, the repository's HEAD and branch, its
+``git status --porcelain=v1 -z --untracked-files=all`` and whether the pinned commit is there. Everything here is
+pure: the probe's answer in, facts out.
+
+Clean means what git says: no staged change, no unstaged change, no untracked file. Ignored files (checkpoints,
+data, caches under .gitignore) never count and a run never touches them. A repository at the commit and clean
+is converged, on a branch or detached alike; a run that has work saves every local change first, then checks the
+commit out detached (see pve_script_training_code for why detached).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+
+from ansible.module_utils import pve_probe_training_code
+from ansible.module_utils.pve_errors import RecoverError
+
+NAME = "training_code"
+PROBE = pve_probe_training_code
+DEFAULT_BACKUP_DIR = "/var/backups/pve-gpu-recover/training_code"
+SPEC = {
+    # The repository inside the target: the top of its work tree.
+    "path": {"type": "path", "default": "/srv/train"},
+    # The known-good commit, its full sha (40 hex digits; 64 in a SHA-256 repository).
+    "commit": {"type": "str", "required": True},
+    # Where to fetch the commit from when the repository lacks it: a remote's name (origin) or a URL; None: nowhere.
+    "remote": {"type": "str"},
+    # Local changes are saved under <backup_dir>/<UTC stamp>/ before anything is reset; outside the repository.
+    "backup_dir": {"type": "path", "default": DEFAULT_BACKUP_DIR},
+    # git inside the target: a name on its PATH or a path.
+    "git": {"type": "str", "default": "git"},
+}
+SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
+SHA = re.compile(r"^(?:[0-9a-fA-F]{40}|[0-9a-fA-F]{64})$")
+# Porcelain codes of a path with a conflict (git-status(1), "Short Format").
+UNMERGED = {"DD", "AU", "UD", "UA", "DU", "AA", "UU"}
+ABORT = {"bisect": "git bisect reset", "am": "git am --abort"}
+SHOWN = 5  # paths named in one sentence
+
+
+class CodeError(RecoverError):
+    """The step's settings cannot work, or the probe answered something that is not a training code probe's answer."""
+
+
+def short(sha):
+    """``0123456789abcdef...`` -> ``0123456789ab``: how sentences name a commit."""
+    return sha[:12] if sha else "(none)"
+
+
+def named(paths, limit=SHOWN):
+    """``["a", "b c"]`` -> ``a, b c``; more than ``limit`` -> the first ones and ``(and N more)``."""
+    shown = ", ".join(quote(p) for p in paths[:limit])
+    return f"{shown} (and {len(paths) - limit} more)" if len(paths) > limit else shown
+
+
+def quote(path):
+    """A path as one readable token: as is when plain, JSON-quoted when it holds a quote, backslash or control
+    character (``a\\nb`` -> ``"a\\\\nb"``), so that a name with a newline cannot forge a second line."""
+    if any(c in '"\\' or ord(c) < 32 or ord(c) == 127 for c in path):
+        return json.dumps(path, ensure_ascii=False)
+    return path
+
+
+# -- settings --------------------------------------------------------------------------------------------------
+def inside(path, directory):
+    """Whether ``path`` is ``directory`` or lies below it (lexically, both normalized)."""
+    path, directory = posixpath.normpath(path), posixpath.normpath(directory)
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def check_spec(spec):
+    """Why the step's settings cannot work (one sentence), or ``""``: called once the SPEC types are checked."""
+    commit, path, backup = spec["commit"], spec["path"], spec["backup_dir"]
+    if not SHA.match(commit or ""):
+        return (
+            f"commit is {commit!r}; expected the full sha of the known-good commit, 40 hex digits "
+            f"(`git rev-parse <branch or tag>` prints it): a branch or tag may move, the pin must not"
+        )
+    if not posixpath.isabs(path or ""):
+        return f"path is {path!r}; expected the absolute path of the repository inside the target"
+    if not posixpath.isabs(backup or ""):
+        return f"backup_dir is {backup!r}; expected an absolute path inside the target"
+    if inside(backup, path):
+        return (
+            f"backup_dir {backup} lies inside the repository {path}: the reset would remove the backup it just "
+            f"wrote; put it outside (default {DEFAULT_BACKUP_DIR})"
+        )
+    if (spec.get("remote") or "").startswith("-"):
+        return f"remote is {spec['remote']!r}; expected a remote's name (origin) or a URL, not an option"
+    if not spec.get("git"):
+        return "git is empty; expected git's name or path inside the target"
+    return ""
+
+
+# -- the probe's answer ----------------------------------------------------------------------------------------
+ANSWER_TYPES = {
+    "exists": (bool,),
+    "repo": (bool,),
+    "bare": (bool,),
+    "git": (str, type(None)),
+    "git_version": (str, type(None)),
+    "toplevel": (str, type(None)),
+    "head": (str, type(None)),
+    "branch": (str, type(None)),
+    "status": (str, type(None)),
+    "operation": (str, type(None)),
+    "commit_present": (bool, type(None)),
+    "collisions": (list,),
+    "errors": (list,),
+}
+
+
+def check_answer(answer):
+    """The probe's answer comes from inside a CT: a part that is not what the probe prints is a CodeError."""
+    if not isinstance(answer, dict):
+        raise CodeError("the training_code probe answered no object", kind="probe")
+    for key, kinds in ANSWER_TYPES.items():
+        if not isinstance(answer.get(key), kinds) or (key not in answer):
+            raise CodeError(f"the training_code probe answered no {key!r} of the expected type", kind="probe")
+    if answer["head"] is not None and not SHA.match(answer["head"]):
+        raise CodeError(f"the training_code probe answered a HEAD that is no sha: {answer['head']!r}", kind="probe")
+    for key in ("collisions", "errors"):
+        if not all(isinstance(item, str) for item in answer[key]):
+            raise CodeError(f"the training_code probe answered {key!r} that are not all strings", kind="probe")
+
+
+def parse_status(text):
+    """``git status --porcelain=v1 -z`` output -> ``[{"code", "path", "orig"}]`` in git's order.
+
+    ``" M model.py\\0R  new name.py\\0old name.py\\0?? notes\\nv2.txt\\0"`` -> ``[{"code": " M", "path":
+    "model.py", "orig": None}, {"code": "R ", "path": "new name.py", "orig": "old name.py"}, {"code": "??", "path":
+    "notes\\nv2.txt", "orig": None}]``. With ``-z`` git quotes nothing: a field ends at NUL only, so spaces and
+    newlines are part of the name; a rename or copy (R or C in either column) is followed by its original path.
+    Anything else raises CodeError (the answer comes from inside a CT).
+    """
+    fields = text.split("\0")
+    if fields and fields[-1] == "":
+        fields.pop()
+    entries, index = [], 0
+    while index < len(fields):
+        field = fields[index]
+        index += 1
+        if len(field) < 4 or field[2] != " ":
+            raise CodeError(
+                f"the training_code probe answered a status entry git never writes: {field!r}", kind="probe"
+            )
+        code, orig = field[:2], None
+        if "R" in code or "C" in code:
+            if index >= len(fields):
+                raise CodeError(f"the status entry {field!r} lacks the path it was renamed from", kind="probe")
+            orig = fields[index]
+            index += 1
+        entries.append({"code": code, "path": field[3:], "orig": orig})
+    return entries
+
+
+def entry_name(entry):
+    """``model.py``, or ``old.py -> new.py`` for a rename or copy."""
+    return f"{entry['orig']} -> {entry['path']}" if entry["orig"] is not None else entry["path"]
+
+
+def dirty_of(entries):
+    """``{"staged", "unstaged", "untracked"}``: the paths in each state (a rename as ``old -> new``); a path with
+    changes both in the index and in the work tree is in both lists."""
+    dirty = {"staged": [], "unstaged": [], "untracked": []}
+    for entry in entries:
+        x, y = entry["code"]
+        if entry["code"] == "??":
+            dirty["untracked"].append(entry["path"])
+            continue
+        if x not in " ?!":
+            dirty["staged"].append(entry_name(entry))
+        if y not in " ?!":
+            dirty["unstaged"].append(entry_name(entry))
+    return dirty
+
+
+def status_lines(entries):
+    """``["XY path", "R  old -> new", "?? x"]``, like ``git status --porcelain`` without ``-z``; a path with a
+    newline, quote or backslash is JSON-quoted (see :func:`quote`)."""
+    lines = []
+    for entry in entries:
+        name = quote(entry["path"])
+        if entry["orig"] is not None:
+            name = f"{quote(entry['orig'])} -> {name}"
+        lines.append(f"{entry['code']} {name}")
+    return lines
+
+
+def count_phrase(changed, untracked):
+    """``(2, 1)`` -> ``2 changed and 1 untracked files``; ``(1, 0)`` -> ``1 changed file``."""
+    parts = [f"{n} {what}" for n, what in ((changed, "changed"), (untracked, "untracked")) if n]
+    return f"{' and '.join(parts)} {'file' if changed + untracked == 1 else 'files'}"
+
+
+def where_head(head, branch):
+    """``HEAD is 0123456789ab on main``, ``HEAD is 0123456789ab, detached`` or ``the repository has no commit yet``."""
+    if head is None:
+        return "the repository has no commit yet"
+    return f"HEAD is {short(head)} on {branch}" if branch else f"HEAD is {short(head)}, detached"
+
+
+# -- the step --------------------------------------------------------------------------------------------------
+def code_problems(label, spec, answer, entries):
+    """Why nothing can be done safely (one sentence each): what a run would refuse, found before anything runs."""
+    path, commit, git = spec["path"], spec["commit"].lower(), spec["git"]
+    problems = [f"{label}: the training code probe could not read everything: {error}" for error in answer["errors"]]
+    if answer["git"] is None:
+        return [
+            f"{label}: git not found in the target (`{git}` on the PATH of a non-login root shell); install it "
+            f"there (apt install git) or set training_code_git to its path"
+        ]
+    if not answer["exists"]:
+        return [
+            f"{label}: there is no directory {path}; clone the training code there first (git clone <url> {path}) "
+            f"or set training_code_path to where it is"
+        ]
+    if problems and not answer["repo"]:
+        return problems  # git could not say what is there (another owner's repository, a timeout)
+    if answer["bare"]:
+        return [*problems, f"{label}: {path} is a bare repository (no work tree); set training_code_path to a clone"]
+    if not answer["repo"] and answer["toplevel"] is not None:
+        return [
+            *problems,
+            f"{label}: the work tree of the repository at {path} is {answer['toplevel']}; set training_code_path to "
+            f"the top of the work tree",
+        ]
+    if not answer["repo"]:
+        return [
+            *problems,
+            f"{label}: {path} is not a git repository (no .git); clone the training code there or set "
+            f"training_code_path to the top of its work tree",
+        ]
+    if answer["operation"]:
+        op = answer["operation"]
+        problems.append(
+            f"{label}: a {op} is in progress in {path}; finish it or abort it ({ABORT.get(op, f'git {op} --abort')}) "
+            f"and run again: an unfinished {op} cannot be saved to a patch"
+        )
+    conflicts = [e["path"] for e in entries if e["code"] in UNMERGED]
+    if conflicts:
+        problems.append(
+            f"{label}: {path} has unmerged paths (a conflict): {named(conflicts)}; resolve them (git add) or discard "
+            f"them and run again"
+        )
+    nested = [e["path"] for e in entries if e["code"] == "??" and e["path"].endswith("/")]
+    if nested:
+        what = "is a git repository" if len(nested) == 1 else "are git repositories"
+        problems.append(
+            f"{label}: {named(nested)} in {path} {what} of its own (untracked): a reset would neither save nor remove "
+            f"it; move it out of {path} or add it to .gitignore"
+        )
+    tracked = [e for e in entries if e["code"] != "??"]
+    if answer["head"] is None and tracked:
+        problems.append(
+            f"{label}: {path} has no commit yet but files are staged ({named([entry_name(e) for e in tracked])}); "
+            f"commit them or unstage them (git rm -r --cached .) and run again"
+        )
+    if answer["commit_present"] is False and not spec.get("remote"):
+        problems.append(
+            f"{label}: commit {commit} is not in the repository at {path} and no remote is set to fetch it from; "
+            f"set training_code_remote (a remote's name such as origin, or a URL), or fetch it there "
+            f"(git -C {path} fetch origin {commit})"
+        )
+    if answer["collisions"]:
+        problems.append(
+            f"{label}: checking out {short(commit)} would overwrite ignored files that the commit tracks: "
+            f"{named(answer['collisions'])}; move them out of {path} and run again (ignored files are never touched)"
+        )
+    return problems
+
+
+def plan_changes(spec, answer, entries):
+    """What a run changes, one line each; ``[]`` at the commit and clean.
+
+    ``plan_changes({"commit": "ab"*20, "remote": None, ...}, {"head": "cd"*20, "branch": "main",
+    "commit_present": True, ...}, [2 tracked entries, 1 untracked])`` -> ``["save 2 changed and 1 untracked files
+    to a backup, then check out abababababab (HEAD is cdcdcdcdcdcd on main)"]``.
+    """
+    commit, head = spec["commit"].lower(), answer["head"]
+    changed = sum(1 for e in entries if e["code"] != "??")
+    untracked = len(entries) - changed
+    if head == commit and not entries:
+        return []
+    changes = []
+    if answer["commit_present"] is False and spec.get("remote"):
+        changes.append(f"fetch {short(commit)} from {spec['remote']} (not in the repository)")
+    save = f"save {count_phrase(changed, untracked)} to a backup, then " if entries else ""
+    action = "discard them" if head == commit else f"check out {short(commit)}"
+    changes.append(f"{save}{action} ({where_head(head, answer['branch'])})")
+    return changes
+
+
+def evaluate_step(spec, answer, node, context):
+    """The training code facts of the fact pass: where HEAD is, what is dirty, what a run would do, the diff.
+
+    Returns ``{"path", "exists" (a git work tree at path), "commit", "head", "branch" (None: detached), "detached",
+    "at_commit", "commit_present", "remote", "dirty" ({"staged", "unstaged", "untracked"}), "git_version",
+    "changes", "problems", "diff": {"before": "HEAD <sha>\\n" + status lines, "after": "HEAD <commit>\\n"},
+    "pending"}``. What cannot be done safely (no repository, git missing, a conflict, the commit nowhere to be
+    found, ignored files in the way) is a problem: nothing is decided on half the facts.
+    """
+    label = context["target"]["label"]
+    check_answer(answer)
+    commit = spec["commit"].lower()
+    entries = parse_status(answer["status"]) if answer["status"] is not None else []
+    problems = code_problems(label, spec, answer, entries)
+    readable = answer["repo"] and answer["status"] is not None
+    changes = plan_changes(spec, answer, entries) if readable else []
+    head = answer["head"]
+    before = f"HEAD {head or '(no commit)'}\n" + "".join(f"{line}\n" for line in status_lines(entries))
+    return {
+        "path": spec["path"],
+        "exists": answer["repo"],
+        "commit": commit,
+        "head": head,
+        "branch": answer["branch"],
+        "detached": answer["repo"] and head is not None and answer["branch"] is None,
+        "at_commit": head == commit,
+        "commit_present": answer["commit_present"],
+        "remote": spec.get("remote") or None,
+        "dirty": dirty_of(entries),
+        "git_version": answer["git_version"],
+        "changes": changes,
+        "problems": problems,
+        "diff": {"before": before if answer["repo"] else "", "after": f"HEAD {commit}\n"},
+        "pending": bool(changes) and not problems,
+    }
+
+
+# -- the fact pass ---------------------------------------------------------------------------------------------
+def probe_payload(spec, timeout=60):
+    """What the probe part reads: ``{"path": "/srv/train", "commit": "<sha>", "git": "git", "timeout": 60}``."""
+    return {"path": spec["path"], "commit": spec["commit"].lower(), "git": spec["git"], "timeout": timeout}
+
+
+def read_node(spec, target, answer, context):
+    """Nothing on the node: the repository lives inside the target."""
+    return {}
