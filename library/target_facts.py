@@ -78,9 +78,9 @@ options:
     description:
       - The settings of each step whose facts are read, by step name; each is checked against the step's own
         options (the role variables C(<step>_<setting>) without the prefix) and takes its defaults.
-      - C(preflight) is always read. Known steps are C(preflight) (space_path, min_free_gib, expected_gpu_count,
-        kernel_version_file, library_globs) and C(gpu_processes) (protected, grace, kill_timeout,
-        memory_timeout, memory_threshold_mib, poll_interval).
+      - C(preflight) is always read. Known steps, in their order, are C(preflight), C(gpu_processes),
+        C(training_code), C(training_venv) and C(compile_cache); each one's settings are the options of its module
+        that are not the target's (module_utils/pve_steps.py).
     type: dict
     default: {}
 requirements:

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import time
 
-from ansible.module_utils import pve_code, pve_gpu_cleanup, pve_lock, pve_preflight, pve_venv
+from ansible.module_utils import pve_cache, pve_code, pve_gpu_cleanup, pve_lock, pve_preflight, pve_venv
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_target import probe_name
 
 # In the order the steps run; a step's evaluate sees the facts of those before it.
-STEPS = (pve_preflight, pve_gpu_cleanup, pve_code, pve_venv)
+STEPS = (pve_preflight, pve_gpu_cleanup, pve_code, pve_venv, pve_cache)
 BY_NAME = {step.NAME: step for step in STEPS}
 # Keys of the fact pass's answer beside the steps' own (no step may take one of these names).
 RESERVED = ("run_id", "target", "lock", "pending", "problems", "seconds")

@@ -208,7 +208,8 @@ def test_a_probe_that_fails_after_the_lock_was_taken_releases_it(tmp_path, monke
     [
         (
             {"training_wheels": {}},
-            "unknown step(s) training_wheels; the steps are preflight, gpu_processes, training_code, training_venv",
+            "unknown step(s) training_wheels; the steps are preflight, gpu_processes, training_code, training_venv, "
+            "compile_cache",
         ),
         (
             {"gpu_processes": {"poll_interval": 0}},

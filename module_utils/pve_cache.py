@@ -1,0 +1,573 @@
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The compile cache step: is each torch.compile cache built for the torch, triton, CUDA and GPUs in use.
+
+A cache root (TORCHINDUCTOR_CACHE_DIR, default ``/tmp/torchinductor_<user>``; TRITON_CACHE_DIR, default
+``~<user>/.triton/cache``) holds a stamp, ``.pve-gpu-recover-stamp``: JSON naming the fingerprint the cache was
+built for, ``{"torch": "2.11.0+cu128", "variant": "cu128", "cuda": "12.8", "triton": "3.3.0", "gpus": ["NVIDIA
+H200"]}``. Per root: a stamp equal to the expected fingerprint is ``fresh`` (kept); another stamp is ``stale``
+(purged, then stamped); no stamp is ``unstamped`` (adopted: stamped as it is) unless the venv is rebuilt in this
+run, which makes every cache stale; an absent root is ``missing`` (nothing to do); a root that could take more
+than a cache with it is ``refused`` (:func:`refusal`), which stops the run before anything is deleted.
+
+Its probe part (``pve_probe_compile_cache``) reads the roots by ``lstat`` only, the stamps, the venv's
+``torch/version.py`` and triton's METADATA (never ``import torch``), the users' homes and which live processes
+use a root. Everything here is pure: the probe's answer and the facts of the steps before in, facts out.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from ansible.module_utils import pve_probe_compile_cache
+from ansible.module_utils.nvidia_smi import NvidiaSmiError, classify_failure, parse_gpus, query_gpu_argv
+from ansible.module_utils.pve_errors import RecoverError
+from ansible.module_utils.pve_probe_compile_cache import clean, inside, refusal
+from ansible.module_utils.pve_target import ENV_NAME
+from ansible.module_utils.pve_venv import variant
+
+NAME = "compile_cache"
+PROBE = pve_probe_compile_cache
+STAMP_NAME = ".pve-gpu-recover-stamp"
+# torch's and triton's own defaults, expanded inside the target for the user ({user}: its name, {home}: its home).
+DEFAULT_ROOTS = ["/tmp/torchinductor_{user}", "{home}/.triton/cache"]  # noqa: S108 (torch's default, not ours)
+SPEC = {
+    # The user training runs as: names the default roots, and the warm-up runs as this user.
+    "user": {"type": "str", "default": "root"},
+    # The venv whose torch and triton the caches are for (read from its files, never imported).
+    "venv": {"type": "path", "default": "/opt/venvs/train"},
+    # The cache directories, `{user}`/`{home}` expanded in the target. The first is the warm-up's
+    # TORCHINDUCTOR_CACHE_DIR. Only these are ever purged, and only inside them.
+    "roots": {"type": "list", "elements": "str", "default": list(DEFAULT_ROOTS)},
+    # The stamp's file name inside each root.
+    "stamp_name": {"type": "str", "default": STAMP_NAME},
+    # A command (argv) that compiles what training compiles first, run once after a purge; empty: no warm-up.
+    "warmup": {"type": "list", "elements": "str", "default": []},
+    "warmup_timeout": {"type": "int", "default": 900},
+    # Environment of the warm-up, on top of what the step sets (it may not change TORCHINDUCTOR_COMPILE_THREADS).
+    "warmup_env": {"type": "dict", "default": {}},
+}
+SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
+FINGERPRINT_KEYS = ("torch", "variant", "cuda", "triton", "gpus")
+VERDICTS = ("fresh", "stale", "unstamped", "missing", "refused", "unknown")
+THREADS = "TORCHINDUCTOR_COMPILE_THREADS"
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+GPU_NAME_FIELDS = (("name", "name", "str"),)
+_PLACEHOLDER = re.compile(r"\{[^{}]*\}")
+_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\$?$")
+_CUDA_VARIANT = re.compile(r"^cu(\d+)(\d)$")
+REBUILT = "for the venv as rebuilt in this run"
+
+
+class CacheError(RecoverError):
+    """A cache root cannot be judged or acted on, or the probe answered something that is not its answer."""
+
+
+# -- settings --------------------------------------------------------------------------------------------------
+def check_spec(spec):
+    """Why the step's settings cannot work (one sentence), or ``""``: called once the SPEC types are checked."""
+    if not _USER.match(spec["user"]):
+        return f"user is {spec['user']!r}, which is not a user name"
+    if not spec["venv"].startswith("/"):
+        return f"venv is {spec['venv']!r}; give the venv's absolute path inside the target"
+    name = spec["stamp_name"]
+    if not name or "/" in name or name in (".", "..") or "\0" in name:
+        return f"stamp_name is {name!r}; give a plain file name such as {STAMP_NAME}"
+    return _check_roots(spec["roots"]) or _check_warmup(spec)
+
+
+def _check_roots(roots):
+    if not roots:
+        return "roots is empty; give the cache directories (default: /tmp/torchinductor_{user}, {home}/.triton/cache)"
+    for root in roots:
+        unknown = [p for p in _PLACEHOLDER.findall(root) if p not in ("{user}", "{home}")]
+        if unknown:
+            return f"the root {root!r} uses {unknown[0]}; only {{user}} and {{home}} are expanded"
+        if not root.startswith(("/", "{home}")) or "\0" in root:
+            return f"the root {root!r} is not an absolute path (nor one that starts with {{home}})"
+    return ""
+
+
+def _check_warmup(spec):
+    if spec["warmup"] and not spec["warmup"][0]:
+        return "warmup starts with an empty command name"
+    if spec["warmup_timeout"] < 1:
+        return f"warmup_timeout is {spec['warmup_timeout']}; give the warm-up at least 1 second"
+    for key, value in (spec["warmup_env"] or {}).items():
+        if not ENV_NAME.match(str(key)):
+            return f"warmup_env has {key!r}, which is not an environment variable name"
+        if isinstance(value, (dict, list)) or value is None:
+            return f"warmup_env's {key} is {value!r}; give a string"
+        if key == THREADS:
+            return f"warmup_env sets {THREADS}; the warm-up compiles single-threaded ({THREADS}=1) by design"
+    return ""
+
+
+# -- fingerprints ----------------------------------------------------------------------------------------------
+def cuda_of(build_variant):
+    """The CUDA version a build variant names: ``cu128`` -> ``12.8``, ``cu130`` -> ``13.0``; ``cpu`` -> None."""
+    match = _CUDA_VARIANT.match(build_variant or "")
+    return f"{int(match.group(1))}.{match.group(2)}" if match else None
+
+
+def make_fingerprint(torch, cuda, triton, gpus):
+    """``("2.11.0+cu128", "12.8", "3.3.0", ["NVIDIA H200", "NVIDIA H200"])`` -> ``{"torch": "2.11.0+cu128",
+    "variant": "cu128", "cuda": "12.8", "triton": "3.3.0", "gpus": ["NVIDIA H200"]}``: the GPU models sorted,
+    once each (a kernel is built for a model, not for a count)."""
+    return {"torch": torch, "variant": variant(torch), "cuda": cuda, "triton": triton, "gpus": sorted(set(gpus))}
+
+
+def normalized(fingerprint):
+    """A stamp's fingerprint in the form :func:`make_fingerprint` gives (unknown keys dropped, GPUs sorted)."""
+    found = {key: fingerprint.get(key) for key in FINGERPRINT_KEYS}
+    gpus = found["gpus"]
+    found["gpus"] = sorted(set(gpus)) if isinstance(gpus, list) and all(isinstance(g, str) for g in gpus) else gpus
+    return found
+
+
+def describe(fingerprint):
+    """``torch 2.11.0+cu128 (CUDA 12.8), triton 3.3.0, NVIDIA H200``; ``torch 2.13.0+cpu (no CUDA), no triton,
+    no GPU``."""
+    torch = fingerprint.get("torch")
+    cuda = fingerprint.get("cuda")
+    head = f"torch {torch} ({f'CUDA {cuda}' if cuda else 'no CUDA'})" if torch else "no torch"
+    triton = f"triton {fingerprint['triton']}" if fingerprint.get("triton") else "no triton"
+    gpus = fingerprint.get("gpus")
+    return f"{head}, {triton}, {', '.join(map(str, gpus)) if isinstance(gpus, list) and gpus else 'no GPU'}"
+
+
+def differences(stamped, expected):
+    """What a stale stamp was built for, against now: ``stamped for torch 2.11.0+cu130, now 2.11.0+cu128``."""
+    stamped = normalized(stamped)
+    parts = []
+    if stamped["torch"] != expected["torch"]:
+        parts.append(f"torch {stamped['torch'] or 'none'}, now {expected['torch'] or 'none'}")
+    elif stamped["cuda"] != expected["cuda"]:
+        parts.append(f"CUDA {stamped['cuda'] or 'none'}, now {expected['cuda'] or 'none'}")
+    if stamped["triton"] != expected["triton"]:
+        parts.append(f"triton {stamped['triton'] or 'none'}, now {expected['triton'] or 'none'}")
+    if stamped["gpus"] != expected["gpus"]:
+        were = ", ".join(map(str, stamped["gpus"])) if isinstance(stamped["gpus"], list) else stamped["gpus"]
+        parts.append(f"GPUs {were or 'none'}, now {', '.join(expected['gpus']) or 'none'}")
+    return "stamped for " + ("; ".join(parts) if parts else f"another fingerprint ({describe(stamped)})")
+
+
+def human_size(size):
+    """``152000000`` -> ``152 MB``; ``0`` -> ``0 bytes`` (decimal units, like ``du --si``)."""
+    if size < 1000:
+        return "1 byte" if size == 1 else f"{size} bytes"
+    for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9)):
+        if size < scale * 1000 or unit == "GB":
+            shown = size / scale
+            return f"{shown:.1f} {unit}" if shown < 10 else f"{shown:.0f} {unit}"
+    return f"{size} bytes"  # pragma: no cover
+
+
+# -- safety ----------------------------------------------------------------------------------------------------
+def root_refusal(root, homes, user):
+    """Why the probe's ``root`` is refused, or None: its path, then the directory it resolves to, must pass
+    :func:`refusal` (the rules live in the probe part, which walks no refused root, and again in the acting
+    script, which checks them before it touches a root); it must be a directory when it exists."""
+    if root["path"] is None:
+        return f"its template {root['template']} needs the home directory of {user}, who has none"
+    why = refusal(root.get("expanded") or root["path"], homes)
+    if why:
+        return why
+    real = root["real_path"]
+    if real and real != root["path"]:
+        why = refusal(real, homes)
+        if why:
+            return f"it resolves through a symlink to {real}, and {why.removeprefix('it ')}"
+    if root["exists"] and not root["is_dir"]:
+        return "it is not a directory"
+    return None
+
+
+def overlap_refusals(roots, reasons):
+    """Roots that are, or lie inside, another accepted root: refused (purging the outer one purges them)."""
+    accepted = [(i, r) for i, r in enumerate(roots) if reasons[i] is None and r["real_path"]]
+    for i, root in accepted:
+        for j, other in accepted:
+            if i == j or reasons[i] is not None:
+                continue
+            if root["real_path"] == other["real_path"] and j < i:
+                reasons[i] = f"it is the same directory as the root {other['path']}"
+            elif root["real_path"] != other["real_path"] and inside(root["real_path"], other["real_path"]):
+                reasons[i] = f"it lies inside the root {other['path']}; give only that one"
+    return reasons
+
+
+# -- the probe's answer ----------------------------------------------------------------------------------------
+_ANSWER_TYPES = {"user": dict, "homes": dict, "venv": dict, "roots": list, "users": dict, "errors": list}
+_ROOT_TYPES = {"exists": bool, "is_dir": bool, "is_link": bool}
+
+
+def check_answer(answer, spec):
+    """The probe's answer comes from inside a CT: a part that is not what the probe prints is a CacheError."""
+    if not isinstance(answer, dict):
+        raise CacheError("the compile_cache probe answered no object", kind="probe")
+    for key, kind in _ANSWER_TYPES.items():
+        if not isinstance(answer.get(key), kind):
+            raise CacheError(f"the compile_cache probe answered no {key!r} ({kind.__name__})", kind="probe")
+    if len(answer["roots"]) != len(spec["roots"]):
+        raise CacheError("the compile_cache probe answered another number of roots than it was asked", kind="probe")
+    for root in answer["roots"]:
+        if not isinstance(root, dict) or any(not isinstance(root.get(k), t) for k, t in _ROOT_TYPES.items()):
+            raise CacheError(f"the compile_cache probe answered a root of the wrong shape: {root!r}", kind="probe")
+        for key in ("path", "real_path"):
+            if root.get(key) is not None and not isinstance(root[key], str):
+                raise CacheError(f"the compile_cache probe answered a root whose {key} is no string", kind="probe")
+        for key in ("stamp", "walk"):
+            if root.get(key) is not None and not isinstance(root[key], dict):
+                raise CacheError(f"the compile_cache probe answered a root whose {key} is no object", kind="probe")
+
+
+def venv_fingerprint(answer, gpus):
+    """The fingerprint of the venv the probe read, or None when it has no torch/version.py."""
+    venv = answer["venv"]
+    version_py = venv.get("torch_version_py") or {}
+    if not isinstance(version_py, dict) or not version_py.get("version"):
+        return None
+    triton = venv.get("triton") if isinstance(venv.get("triton"), dict) else {}
+    return make_fingerprint(str(version_py["version"]), version_py.get("cuda"), triton.get("version"), gpus)
+
+
+def gpu_names_read(answer):
+    """``(names, problem)`` from the nvidia-smi answer of the module's probe: none asked or no nvidia-smi (a CPU
+    host) gives no GPU; a failing nvidia-smi is a problem."""
+    smi = answer.get("gpus")
+    if not isinstance(smi, dict) or smi.get("missing"):
+        return [], None
+    failure = classify_failure(smi.get("rc"), smi.get("stdout") or "", smi.get("stderr") or "")
+    if failure is None:
+        try:
+            return [g["name"] for g in parse_gpus(smi.get("stdout") or "", GPU_NAME_FIELDS)], None
+        except NvidiaSmiError as error:
+            failure = error
+    return [], f"the GPU names cannot be read from nvidia-smi: {failure}"
+
+
+def gpu_names_of(context):
+    """The GPU models preflight found (the fact pass asks nvidia-smi once, in preflight's part)."""
+    preflight = context["steps"].get("preflight") or {}
+    return [g.get("name") for g in preflight.get("gpus") or [] if isinstance(g.get("name"), str)]
+
+
+def ending_pids_of(context):
+    """Pids (as the target numbers them) that the GPU step ends before this step runs."""
+    facts = context["steps"].get("gpu_processes") or {}
+    if not facts.get("pending"):
+        return []
+    found = [p.get("ns_pid") for p in (facts.get("processes") or []) + (facts.get("launchers") or [])]
+    return sorted({pid for pid in found if isinstance(pid, int)})
+
+
+def venv_plan_of(spec, context):
+    """``(pending, lock torch)`` of the training venv step when it is in the pass for this very venv."""
+    facts = context["steps"].get("training_venv")
+    if not isinstance(facts, dict) or facts.get("error") or facts.get("path") != spec["venv"]:
+        return False, None
+    lock = facts.get("lock") or {}
+    return bool(facts.get("pending")), lock.get("torch")
+
+
+# -- judging ---------------------------------------------------------------------------------------------------
+def judge_root(root, expected, venv_changes, reason):
+    """One root's facts and verdict (``reason`` is its refusal, or None)."""
+    walked = root.get("walk") or {}
+    stamp = root.get("stamp") or {}
+    facts = {
+        "path": root["path"] or root.get("expanded") or root["template"],
+        "real_path": root["real_path"],
+        "exists": root["exists"],
+        "size_bytes": int(walked.get("size_bytes") or 0),
+        "files": int(walked.get("files") or 0),
+        "entries": int(walked.get("entries") or 0),
+        "stamp": normalized(stamp["fingerprint"]) if stamp.get("state") == "ok" else None,
+        "stamp_error": stamp.get("reason") if stamp.get("state") == "invalid" else None,
+        "escapes": walked.get("escapes") or [],
+        "escapes_count": int(walked.get("escapes_count") or 0),
+        "mounts": walked.get("mounts") or [],
+        "busy": [],
+    }
+    if reason:
+        return dict(facts, verdict="refused", reason=reason)
+    if not root["exists"]:
+        return dict(facts, verdict="missing", reason="it does not exist; nothing to do")
+    if expected is None:
+        return dict(facts, verdict="unknown", reason="the expected fingerprint cannot be read")
+    if venv_changes:
+        if facts["stamp"] is not None:
+            was = f"stamped for {describe(facts['stamp'])}"
+        elif facts["stamp_error"]:
+            was = f"its stamp cannot be used: {facts['stamp_error']}"
+        else:
+            was = "unstamped"
+        return dict(facts, verdict="stale", reason=f"the venv is rebuilt in this run; {was}")
+    if facts["stamp"] is not None:
+        if facts["stamp"] == expected:
+            return dict(facts, verdict="fresh", reason=f"stamped for {describe(expected)}")
+        return dict(facts, verdict="stale", reason=differences(facts["stamp"], expected))
+    if facts["stamp_error"]:
+        return dict(facts, verdict="stale", reason=f"its stamp cannot be used: {facts['stamp_error']}")
+    return dict(facts, verdict="unstamped", reason=f"no stamp: adopted as built for {describe(expected)}")
+
+
+def describe_users(users):
+    """``pid 4711 (python3: cwd, open), pid 12 (sh: cwd)``."""
+    return ", ".join(f"pid {u['pid']} ({u.get('name')}: {', '.join(u.get('how') or [])})" for u in users)
+
+
+def purge_line(root):
+    notes = [root["reason"]]
+    if root["real_path"] and root["real_path"] != root["path"]:
+        notes.append(f"a symlink to {root['real_path']}")
+    notes.append(human_size(root["size_bytes"]))
+    if root["escapes_count"]:
+        shown = ", ".join(f"{e['link']} -> {e['target']}" for e in root["escapes"][:3])
+        more = f" and {root['escapes_count'] - 3} more" if root["escapes_count"] > 3 else ""
+        notes.append(f"symlinks out of it removed, never followed: {shown}{more}")
+    if root["mounts"]:
+        notes.append(f"left alone, another filesystem: {', '.join(root['mounts'][:3])}")
+    if root["busy"]:
+        notes.append(f"in use by {describe_users(root['busy'])}, which the GPU step ends first")
+    return f"purge {root['path']} ({'; '.join(notes)})"
+
+
+def warmup_line(spec):
+    return (
+        f"warm up with `{shlex.join(spec['warmup'])}` as {spec['user']} ({THREADS}=1, timeout "
+        f"{spec['warmup_timeout']} s), then stamp the roots it fills"
+    )
+
+
+def diff_lines(roots, expected, venv_changes, warmup):
+    """``(before, after)``: one line per root, its stamp's fingerprint before and the expected one after."""
+    before, after = [], []
+    target = REBUILT if venv_changes else (describe(expected) if expected else None)
+    for root in roots:
+        verdict = root["verdict"]
+        if verdict == "refused":
+            state = f"refused ({root['reason']})"
+        elif verdict == "missing":
+            state = "missing"
+        elif root["stamp"] is not None:
+            state = describe(root["stamp"])
+        elif root["stamp_error"]:
+            state = f"stamp unusable ({root['stamp_error']})"
+        else:
+            state = "unstamped"
+        if verdict in ("fresh", "stale", "unstamped"):
+            new = target
+        elif verdict == "missing" and warmup and target:
+            new = f"{target} (if the warm-up fills it)"
+        else:
+            new = state
+        before.append(f"{root['path']}: {state}\n")
+        after.append(f"{root['path']}: {new}\n")
+    return "".join(before), "".join(after)
+
+
+def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending, extra_problems=()):
+    """The step's facts from the probe's answer and the expected fingerprint; shared by the fact pass and the
+    module. ``ending``: pids the GPU step ends first (a root they use is purged after them)."""
+    user = answer["user"]
+    homes = {clean(h): list(u) for h, u in answer["homes"].items() if isinstance(h, str) and h.startswith("/")}
+    if user.get("home") and clean(user["home"]) not in homes:
+        homes[clean(user["home"])] = [spec["user"]]
+    reasons = [root_refusal(root, homes, spec["user"]) for root in answer["roots"]]
+    reasons = overlap_refusals(answer["roots"], reasons)
+    roots = [judge_root(r, expected, venv_changes, why) for r, why in zip(answer["roots"], reasons, strict=True)]
+    problems = [f"{label}: the compile_cache probe could not read everything: {e}" for e in answer["errors"]]
+    problems += list(extra_problems)
+    if not user.get("exists"):
+        problems.append(
+            f"{label}: the compile cache user {spec['user']} does not exist in the target; set compile_cache_user "
+            "to the user training runs as"
+        )
+    for root in roots:
+        if root["verdict"] == "refused":
+            problems.append(
+                f"{label}: compile cache root {root['path']} refused: {root['reason']}; nothing is deleted "
+                "(compile_cache_roots must name the cache directories themselves, like /tmp/torchinductor_root)"
+            )
+    if expected is None and user.get("exists"):
+        venv = answer["venv"]
+        found = "no venv" if not venv.get("exists") else "a venv without torch/version.py"
+        problems.append(
+            f"{label}: {spec['venv']} is {found}, so the caches cannot be judged; set compile_cache_venv to the "
+            "venv training runs in"
+        )
+    ending = set(ending)
+    users = answer["users"]
+    purging = [r for r in roots if r["verdict"] == "stale"]
+    for root in purging:
+        found = [u for u in users.get(root["real_path"]) or [] if isinstance(u, dict)]
+        root["busy"] = [u for u in found if u.get("pid") in ending]
+        live = [u for u in found if u.get("pid") not in ending]
+        if live:
+            problems.append(
+                f"{label}: cannot purge {root['path']}: in use by {describe_users(live)}; a purge never runs under "
+                "a live process (a running compile): stop it and run again"
+            )
+    if purging and answer.get("users_partial"):
+        problems.append(
+            f"{label}: cannot tell whether a live process uses a cache to purge: the process scan ran out of time; "
+            "raise compile_cache_timeout"
+        )
+    existing = [r for r in roots if r["verdict"] != "refused"]
+    cold = all(r["verdict"] in ("missing", "stale") or r["entries"] == 0 for r in existing)
+    warmup = bool(spec["warmup"]) and expected is not None and bool(existing) and (bool(purging) or cold)
+    changes = []
+    for root in roots:
+        if root["verdict"] == "stale":
+            changes.append(purge_line(root))
+            changes.append(f"stamp {root['path']} {REBUILT if venv_changes else 'for ' + describe(expected)}")
+        elif root["verdict"] == "unstamped":
+            changes.append(
+                f"stamp {root['path']} ({root['reason'].replace('no stamp: ', 'unstamped: ')}; "
+                f"{human_size(root['size_bytes'])})"
+            )
+    if warmup:
+        changes.append(warmup_line(spec))
+    before, after = diff_lines(roots, expected, venv_changes, warmup)
+    return {
+        "user": spec["user"],
+        "home": user.get("home"),
+        "venv": spec["venv"],
+        "expected": expected,
+        "expected_from": expected_from,
+        "venv_changes": venv_changes,
+        "roots": roots,
+        "refused": [{"path": r["path"], "reason": r["reason"]} for r in roots if r["verdict"] == "refused"],
+        "warmup": {"argv": spec["warmup"], "timeout": spec["warmup_timeout"], "planned": warmup}
+        if spec["warmup"]
+        else None,
+        "ending_pids": sorted(ending),
+        # Processes whose cwd/fds/maps could not be read (another user namespace): a purge cannot vouch for them.
+        "processes_unreadable": int(answer.get("unreadable_processes") or 0),
+        "processes_partial": bool(answer.get("users_partial")),
+        "size_bytes": sum(r["size_bytes"] for r in roots),
+        "changes": changes,
+        "problems": problems,
+        "diff": {"before": before, "after": after},
+        "pending": bool(changes) and not problems,
+    }
+
+
+def evaluate_step(spec, answer, node, context):
+    """The compile cache facts of the fact pass.
+
+    The expected fingerprint: torch's build and CUDA from the venv's torch/version.py, triton from its METADATA
+    (what the acting module reads too), the GPU models from preflight. When the training venv step is in the pass
+    for this venv and will rebuild it, the lock's torch names what is expected (its CUDA from the build variant,
+    triton unknown until the rebuild) and every cache is stale: none is kept or adopted.
+    """
+    label = context["target"]["label"]
+    check_answer(answer, spec)
+    gpus = gpu_names_of(context)
+    venv_changes, lock_torch = venv_plan_of(spec, context)
+    if venv_changes:
+        expected = make_fingerprint(lock_torch, cuda_of(variant(lock_torch)), None, gpus)
+        expected_from = "training_venv lock (the venv is rebuilt in this run)"
+    else:
+        expected = venv_fingerprint(answer, gpus)
+        expected_from = "venv"
+    return judge(
+        spec,
+        answer,
+        label,
+        expected=expected,
+        expected_from=expected_from,
+        venv_changes=venv_changes,
+        ending=ending_pids_of(context),
+    )
+
+
+def module_facts(spec, answer, label, *, venv_pending=False, ending=()):
+    """The same facts for the acting module, from its own probe read (GPU names from its own nvidia-smi)."""
+    check_answer(answer, spec)
+    gpus, problem = gpu_names_read(answer)
+    return judge(
+        spec,
+        answer,
+        label,
+        expected=venv_fingerprint(answer, gpus),
+        expected_from="venv",
+        venv_changes=venv_pending,
+        ending=ending,
+        extra_problems=[f"{label}: {problem}"] if problem else [],
+    )
+
+
+# -- the fact pass ---------------------------------------------------------------------------------------------
+def probe_payload(spec, timeout=60, *, gpus=False):
+    """What the probe part reads inside the target; ``gpus`` adds the nvidia-smi query of the GPU names (the
+    fact pass has them from preflight)."""
+    return {
+        "user": spec["user"],
+        "venv": spec["venv"],
+        "roots": list(spec["roots"]),
+        "stamp_name": spec["stamp_name"],
+        "timeout": timeout,
+        "nvidia_smi_argv": query_gpu_argv(GPU_NAME_FIELDS) if gpus else None,
+    }
+
+
+def read_node(spec, target, answer, context):
+    """Nothing on the node: the caches live inside the target."""
+    return {}
+
+
+# -- acting ----------------------------------------------------------------------------------------------------
+def warmup_environment(spec, home, first_root):
+    """The warm-up's whole environment: the user's, the venv first on PATH, inductor's cache in the first root,
+    single-threaded compile, then ``warmup_env``.
+
+    ``warmup_environment({"user": "root", "venv": "/opt/venvs/train", "warmup_env": {"A": 1}}, "/root",
+    "/tmp/torchinductor_root")`` -> ``{"PATH": "/opt/venvs/train/bin:/usr/local/sbin:...", "HOME": "/root",
+    "USER": "root", "LOGNAME": "root", "LANG": "C.UTF-8", "VIRTUAL_ENV": "/opt/venvs/train",
+    "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root", "TORCHINDUCTOR_COMPILE_THREADS": "1", "A": "1"}``.
+    """
+    env = {
+        "PATH": f"{spec['venv']}/bin:{SYSTEM_PATH}",
+        "HOME": home or "/",
+        "USER": spec["user"],
+        "LOGNAME": spec["user"],
+        "LANG": "C.UTF-8",
+        "VIRTUAL_ENV": spec["venv"],
+        "TORCHINDUCTOR_CACHE_DIR": first_root,
+    }
+    env.update({str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in spec["warmup_env"].items()})
+    env[THREADS] = "1"
+    return env
+
+
+def act_payload(spec, facts, answer, timeout):
+    """What the acting script needs: each root's action, the fingerprint to stamp, the warm-up."""
+    actions = {"stale": "purge", "unstamped": "stamp"}
+    user = answer["user"]
+    warmup = None
+    if facts["warmup"] and facts["warmup"]["planned"]:
+        home = user.get("home")
+        warmup = {
+            "argv": list(spec["warmup"]),
+            "env": warmup_environment(spec, home, facts["roots"][0]["path"]),
+            "timeout": spec["warmup_timeout"],
+            "cwd": home or "/",
+            "user": spec["user"],
+            "uid": user.get("uid"),
+            "gid": user.get("gid"),
+        }
+    return {
+        "roots": [
+            {"path": r["path"], "real_path": r["real_path"], "action": actions.get(r["verdict"])}
+            for r in facts["roots"]
+        ],
+        "fingerprint": facts["expected"],
+        "stamp_name": spec["stamp_name"],
+        "homes": answer["homes"],
+        "warmup": warmup,
+        "timeout": timeout,
+    }
