@@ -13,12 +13,30 @@ description:
     files, as C(fuser) does; NVML may not list those.
   - Never touches processes of other containers or of the node itself (for a CT target), nor protected
     daemons (I(protected)). When such a process holds memory on one of the target's GPUs, the GPUs cannot be
-    freed, so the module fails before ending anything and names it.
+    freed, so the module fails before ending anything and names it. On a bare host, processes of containers
+    (Docker, Podman, Kubernetes, containerd, systemd-nspawn, LXC/Incus; told by their cgroup) are not the host's
+    own either. Processes matching I(keep_idle) (display servers, monitoring exporters) are left alone while they
+    hold no GPU memory, only device files.
+  - Ends the job, not only its workers. Each holder's parents are walked up (by host pid, on the node) while they
+    belong to the same target; the walk stops at the target's init, at an interactive shell (a login shell, or a
+    shell without C(-c) and script, above which is a person's session), at a session or service manager
+    (sshd, tmux, screen, cron, systemd...) and at a protected process. The launchers among those parents
+    (I(launchers), e.g. C(torchrun), C(python -m torch.distributed.run)) and the shells running the job
+    (C(bash -c 'while true; do python train.py; done'), a script) are ended first, with the holders
+    (I(end_launchers)).
+  - A holder in a systemd service of its own (C(Restart=always) starts it again) cannot be ended by signals, so
+    the module fails before ending anything, naming the service and the command that stops it (C(pct exec <vmid> --
+    systemctl stop <unit>)). A service counts as the holder's own when its oldest process is the holder or one of
+    its parents; a unit name that is not plain (C([A-Za-z0-9:_.@-]+.service)) is never put into a command.
   - Sends SIGTERM, waits up to I(grace) seconds for each process to exit, sends SIGKILL to the survivors, then
     polls C(memory.used) of the target's GPUs until every one is at or below I(memory_threshold_mib). It polls
     every I(poll_interval) seconds and never sleeps a fixed time.
   - Fails naming each process that survives SIGKILL and its state (C(D), uninterruptible sleep, means a GPU
-    reset or a node reboot is needed). When no process holds the memory, it says exactly that.
+    reset or a node reboot is needed). When memory stays used, it lists the holders again first; a new process
+    (a restarted worker) is named with its parent, and only when no process holds the memory does it advise a
+    GPU reset.
+  - Once the memory is free it watches I(settle) seconds for new holders of the target's GPUs; one fails the
+    module naming it, its parent and its systemd service.
   - Only the GPUs passed to the target count. For a CT they are the ones C(nvidia-smi) lists inside it, one
     C(pct exec); everything else happens on the node.
 version_added: "0.1.0"
@@ -29,11 +47,12 @@ extends_documentation_fragment:
 attributes:
   check_mode:
     support: full
-    details: Lists what would be ended (I(processes)) and ends nothing; C(changed) is true exactly when a real
-      run would end a process.
+    details: Lists what would be ended (I(processes), I(launchers)) and ends nothing; C(changed) is true exactly
+      when a real run would end a process. Services and restarters that would make a run fail fail check mode too.
   diff_mode:
     support: full
-    details: Before is one line per process holding the target's GPUs, after is what would be left (nothing).
+    details: Before is one line per launcher and per process holding the target's GPUs, after is what would be
+      left (nothing).
   platform:
     platforms: posix
 options:
@@ -50,6 +69,39 @@ options:
     type: list
     elements: str
     default: [nvidia-persistenced, nv-hostengine, nv-fabricmanager, nvidia-fabricmanager, "dcgm*"]
+  keep_idle:
+    description:
+      - Processes left alone while they hold no GPU memory (only C(/dev/nvidia*) files), matched like
+        I(protected). With GPU memory they are ended like any other (unless protected).
+    type: list
+    elements: str
+    default: [Xorg, X, Xwayland, gnome-shell, kwin_wayland, kwin_x11, sway, weston, mutter, nvidia_gpu_exporter,
+      nvidia-gpu-exporter, node_exporter, prometheus-node-exporter, prometheus, telegraf, nvidia-smi]
+  launchers:
+    description:
+      - Parents of a holder that start workers again when they die, ended first with the holders. Matched (shell
+        patterns) against comm, argv[0] and its basename, and for a Python interpreter the module of C(-m) and
+        the script's basename (C(python3 -m torch.distributed.run), C(python3 /usr/local/bin/torchrun)).
+      - A shell running the job (C(-c) or a script) is a launcher too, whatever this list says.
+    type: list
+    elements: str
+    default: [torchrun, torch.distributed.run, torch.distributed.launch, "torch.distributed.elastic*", accelerate,
+      accelerate.commands.launch, deepspeed, "deepspeed.launcher*"]
+  end_launchers:
+    description:
+      - End the launchers found among the holders' parents, before the holders (SIGTERM to all of them at once,
+        launchers first, then SIGKILL after I(grace)).
+      - With C(false) the module fails before ending anything when a holder has one, naming each with its pid
+        and how to stop it.
+    type: bool
+    default: true
+  settle:
+    description:
+      - Seconds to watch for new holders of the target's GPUs once their memory is free (polled every
+        I(poll_interval)); a new one (a worker restarted by something the module did not end) fails the module.
+        0 skips the watch.
+    type: float
+    default: 3
   grace:
     description:
       - Seconds a process gets to exit after SIGTERM before it gets SIGKILL.
@@ -82,6 +134,9 @@ seealso:
 notes:
   - Processes are signalled from the node by host pid, after checking the pid still names the same process
     (its start time), so a pid reused in the meantime is never hit.
+  - A supervisor that is neither a launcher nor a shell (supervisord, runit, a Python script of your own) is not
+    ended; when it restarts a worker, the wait or the I(settle) watch names the new worker and its parent. Add
+    the parent's name to I(launchers) so that a run ends it first.
 """
 
 EXAMPLES = r"""
@@ -99,6 +154,12 @@ EXAMPLES = r"""
 - name: On a bare GPU host, keep a monitoring daemon alive too
   gpu_processes:
     protected: [nvidia-persistenced, nv-hostengine, "dcgm*", my-gpu-exporter]
+
+- name: Refuse to end launchers (torchrun, loops); only report them
+  gpu_processes:
+    vmid: 200
+    end_launchers: false
+  delegate_to: pve1
 """
 
 RETURN = r"""
@@ -117,8 +178,17 @@ killed:
   sample:
     - {pid: 516, name: python3, signal: SIGTERM, exited_after: 0.21}
     - {pid: 517, name: python3, signal: SIGKILL, exited_after: 10.06}
+launchers:
+  description: Parents of the holders that restart them (launchers, shells running the job), ended first (or that
+    check mode would end), with why each counts (C(reason)) and the holder pids it is a parent of (C(restarts)).
+  returned: always
+  type: list
+  elements: dict
+  sample:
+    - {pid: 500, ns_pid: 12, name: torchrun, owner: "ct:200", command: "/usr/bin/python3 /usr/local/bin/torchrun
+        --nproc-per-node 8 train.py", reason: "a launcher (matches 'torchrun')", restarts: [516]}
 protected:
-  description: Protected processes found holding the target's GPUs without GPU memory; left alone.
+  description: Protected and I(keep_idle) processes found holding the target's GPUs without GPU memory; left alone.
   returned: always
   type: list
   elements: dict
@@ -171,6 +241,12 @@ held:
   elements: dict
 survivors:
   description: On failure, the processes that outlived SIGKILL, each with its state (C(D) is stuck in the driver).
+  returned: failure
+  type: list
+  elements: dict
+new_holders:
+  description: On failure, processes that took the target's GPUs after the module ended their holders (during
+    the memory wait or the I(settle) watch), each with its parent's host pid and its command.
   returned: failure
   type: list
   elements: dict

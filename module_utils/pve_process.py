@@ -3,9 +3,16 @@
 """Node-side knowledge of processes: which CT a host pid belongs to, its pid inside the CT, its state.
 
 Proxmox VE puts a CT's processes in cgroup ``/lxc/<vmid>/...`` (``/lxc/<vmid>/ns`` for init, ``.../ns/.lxc``
-for ``pct exec``); plain LXC uses ``/lxc.payload.<name>``. ``NSpid:`` in /proc/<pid>/status lists the pid in
+for ``pct exec``); plain LXC and Incus use ``/lxc.payload.<name>`` (older LXC ``/lxc/<name>``). On a bare host the
+processes of other container runtimes (Docker, Podman, Kubernetes, containerd, systemd-nspawn, LXC) are not the
+host's own either: :func:`parse_cgroup_owner` names them. ``NSpid:`` in /proc/<pid>/status lists the pid in
 every pid namespace from the host's outwards in, so its last value is the pid the CT sees. NVML reports host
 pids, which is why GPU holders are mapped on the node, not inside the CT.
+
+A process's job: its parent (``ppid``, field 4 of stat, as the node's pid namespace numbers it) and its cgroup
+path, from which :func:`systemd_unit` tells the systemd service it runs in (a service with ``Restart=`` starts
+again whatever is ended). :func:`walk_stop`, :func:`is_shell`, :func:`is_interactive_shell` and
+:func:`matches_launcher` are the pure rules the GPU step walks a holder's ancestors by.
 
 Parsing functions are pure; :func:`read_process` reads one pid under a proc root (``/proc`` by default).
 
@@ -32,12 +39,27 @@ from ansible.module_utils.pve_target import run_local
 
 PROXMOX_CGROUP = re.compile(r"^/lxc/(\d+)(?:/|$)")
 LXC_PAYLOAD_CGROUP = re.compile(r"^/lxc\.payload\.([^/]+)")
-# On a bare host: processes of Docker/Podman containers and Kubernetes pods are not the host's own.
+# On a bare host: processes of other container runtimes are not the host's own. Searched in this order, so a
+# Kubernetes pod run by containerd is "kubernetes", and a Podman container in machine.slice is "podman".
 OTHER_CONTAINER_CGROUPS = (
     (re.compile(r"/docker[-/]([0-9a-f]{12})[0-9a-f]*(?:\.scope)?(?:/|$)"), "docker:{}"),
     (re.compile(r"/libpod-([0-9a-f]{12})[0-9a-f]*(?:\.scope)?(?:/|$)"), "podman:{}"),
     (re.compile(r"/kubepods[/.]"), "kubernetes"),
+    # systemd-nspawn machines (machinectl start NAME): /machine.slice/systemd-nspawn@NAME.service/payload
+    (re.compile(r"^/machine\.slice/systemd-nspawn@([^/]+)\.service(?:/|$)"), "nspawn:{}"),
+    # containerd without Docker: the systemd cgroup driver nests containers under containerd.service (the
+    # daemon and its shims sit in containerd.service itself: those are the host's); cgroupfs puts them in
+    # /<namespace>/<id> (k8s.io for the CRI); the CRI with the systemd driver outside kubepods uses a scope.
+    (re.compile(r"^/system\.slice/containerd\.service/([^/]+)"), "containerd:{}"),
+    (re.compile(r"^/k8s\.io/([^/]+)"), "containerd:{}"),
+    (re.compile(r"/cri-containerd-([0-9a-f]{12})[0-9a-f]*\.scope(?:/|$)"), "containerd:{}"),
+    # LXC/Incus on a host that is not a Proxmox node: /lxc/NAME (a numeric NAME is a Proxmox CT, matched first).
+    (re.compile(r"^/lxc/([^/]+)"), "lxc:{}"),
 )
+# A name taken from a cgroup path goes into messages: at most this long, other characters replaced by "?".
+OWNER_NAME = re.compile(r"[^A-Za-z0-9_.:@+=-]")
+OWNER_NAME_LIMIT = 64
+LONG_ID = re.compile(r"^[0-9a-f]{32,}$")
 # /proc/<pid>/stat: "pid (comm) state ..." where comm may itself contain spaces and parentheses.
 STAT = re.compile(r"^\d+ \((.*)\) (\S) ", re.DOTALL)
 # Character device major of /dev/nvidia<N> and /dev/nvidiactl; nvidia-uvm and nvidia-caps get dynamic majors
@@ -74,18 +96,33 @@ class ProcessInfo:
     cmdline: list  # argv as the kernel records it
     start_time: int  # clock ticks after boot (field 22 of stat): tells a reused pid apart
     read_error: str = ""  # what could not be read (e.g. its cmdline, when that timed out)
+    ppid: int = 0  # host pid of its parent (0: none, or not read)
+    cgroup: str = ""  # its cgroup path as the node sees it (``/lxc/200/ns/system.slice/train.service``)
 
     def as_dict(self):
         return asdict(self)
 
 
+def owner_name(raw):
+    """A container name from a cgroup path as owners carry it: a long hex id cut to 12 like ``docker ps`` shows
+    it, any other name with safe characters only (others become ``?``), at most 64."""
+    if LONG_ID.match(raw):
+        return raw[:12]
+    return OWNER_NAME.sub("?", raw[:OWNER_NAME_LIMIT])
+
+
 def parse_cgroup_owner(text):
-    """Who owns a process, from /proc/<pid>/cgroup: ``ct:<vmid>`` (Proxmox), ``lxc:<name>`` or ``host``.
+    """Who owns a process, from /proc/<pid>/cgroup: ``ct:<vmid>`` (Proxmox), another runtime's, or ``host``.
+
+    The other runtimes: ``lxc:<name>``, ``docker:<id>``, ``podman:<id>``, ``kubernetes``, ``nspawn:<name>``,
+    ``containerd:<id>`` (OTHER_CONTAINER_CGROUPS).
 
     >>> parse_cgroup_owner("0::/lxc/200/ns/.lxc\\n")
     'ct:200'
     >>> parse_cgroup_owner("0::/system.slice/ssh.service\\n")
     'host'
+    >>> parse_cgroup_owner("0::/machine.slice/systemd-nspawn@train.service/payload\\n")
+    'nspawn:train'
     """
     for line in (text or "").splitlines():
         parts = line.split(":", 2)
@@ -97,12 +134,30 @@ def parse_cgroup_owner(text):
             return f"ct:{int(proxmox.group(1))}"
         payload = LXC_PAYLOAD_CGROUP.match(path)
         if payload:
-            return f"lxc:{payload.group(1)}"
+            return f"lxc:{owner_name(payload.group(1))}"
         for pattern, owner in OTHER_CONTAINER_CGROUPS:
             found = pattern.search(path)
             if found:
-                return owner.format(*found.groups())
+                return owner.format(*(owner_name(g) for g in found.groups()))
     return "host"
+
+
+def parse_cgroup_path(text):
+    """The process's cgroup path from /proc/<pid>/cgroup: the unified (``0::``) one, else systemd's, else the
+    first; ``""`` when there is none.
+
+    >>> parse_cgroup_path("12:pids:/lxc/200/ns\\n1:name=systemd:/lxc/200/ns/init.scope\\n0::/lxc/200/ns/init.scope\\n")
+    '/lxc/200/ns/init.scope'
+    """
+    paths = {}
+    for line in (text or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            paths.setdefault(parts[0] if parts[0] == "0" else parts[1], parts[2])
+    for key in ("0", "name=systemd"):
+        if paths.get(key, "/") != "/":
+            return paths[key]
+    return next(iter(paths.values()), "")
 
 
 def parse_status_nspid(text):
@@ -123,6 +178,17 @@ def parse_stat(text):
     # After "pid (comm) state " the fields start at field 4 (ppid); starttime is field 22.
     start_time = int(rest[22 - 4]) if len(rest) > 22 - 4 and rest[22 - 4].isdigit() else 0
     return match.group(1), match.group(2), start_time
+
+
+def parse_ppid(text):
+    """The parent pid (field 4) of a /proc/<pid>/stat line, or 0 when it cannot be read.
+
+    >>> parse_ppid("516 (python3) S 500 516 500 0 -1")
+    500
+    """
+    match = STAT.match(text or "")
+    rest = text[match.end() :].split() if match else []
+    return int(rest[0]) if rest and rest[0].isdigit() else 0
 
 
 def describe_state(letter):
@@ -203,7 +269,8 @@ def read_process(pid, proc_root="/proc"):
     ``state`` is :func:`live_state`: a zombie leader whose other threads run reads as their state, not Z.
     """
     base = os.path.join(proc_root, str(pid))
-    stat = parse_stat(_read(os.path.join(base, "stat")))
+    stat_text = _read(os.path.join(base, "stat"))
+    stat = parse_stat(stat_text)
     if stat is None:
         return None
     comm, state, start_time = stat
@@ -211,22 +278,32 @@ def read_process(pid, proc_root="/proc"):
         state = live_state(state, thread_states(pid, proc_root))
     nspids = parse_status_nspid(_read(os.path.join(base, "status")))
     text, error = read_bounded(os.path.join(base, "cmdline"))
+    cgroup = _read(os.path.join(base, "cgroup"))
     return ProcessInfo(
         pid=int(pid),
         ns_pid=nspids[-1] if nspids else int(pid),
         comm=comm,
         state=state,
-        owner=parse_cgroup_owner(_read(os.path.join(base, "cgroup"))),
+        owner=parse_cgroup_owner(cgroup),
         cmdline=[a for a in (text or "").split("\0") if a],
         start_time=start_time,
         read_error=error or "",
+        ppid=parse_ppid(stat_text),
+        cgroup=parse_cgroup_path(cgroup),
     )
 
 
 def owner_label(owner, node):
     """Words for an owner: ``CT 201``, ``LXC container x``, ``Docker container 0123456789ab``, ``node pve1 itself``."""
     kind, _, name = owner.partition(":")
-    words = {"ct": "CT", "lxc": "LXC container", "docker": "Docker container", "podman": "Podman container"}
+    words = {
+        "ct": "CT",
+        "lxc": "LXC container",
+        "docker": "Docker container",
+        "podman": "Podman container",
+        "nspawn": "systemd-nspawn container",
+        "containerd": "containerd container",
+    }
     if kind in words:
         return f"{words[kind]} {name}"
     if kind == "kubernetes":
@@ -332,3 +409,237 @@ def matches_name(info, patterns):
             if fnmatch.fnmatchcase(name, pattern) or (name == info.comm and fnmatch.fnmatchcase(name, pattern[:15])):
                 return pattern
     return None
+
+
+# -- a holder's job: the parents that restart it, the systemd service it runs in -----------------------------
+SHELLS = ("sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "fish", "tcsh", "csh")
+# Interpreters whose ``-m MODULE`` or script names the program (``python3 -m torch.distributed.run``).
+INTERPRETERS = ("python*", "pypy*")
+# Where a walk up a holder's parents stops: what starts sessions, services or containers, never one job's part.
+SESSION_MANAGERS = (
+    "systemd",
+    "init",
+    "sshd",
+    "sshd-session",
+    "sshd-auth",
+    "login",
+    "agetty",
+    "getty",
+    "tmux*",
+    "screen",
+    "SCREEN",
+    "cron",
+    "crond",
+    "atd",
+    "lxc-start",
+    "lxc-attach",
+    "containerd-shim*",
+    "conmon",
+    "tini",
+    "dumb-init",
+    "docker-init",
+    "supervisord",
+    "runsv",
+    "runsvdir",
+    "s6-supervise",
+)
+# Shell options that take the next word as their argument (bash -o pipefail, --rcfile FILE).
+SHELL_OPTIONS_WITH_ARGUMENT = ("-o", "+o", "-O", "+O", "--rcfile", "--init-file")
+# A unit name that may go into advice a person copies into a root shell (a CT is untrusted: its cgroup paths
+# are names it chose).
+UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.@-]+\.service$")
+UNIT_NAME_LIMIT = 256
+USER_MANAGER = re.compile(r"^user@(\d+)\.service$")
+# Services that run login sessions or jobs of many people: a process in one is not that service's job.
+SESSION_UNITS = (
+    "ssh.service",
+    "sshd.service",
+    "sshd@*.service",
+    "cron.service",
+    "crond.service",
+    "atd.service",
+    "getty@*.service",
+    "serial-getty@*.service",
+    "console-getty.service",
+    "container-getty@*.service",
+)
+CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd")
+UNIT_MEMBERS_LIMIT = 4096
+
+
+def _argv0_base(info):
+    return os.path.basename(info.cmdline[0]).lstrip("-") if info.cmdline else ""
+
+
+def is_shell(info):
+    """A POSIX-ish shell, by comm or argv[0] (``-bash`` is a login bash)."""
+    return info.comm in SHELLS or _argv0_base(info) in SHELLS
+
+
+def is_interactive_shell(info):
+    """A shell a person types into: a login shell (argv[0] ``-bash``), or one with neither ``-c`` nor a script.
+
+    A shell whose argv cannot be read counts as interactive: what cannot be told apart is never ended.
+
+    >>> def sh(*argv): return is_interactive_shell(ProcessInfo(1, 1, "bash", "S", "host", list(argv), 1))
+    >>> sh("-bash"), sh("bash"), sh("bash", "-l"), sh("bash", "-c", "x"), sh("sh", "run.sh")
+    (True, True, True, False, False)
+    """
+    argv = info.cmdline
+    if not argv or argv[0].startswith("-"):
+        return True
+    words = iter(argv[1:])
+    for word in words:
+        if word == "--":
+            return next(words, None) is None
+        if word in SHELL_OPTIONS_WITH_ARGUMENT:
+            next(words, None)
+            continue
+        if word.startswith("-") and not word.startswith("--") and "c" in word[1:]:
+            return False  # -c, -ec, -lc: runs a command string
+        if not word.startswith(("-", "+")):
+            return False  # a script
+    return True
+
+
+def program_names(info):
+    """The names a process goes by: comm, argv[0] and its basename, and for an interpreter the module of
+    ``-m`` and the script's basename.
+
+    >>> argv = ["python3", "-u", "-m", "torch.distributed.run"]
+    >>> sorted(program_names(ProcessInfo(1, 1, "python3", "S", "host", argv, 1)))
+    ['python3', 'torch.distributed.run']
+    """
+    names = {info.comm}
+    if info.cmdline:
+        names.update({info.cmdline[0], os.path.basename(info.cmdline[0])})
+        if any(fnmatch.fnmatchcase(os.path.basename(info.cmdline[0]), p) for p in INTERPRETERS):
+            words = iter(info.cmdline[1:])
+            for word in words:
+                if word == "-m":
+                    names.add(next(words, ""))
+                    break
+                if word.startswith("-m"):
+                    names.add(word[2:])
+                    break
+                if word in ("-c", "-"):
+                    break
+                if word in ("-W", "-X", "-Q"):
+                    next(words, None)
+                    continue
+                if not word.startswith("-"):
+                    names.add(os.path.basename(word))
+                    break
+    names.discard("")
+    return names
+
+
+def matches_launcher(info, patterns):
+    """The first of ``patterns`` (fnmatch) naming this process by :func:`program_names`; else None.
+
+    ``torchrun``, ``python3 -m torch.distributed.run`` and ``python3 /usr/local/bin/accelerate`` all match their
+    launcher's name. comm is cut to 15 characters by the kernel; patterns are compared cut the same way.
+    """
+    names = program_names(info)
+    for pattern in patterns:
+        for name in names:
+            if fnmatch.fnmatchcase(name, pattern) or (name == info.comm and fnmatch.fnmatchcase(name, pattern[:15])):
+                return pattern
+    return None
+
+
+def walk_stop(info, owner, protected=()):
+    """Why a walk up a holder's parents stops at ``info`` (it is not part of the holder's job), or None.
+
+    It stops at a process of another owner (another CT, the node), the init of a pid namespace (the CT's init,
+    the host's pid 1), an interactive shell (a person's login or terminal: what is beyond it is their session,
+    not the job), a session or service manager (sshd, tmux, cron, systemd...), and a protected process.
+    """
+    if info is None:
+        return "is gone"
+    if info.owner != owner:
+        return "belongs to another owner"
+    if info.pid <= 1 or info.ns_pid == 1:
+        return "is the init of its pid namespace"
+    if is_shell(info) and is_interactive_shell(info):
+        return "is an interactive shell"
+    if matches_name(info, SESSION_MANAGERS):
+        return "starts sessions or services"
+    if matches_name(info, protected):
+        return "is protected"
+    return None
+
+
+def systemd_unit(path, owner):
+    """The systemd service a cgroup path lies in (its innermost ``*.service``), or None.
+
+    Returns ``{"name", "valid", "path", "user"}``: ``name`` as the path has it (untrusted: shown only after
+    ``valid`` says it is a plain unit name), ``path`` the unit's cgroup, ``user`` the uid of a user manager's
+    unit (None for a system service). For a CT only the part under ``/lxc/<vmid>/ns`` counts (the CT's own
+    systemd); another owner's processes have none (they are never ended). Login and job services (ssh, cron,
+    getty: SESSION_UNITS) are not a job's service.
+
+    >>> systemd_unit("/lxc/200/ns/system.slice/train.service", "ct:200")["name"]
+    'train.service'
+    >>> systemd_unit("/lxc/200/ns/.lxc", "ct:200") is None
+    True
+    """
+    kind, _, vmid = owner.partition(":")
+    if kind == "ct":
+        prefix = f"/lxc/{vmid}/ns"
+        if not path.startswith(prefix + "/"):
+            return None
+    elif owner == "host":
+        prefix = ""
+    else:
+        return None
+    parts = path[len(prefix) :].strip("/").split("/")
+    units = [i for i, part in enumerate(parts) if part.endswith(".service")]
+    if not units:
+        return None
+    name = parts[units[-1]]
+    user = next((USER_MANAGER.match(p).group(1) for p in parts[: units[-1]] if USER_MANAGER.match(p)), None)
+    if USER_MANAGER.match(name) or any(fnmatch.fnmatchcase(name, p) for p in SESSION_UNITS):
+        return None
+    return {
+        "name": name,
+        "valid": len(name) <= UNIT_NAME_LIMIT and bool(UNIT_NAME.match(name)),
+        "path": "/".join([prefix, *parts[: units[-1] + 1]]) if prefix else "/" + "/".join(parts[: units[-1] + 1]),
+        "user": int(user) if user is not None else None,
+    }
+
+
+def read_unit_members(path, cgroup_roots=CGROUP_ROOTS, proc_root="/proc"):
+    """``[(pid, start_time)]`` of every process in the cgroup ``path`` and below it (host pids), or None when the
+    cgroup cannot be found under any of ``cgroup_roots``."""
+    for root in cgroup_roots:
+        top = os.path.join(root, path.lstrip("/"))
+        if not os.path.isdir(top):
+            continue
+        pids = set()
+        for directory, _, _ in os.walk(top):
+            text = _read(os.path.join(directory, "cgroup.procs"))
+            pids.update(int(p) for p in (text or "").split() if p.isdigit())
+            if len(pids) >= UNIT_MEMBERS_LIMIT:
+                break
+        members = []
+        for pid in sorted(pids):
+            stat = read_stat(pid, proc_root)
+            if stat is not None:
+                members.append((pid, stat[2]))
+        return members
+    return None
+
+
+def unit_is_job(members, job):
+    """Whether a service is the job's own: its oldest process (its main one, or what started the rest) is one of
+    the job's processes (``job``: the holder and its parents up to where the walk stopped); pure.
+
+    A service whose members cannot be read counts as the job's (the step then fails naming it: nothing is ended
+    that a service may start again). A holder left in a service that runs other things (a CI runner's job, a
+    process that was started from a service and outlived its parent) is not the service's job.
+    """
+    if not members:
+        return True
+    oldest = min(members, key=lambda m: (m[1], m[0]))
+    return any((info.pid, info.start_time) == tuple(oldest) for info in job)

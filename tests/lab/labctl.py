@@ -655,13 +655,21 @@ def leak(args):
 
 
 def hold(args):
-    """Start a GPU holder in a CT (through lxc-attach, like a training run) or on the node; print its host pid."""
+    """Start a GPU holder in a CT (through lxc-attach, like a training run) or on the node; print its host pid.
+
+    With --fork-child it prints ``<pid> child <child pid>``, with --supervise ``<worker pid> supervisor <pid>``
+    (both: ``<worker> child <child> supervisor <pid>``): the first word is always the process holding the memory.
+    """
     holder = [
         *(["--name", args.name] if args.name else []),
         *(a for g in args.gpu for a in ("--gpu", g)),
         "--mib",
         str(args.mib),
         *(["--ignore-term"] if args.ignore_term else []),
+        *(["--fork-child"] if args.fork_child else []),
+        *(["--supervise"] if args.supervise else []),
+        *(["--max-restarts", str(args.max_restarts)] if args.max_restarts is not None else []),
+        *(["--restart-delay", str(args.restart_delay)] if args.restart_delay is not None else []),
     ]
     if args.where == "node":
         # On the node means in the node's mount namespace, where its /proc/driver/nvidia/version lives.
@@ -699,7 +707,7 @@ def hold(args):
         text=True,
     )
     line = proc.stdout.readline()
-    match = re.match(r"held (\d+)", line)
+    match = re.match(r"held (\d+((?: (?:child|supervisor) \d+)*))\s*$", line)
     if not match:
         sys.exit(f"labctl: the holder did not start (exit {proc.poll()}): {line!r}")
     print(match.group(1))
@@ -805,6 +813,10 @@ def main(argv=None):
     p.add_argument("--mib", type=int, required=True)
     p.add_argument("--ignore-term", action="store_true")
     p.add_argument("--name")
+    p.add_argument("--fork-child", action="store_true", help="the holder forks a child that keeps its GPU files")
+    p.add_argument("--supervise", action="store_true", help="a supervisor that starts the holder again when it dies")
+    p.add_argument("--max-restarts", type=int, help="with --supervise: restarts at most (default: for ever)")
+    p.add_argument("--restart-delay", type=float, help="with --supervise: seconds before a restart (0.1)")
     p.set_defaults(func=hold)
     p = sub.add_parser("freeze", help="put a process in state D (cgroup freezer) until thaw/repair")
     p.add_argument("pid", type=int)

@@ -1,15 +1,20 @@
 """The lab's GPU holder: a real process whose life decides whether the nvidia-smi stand-in counts its memory.
 
 Reproduces capture-1.log's "hold memory, then kill" runs: a holder freed its memory on SIGTERM, one that ignored
-SIGTERM kept it until SIGKILL. Waits poll the stand-in with a short deadline; every process is reaped.
+SIGTERM kept it until SIGKILL. Waits poll the stand-in with a short deadline; every process is reaped. Issue 8 adds
+the holders of jobs: a supervisor that starts its worker again when it dies, a worker whose forked child keeps the
+GPU files.
 """
 
+import contextlib
 import os
+import selectors
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -210,3 +215,166 @@ def test_holder_in_a_pid_namespace_registers_its_host_pid(lab, tmp_path):
     finally:
         if gpulab.read_proc_stat("/proc", host_pid):
             os.kill(host_pid, signal.SIGKILL)
+
+
+# -- jobs that restart their workers, workers that fork (issue 8) -----------------------------------------------
+UUID0 = "GPU-bf580366-c11c-e730-752a-e9ca8716b7fa"
+
+
+def held_line(proc) -> list[str]:
+    """The words of the holder's one line (`held <pid> ...`), read like Lab.hold reads it."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        assert sel.select(timeout=20), "holder did not report"
+    line = proc.stdout.readline()
+    assert line.startswith("held "), f"holder failed: {line!r} {'' if line else proc.stderr.read()}"
+    return line.split()
+
+
+def ppid_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def kill_all(pids) -> None:
+    """SIGKILL the processes the test started (by pid) that still run: workers a supervisor left behind."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def workers(lab) -> list[int]:
+    """The live holders of GPU memory (a supervisor is registered too, without GPUs)."""
+    return [h["pid"] for h in gpulab.live_holders(lab.state) if not h.get("supervisor")]
+
+
+def registered(lab) -> list[int]:
+    return gpulab.holder_pids(lab.state)
+
+
+def test_fork_child_inherits_the_gpu_files_and_outlives_its_parent(lab, tmp_path):
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidiactl", "nvidia-uvm", "nvidia0"):  # regular files: O_PATH needs no driver
+        (dev / name).write_text("")
+    view = tmp_path / "view-dev.json"
+    gpulab.write_view_config(
+        view,
+        "node",
+        lab.state,
+        kernel_version_file=str(lab.kernel_file),
+        nvml_library_glob=str(lab.lib_dir / "libnvidia-ml.so.*"),
+        dev_dir=str(dev),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(HOLDER), "--gpu", "0", "--mib", "100", "--fork-child"],
+        env={**os.environ, gpulab.LAB_CONFIG_ENV: str(view)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lab.procs.append(proc)
+    words = held_line(proc)
+    worker, child = int(words[1]), int(words[3])
+    try:
+        assert (words[0], words[2], worker) == ("held", "child", proc.pid)  # the first word is the memory's holder
+        assert ppid_of(child) == worker
+        files = {str(p.readlink()) for p in Path(f"/proc/{child}/fd").iterdir() if p.readlink().parent == dev}
+        assert files == {str(dev / n) for n in ("nvidiactl", "nvidia-uvm", "nvidia0")}
+        assert lab.apps() == f"{worker}, {sys.executable}, 100 MiB, {UUID0}\n"  # NVML lists the worker only
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert proc.stdout.read() == ""  # the child does not hold the caller's pipe
+        wait_until(lambda: lab.used() == "0 MiB\n")
+        # The child lives on with the GPU files: only a /proc/*/fd scan can find it, and it must be ended too.
+        assert proc_state(child) not in (None, "Z")
+        assert {str(p.readlink()) for p in Path(f"/proc/{child}/fd").iterdir()} >= {str(dev / "nvidia0")}
+    finally:
+        kill_all([child])
+
+
+def test_a_supervisor_starts_its_worker_again_when_it_dies(lab):
+    supervisor = lab.start("--gpu", "0", "--mib", "100", "--supervise", "--restart-delay", "0")
+    words = held_line(supervisor)
+    first = int(words[1])
+    try:
+        assert words[2:] == ["supervisor", str(supervisor.pid)]
+        assert ppid_of(first) == supervisor.pid
+        assert workers(lab) == [first]  # the supervisor holds nothing itself...
+        assert registered(lab) == [supervisor.pid, first]  # ...but is registered, so the lab's cleanup ends it first
+        assert lab.used() == "109 MiB\n"
+        os.kill(first, signal.SIGKILL)  # what a cleanup that ends only the worker does
+        second = wait_until(lambda: [p for p in workers(lab) if p != first])[0]
+        assert ppid_of(second) == supervisor.pid
+        assert lab.apps() == f"{second}, {sys.executable}, 100 MiB, {UUID0}\n"
+        # SIGTERM ends the supervisor (default action); its worker is left holding, and nothing restarts it.
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=10) == -signal.SIGTERM
+        assert workers(lab) == [second]
+        os.kill(second, signal.SIGKILL)
+        wait_until(lambda: lab.used() == "0 MiB\n")
+        time.sleep(0.3)
+        assert workers(lab) == []
+    finally:
+        kill_all(registered(lab))
+
+
+def test_a_supervisor_ignoring_sigterm_passes_that_on_and_only_sigkill_first_stops_the_restarts(lab):
+    supervisor = lab.start("--gpu", "0", "--mib", "100", "--supervise", "--ignore-term", "--restart-delay", "0")
+    worker = int(held_line(supervisor)[1])
+    try:
+        for pid in (supervisor.pid, worker):
+            sig_ign = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigIgn"))
+            assert int(sig_ign.split()[1], 16) & (1 << (signal.SIGTERM - 1)), pid
+        supervisor.send_signal(signal.SIGTERM)
+        os.kill(worker, signal.SIGTERM)
+        time.sleep(0.2)
+        assert (supervisor.poll(), workers(lab)) == (None, [worker])
+        # The launcher first, then its worker: what the gpu_processes step does. Nothing is started again.
+        supervisor.send_signal(signal.SIGKILL)
+        assert supervisor.wait(timeout=10) == -signal.SIGKILL
+        os.kill(worker, signal.SIGKILL)
+        wait_until(lambda: lab.used() == "0 MiB\n")
+        time.sleep(0.3)
+        assert workers(lab) == []
+    finally:
+        kill_all(registered(lab))
+
+
+def test_a_named_supervisor_looks_like_its_launcher_and_its_workers_like_python(lab):
+    supervisor = lab.start("--gpu", "0", "--mib", "64", "--supervise", "--name", "torchrun", argv0="torchrun")
+    worker = int(held_line(supervisor)[1])
+    try:
+        assert Path(f"/proc/{supervisor.pid}/comm").read_text() == "torchrun\n"
+        assert Path(f"/proc/{supervisor.pid}/cmdline").read_bytes().split(b"\0")[0] == b"torchrun"
+        assert Path(f"/proc/{worker}/comm").read_text() != "torchrun\n"
+        assert Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")[1] == str(HOLDER).encode()
+        assert b"--supervise" not in Path(f"/proc/{worker}/cmdline").read_bytes()
+    finally:
+        kill_all(registered(lab))
+
+
+def test_a_supervisor_stops_after_max_restarts(lab):
+    supervisor = lab.start("--gpu", "0", "--mib", "64", "--supervise", "--max-restarts", "1", "--restart-delay", "0")
+    first = int(held_line(supervisor)[1])
+    try:
+        os.kill(first, signal.SIGKILL)
+        second = wait_until(lambda: [p for p in workers(lab) if p != first])[0]
+        os.kill(second, signal.SIGKILL)
+        assert supervisor.wait(timeout=10) == 0  # its last worker was killed: it gives up
+        assert workers(lab) == []
+    finally:
+        kill_all(registered(lab))
+
+
+def test_a_supervisor_whose_first_worker_cannot_hold_fails_like_it(lab):
+    refused = lab.start("--gpu", "7", "--mib", "1", "--supervise")
+    assert refused.wait(timeout=20) == 2
+    assert "no GPU '7'" in refused.stderr.read()
+    assert refused.stdout.read() == ""
+
+
+def test_supervisor_options_are_not_passed_to_the_worker():
+    argv = ["--gpu", "0", "--supervise", "--name", "torchrun", "--max-restarts=3", "--mib", "5", "--ignore-term"]
+    assert gpu_holder.worker_argv(argv) == ["--gpu", "0", "--mib", "5", "--ignore-term"]
+    with pytest.raises(SystemExit):
+        gpu_holder.parse_args(["--gpu", "0", "--mib", "5", "--max-restarts", "1"])  # needs --supervise

@@ -4,6 +4,7 @@ against a fake runner and a fake process table that dies the way each case says.
 import signal
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import gpu_processes
 import pytest
@@ -18,22 +19,33 @@ SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGKILL: "SIGKILL"}
 
 
 class FakeProcesses:
-    """The node's processes as the module sees them: alive until the signal in `dies_on` reaches them."""
+    """The node's processes as the module sees them: alive until the signal in `dies_on` reaches them.
 
-    def __init__(self, procs):
+    A process with `born_after: PID` appears when PID dies (a worker its parent restarts); `units` maps a
+    systemd service's cgroup path to its members ([pid, start_time]).
+    """
+
+    def __init__(self, procs, units=None):
         self.procs = {}
         self.devices = {}
         self.dies_on = {}
+        self.born_after = {}
         for pid, spec in procs.items():
             fields = dict(spec)
             self.dies_on[int(pid)] = fields.pop("dies_on")
             self.devices[int(pid)] = [tuple(d) for d in fields.pop("devices")]
+            if "born_after" in fields:
+                self.born_after[int(pid)] = fields.pop("born_after")
             self.procs[int(pid)] = ProcessInfo(pid=int(pid), **fields)
-        self.alive = set(self.procs)
+        self.alive = set(self.procs) - set(self.born_after)
+        self.units = units or {}
         self.signals = []
 
     def read_process(self, pid, proc_root="/proc"):
         return self.procs.get(pid) if pid in self.alive else None
+
+    def read_unit_members(self, path):
+        return self.units.get(path)
 
     def device_holders(self, owner, proc_root="/proc", exclude=()):
         return [
@@ -49,6 +61,14 @@ class FakeProcesses:
         self.signals.append([info.pid, SIGNALS[signum]])
         if self.dies_on[info.pid] in (SIGNALS[signum], "SIGTERM"):
             self.alive.discard(info.pid)
+            self.alive.update(p for p, parent in self.born_after.items() if parent == info.pid)
+
+    def patch(self, monkeypatch):
+        """Give pve_gpu_cleanup this process table and a clock that sleeping only moves (no real waits)."""
+        for name in ("read_process", "device_holders", "still_there", "signal_process", "read_unit_members"):
+            monkeypatch.setattr(pve_gpu_cleanup, name, getattr(self, name))
+        clock = FakeClock()
+        monkeypatch.setattr(pve_gpu_cleanup, "time", SimpleNamespace(monotonic=clock, sleep=clock.sleep))
 
 
 @pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
@@ -56,9 +76,8 @@ class FakeProcesses:
 def test_module(case, check_mode, monkeypatch, capsys):
     calls = case["calls"] + ([] if check_mode else case.get("calls_run", []))
     runner = FakeRunner(*[(c["argv"], (c["rc"], c.get("stdout", ""), c.get("stderr", ""))) for c in calls])
-    procs = FakeProcesses(case["procs"])
-    for name in ("read_process", "device_holders", "still_there", "signal_process"):
-        monkeypatch.setattr(pve_gpu_cleanup, name, getattr(procs, name))
+    procs = FakeProcesses(case["procs"], case.get("units"))
+    procs.patch(monkeypatch)
     monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
     result = run_module(gpu_processes, case["params"], runner, monkeypatch, capsys, check_mode=check_mode)
     expect = dict(case.get("expect", {}), **case.get("expect_check" if check_mode else "expect_run", {}))
@@ -173,9 +192,7 @@ def test_wait_options_that_cannot_work_fail_before_anything_runs(params, message
 def test_check_mode_warns_about_a_process_stuck_in_d(monkeypatch, capsys):
     case = next(c for c in CASES if c["id"] == "a_process_stuck_in_d_outlives_sigkill")
     runner = FakeRunner(*[(c["argv"], (c["rc"], c.get("stdout", ""), c.get("stderr", ""))) for c in case["calls"]])
-    procs = FakeProcesses(case["procs"])
-    for name in ("read_process", "device_holders", "still_there", "signal_process"):
-        monkeypatch.setattr(pve_gpu_cleanup, name, getattr(procs, name))
+    FakeProcesses(case["procs"]).patch(monkeypatch)
     monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
     result = run_module(gpu_processes, case["params"], runner, monkeypatch, capsys, check_mode=True)
     assert result["changed"]
