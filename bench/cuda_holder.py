@@ -19,6 +19,11 @@ def main():
     parser.add_argument("--gib", type=float, default=20)
     parser.add_argument("--device", type=int, action="append")
     parser.add_argument("--ignore-term", action="store_true")
+    parser.add_argument(
+        "--fork-child",
+        action="store_true",
+        help="after allocating, fork a child that inherits the GPU files (a DataLoader worker)",
+    )
     args = parser.parse_args()
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -30,6 +35,9 @@ def main():
         tensor.fill_(1)
         held.append(tensor)
     torch.cuda.synchronize()
+    if args.fork_child and os.fork() == 0:
+        while True:  # the child never touches CUDA; it only keeps the inherited /dev/nvidia* descriptors open
+            signal.pause()
     sys.stdout.write(f"held {os.getpid()}\n")
     sys.stdout.flush()
     while True:
