@@ -19,7 +19,7 @@ log="$OUT/cache-runs.log"
 : > "$log"
 # A stale cache: some compiled files and a stamp for torch's cu128 build (this machine runs cu130).
 rm -rf "$CACHE" && mkdir -p "$CACHE/fxgraph/xx" && head -c 1048576 /dev/urandom > "$CACHE/fxgraph/xx/old-kernel"
-printf '{"torch": "2.11.0+cu128", "variant": "cu128", "cuda": "12.8", "triton": "3.5.0", "gpus": ["NVIDIA H200"]}\n' \
+printf '{"fingerprint": {"torch": "2.11.0+cu128", "variant": "cu128", "cuda": "12.8", "triton": "3.5.0", "gpus": ["NVIDIA H200"]}, "stamped_at": "2026-11-01T00:00:00Z", "stamped_by": "pve-gpu-recover"}\n' \
     > "$CACHE/.pve-gpu-recover-stamp"
 EXTRA=$(python3 -c 'import json, sys; print(json.dumps({"compile_cache_enabled": True, "compile_cache_venv": sys.argv[1],
     "compile_cache_roots": [sys.argv[2]], "compile_cache_warmup": ["python3", sys.argv[3]],
