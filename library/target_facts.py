@@ -83,6 +83,13 @@ options:
         that are not the target's (module_utils/pve_steps.py).
     type: dict
     default: {}
+  fail_on_problems:
+    description:
+      - Fail when a step found a problem, with every problem in one message (the run stops here, before anything
+        changes); the facts are returned all the same, so a report still shows them.
+      - Set it to false to read the facts of a target that has problems without failing.
+    type: bool
+    default: true
 requirements:
   - On the node, C(pct) (for a CT), coreutils C(timeout) and C(nvidia-smi).
   - In the target, Python 3.9+ and C(nvidia-smi).
@@ -105,10 +112,12 @@ EXAMPLES = r"""
       gpu_processes: {}
   delegate_to: pve1
 
-- name: Stop, before anything changes, when a step found a problem (every problem at once)
-  ansible.builtin.assert:
-    that: ansible_facts.pve_gpu_recover.problems | length == 0
-    fail_msg: "{{ ansible_facts.pve_gpu_recover.problems | join(' | ') }}"
+- name: Read the facts of a target even when a step found a problem
+  target_facts:
+    vmid: 200
+    run_id: "{{ recover_run_id }}"
+    fail_on_problems: false
+  delegate_to: pve1
 
 - name: End the GPU holders only when the facts show some
   gpu_processes:
@@ -146,7 +155,9 @@ ansible_facts:
         preflight: {problems: [], changes: [], pending: false, gpu_uuids: [GPU-bf580366-c11c-e730-752a-e9ca8716b7fa]}
         gpu_processes: {processes: [], protected: [], blockers: [], changes: [], problems: [], pending: false}
 error:
-  description: On failure, what kind of failure it was, stable for code (e.g. C(stopped), C(missing), C(timeout), C(locked)).
+  description:
+    - On failure, what kind of failure it was, stable for code (e.g. C(stopped), C(missing), C(timeout), C(locked)).
+    - C(problems) when a step found a problem (I(fail_on_problems)); the facts are returned with it.
   returned: failure
   type: str
   sample: stopped
@@ -192,6 +203,7 @@ def main():
             "lock_dir": {"type": "path", "default": DEFAULT_LOCK_DIR},
             "python": {"type": "str", "default": "python3"},
             "steps": {"type": "dict", "default": {}},
+            "fail_on_problems": {"type": "bool", "default": True},
         },
         supports_check_mode=True,
     )
@@ -216,6 +228,11 @@ def main():
         )
     except RecoverError as error:
         module.fail_json(**error.to_result())  # every error of the pass already names its target
+    if facts["problems"] and p["fail_on_problems"]:
+        # Every problem at once, before anything changes (each already names its target).
+        module.fail_json(
+            msg=" | ".join(facts["problems"]), error="problems", changed=False, ansible_facts={"pve_gpu_recover": facts}
+        )
     module.exit_json(changed=False, ansible_facts={"pve_gpu_recover": facts})
 
 

@@ -15,7 +15,7 @@ A step is a module in module_utils that exposes (docs/design.md, "Adding a step"
   (``{before, after}``) and ``pending`` (the acting task has work: it runs only then).
 
 ``context`` carries ``target`` (label, vmid, node), ``check_mode`` and ``steps``: the facts of the steps evaluated
-before this one (the order of ``STEPS``), so a later step builds on an earlier one's facts (the GPUs that
+before this one (the order of ``STEP_NAMES``), so a later step builds on an earlier one's facts (the GPUs that
 preflight found, the venv that the venv step found).
 """
 
@@ -23,20 +23,66 @@ from __future__ import annotations
 
 import time
 
-from ansible.module_utils import pve_cache, pve_code, pve_gpu_cleanup, pve_lock, pve_preflight, pve_venv
+from ansible.module_utils import pve_lock, pve_preflight
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_target import probe_name
 
+
+class StepSpecError(RecoverError):
+    """A step's settings are unknown or do not fit its SPEC (the role variables are wrong)."""
+
+
+# Each step's module is imported only when the step is in the pass: on a node every import is paid on every run,
+# and a converged run with the later steps off should not pay for them. (Ansible's module finder sees these
+# function-level imports and ships the modules all the same.)
+def _gpu_processes():
+    from ansible.module_utils import pve_gpu_cleanup  # noqa: PLC0415 (imported when the step is in the pass)
+
+    return pve_gpu_cleanup
+
+
+def _training_code():
+    from ansible.module_utils import pve_code  # noqa: PLC0415 (imported when the step is in the pass)
+
+    return pve_code
+
+
+def _training_venv():
+    from ansible.module_utils import pve_venv  # noqa: PLC0415 (imported when the step is in the pass)
+
+    return pve_venv
+
+
+def _compile_cache():
+    from ansible.module_utils import pve_cache  # noqa: PLC0415 (imported when the step is in the pass)
+
+    return pve_cache
+
+
 # In the order the steps run; a step's evaluate sees the facts of those before it.
-STEPS = (pve_preflight, pve_gpu_cleanup, pve_code, pve_venv, pve_cache)
-BY_NAME = {step.NAME: step for step in STEPS}
+LOADERS = {
+    pve_preflight.NAME: lambda: pve_preflight,
+    "gpu_processes": _gpu_processes,
+    "training_code": _training_code,
+    "training_venv": _training_venv,
+    "compile_cache": _compile_cache,
+}
+STEP_NAMES = tuple(LOADERS)
+
+
+def load_step(name):
+    """The step module of ``name`` (imported on first use)."""
+    return LOADERS[name]()
+
+
 # Keys of the fact pass's answer beside the steps' own (no step may take one of these names).
 RESERVED = ("run_id", "target", "lock", "pending", "problems", "seconds")
 
 
-class StepSpecError(RecoverError):
-    """A step's settings are unknown or do not fit its SPEC (the role variables are wrong)."""
+def steps_in(specs):
+    """The step modules of the steps in ``specs``, in the order the steps run (STEP_NAMES)."""
+    return [load_step(name) for name in STEP_NAMES if name in specs]
 
 
 def validate_specs(steps):
@@ -45,15 +91,16 @@ def validate_specs(steps):
     ``validate_specs({"gpu_processes": {"grace": "5"}})`` returns ``{"preflight": {...defaults}, "gpu_processes":
     {"grace": 5.0, ...}}``; an unknown step or a wrong value raises StepSpecError naming the role variable.
     """
-    unknown = sorted(set(steps) - set(BY_NAME))
+    unknown = sorted(set(steps) - set(STEP_NAMES))
     if unknown:
         raise StepSpecError(
-            f"unknown step(s) {', '.join(unknown)}; the steps are {', '.join(BY_NAME)}", kind="invalid_step"
+            f"unknown step(s) {', '.join(unknown)}; the steps are {', '.join(STEP_NAMES)}", kind="invalid_step"
         )
     specs = {}
-    for step in STEPS:
-        if step.NAME not in steps and step is not pve_preflight:
+    for name in STEP_NAMES:
+        if name not in steps and name != pve_preflight.NAME:
             continue
+        step = load_step(name)
         settings = dict(steps.get(step.NAME) or {})
         unknown = sorted(set(settings) - set(step.SPEC))
         result = ArgumentSpecValidator(step.SPEC).validate(settings)
@@ -84,8 +131,8 @@ def target_context(target, check_mode):
 def probe_parts(specs, timeout):
     """``{part name: (probe module, payload)}`` of the steps in ``specs`` that read inside the target."""
     parts = {}
-    for step in STEPS:
-        if step.NAME in specs and step.PROBE is not None:
+    for step in steps_in(specs):
+        if step.PROBE is not None:
             parts[probe_name(step.PROBE)] = (step.PROBE, step.probe_payload(specs[step.NAME], timeout))
     return parts
 
@@ -102,14 +149,12 @@ def failed_step(step, target_label, why):
 
 
 def evaluate_steps(specs, target, answers, context, clock=time.monotonic):
-    """Each step's facts in STEPS order, from the probe answers (``{part: {"answer"|"error"}}``) and node reads.
+    """Each step's facts in STEP_NAMES order, from the probe answers (``{part: {"answer"|"error"}}``) and node reads.
 
     A step whose probe part failed, or whose preflight found problems (nothing else is safe to read then), gets
     facts that say so instead of raising: the run stops at preflight's assert with every reason at once.
     """
-    for step in STEPS:
-        if step.NAME not in specs:
-            continue
+    for step in steps_in(specs):
         started = clock()
         spec = specs[step.NAME]
         part = answers.get(probe_name(step.PROBE)) if step.PROBE is not None else {"answer": None}

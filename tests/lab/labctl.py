@@ -60,8 +60,10 @@ SUITE = "bookworm"
 PACKAGES = ("python3", "python3-venv", "git", "psmisc", "procps", "ca-certificates", "coreutils")
 RECIPE_VERSION = "1"  # bump when the rootfs recipe changes so the cache is rebuilt
 # CTs of the lab: CT 200 is the training container with eight GPUs; CT 201 is a neighbour with two GPUs of its
-# own (the node has ten), whose processes recovery of CT 200 must never touch.
-DEFAULT_CTS = {200: list(range(8)), 201: [8, 9]}
+# own (the node has ten), whose processes recovery of CT 200 must never touch. CT 201 gets them in reverse order
+# (its GPU 0 is the node's GPU 9), as Proxmox passes GPUs by the order of the CT's config: the project matches GPUs
+# by UUID, never by index, and the lab keeps that honest.
+DEFAULT_CTS = {200: list(range(8)), 201: [9, 8]}
 CT_LIB = "/usr/local/lib/pve-gpu-lab"
 CT_STATE = "/run/pve-gpu-lab/gpu"
 CT_HOSTPROC = "/run/pve-gpu-lab/hostproc"
@@ -767,7 +769,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("create")
-    p.add_argument("--ct", action="append", help="VMID:GPU-INDEXES, e.g. 200:0-7 (repeat; default 200:0-7 201:)")
+    p.add_argument(
+        "--ct",
+        action="append",
+        help="VMID:GPU-INDEXES in the CT's order, e.g. 200:0-7 (repeat; default: 200:0-7 201:9,8)",
+    )
     p.set_defaults(func=create)
     sub.add_parser("destroy").set_defaults(func=destroy)
     sub.add_parser("status").set_defaults(func=status)

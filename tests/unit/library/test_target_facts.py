@@ -88,6 +88,12 @@ def test_preflight_cases(case, check_mode, tmp_path, monkeypatch, capsys):
         assert facts["problems"] == facts["preflight"]["problems"]
         assert facts["preflight"]["problems"] == [c["detail"] for c in facts["preflight"]["checks"] if not c["ok"]]
         assert result["changed"] is False
+        # A problem fails the pass itself, with every problem at once; the facts come back all the same.
+        if facts["problems"]:
+            assert (result["failed"], result["error"]) == (True, "problems")
+            assert result["msg"] == " | ".join(facts["problems"])
+        else:
+            assert not result.get("failed")
 
 
 def facts_of(result):
@@ -146,7 +152,9 @@ def test_a_neighbour_on_the_targets_gpu_is_a_problem_and_the_lock_is_released(tm
     NodeProcesses(monkeypatch, {777: NEIGHBOUR})
     runner = two_step_runner(apps(f"777, python3, 3000 MiB, {UUID0}"))
     args = params(tmp_path, vmid=200, steps={"gpu_processes": {}})
-    facts = facts_of(run_module(target_facts, args, runner, monkeypatch, capsys))
+    result = run_module(target_facts, args, runner, monkeypatch, capsys)
+    facts = facts_of(result)
+    assert (result["failed"], result["error"]) == (True, "problems")
     assert facts["pending"] == []
     assert facts["gpu_processes"]["problems"] == [
         "CT 200 on pve1: cannot free its GPUs: pid 777 (python3, pid 7 inside) on GPU 0, 3000 MiB belongs to CT 201, "
@@ -241,3 +249,33 @@ def test_the_lock_records_the_controller_so_a_later_run_can_tell_why_it_holds(tm
     other = run_module(target_facts, dict(args, run_id="run-2"), FakeRunner(), monkeypatch, capsys)
     assert "controller laptop pid 4242" in other["msg"]
     assert "if that run was cut off (its node unreachable, its controller laptop gone)" in other["msg"]
+
+
+def test_the_pass_imports_only_the_steps_it_reads():
+    # Every import is paid on the node on every run: steps that are off must not be imported at all.
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from tests.conftest import ROOT  # noqa: PLC0415
+
+    script = (
+        "import sys, ansible.module_utils as mu;"
+        f"mu.__path__.append({str(ROOT / 'module_utils')!r});"
+        "from ansible.module_utils import pve_steps;"
+        "pve_steps.validate_specs({'gpu_processes': {}});"
+        "print(sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.startswith('ansible.module_utils.pve_')))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert "pve_gpu_cleanup" in loaded and "pve_preflight" in loaded
+    for off in ("pve_cache", "pve_code", "pve_venv", "pve_probe_compile_cache", "pve_script_training_venv"):
+        assert f"'{off}'" not in loaded, loaded
+
+
+def test_fail_on_problems_false_returns_the_facts_without_failing(tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    NodeProcesses(monkeypatch, {777: NEIGHBOUR})
+    runner = two_step_runner(apps(f"777, python3, 3000 MiB, {UUID0}"))
+    args = params(tmp_path, vmid=200, steps={"gpu_processes": {}}, fail_on_problems=False)
+    result = run_module(target_facts, args, runner, monkeypatch, capsys)
+    assert not result.get("failed")
+    assert facts_of(result)["problems"][0].startswith("CT 200 on pve1: cannot free its GPUs: pid 777")

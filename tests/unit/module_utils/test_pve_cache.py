@@ -809,13 +809,11 @@ def test_a_stamp_is_written_atomically_and_owned_like_its_directory(tmp_path):
     assert tree(root) == [SPEC["stamp_name"]]  # no temporary file left
 
 
-def test_the_step_fits_the_registry_once_it_is_registered(monkeypatch):
-    # Registration (STEPS in pve_steps, after the venv step) is the integrator's; here the registry's own
-    # validation and probe-part assembly are run with the step appended.
+def test_the_step_fits_the_registry():
+    # The registry's own validation and probe-part assembly, with the step's check_spec.
     from ansible.module_utils import pve_steps  # noqa: PLC0415
 
-    monkeypatch.setattr(pve_steps, "STEPS", (*pve_steps.STEPS, pve_cache))
-    monkeypatch.setattr(pve_steps, "BY_NAME", {step.NAME: step for step in pve_steps.STEPS})
+    assert pve_steps.load_step("compile_cache") is pve_cache
     specs = pve_steps.validate_specs({"compile_cache": {"roots": ["/tmp/torchinductor_{user}"], "warmup": ["true"]}})
     assert specs["compile_cache"] == dict(SPEC, roots=["/tmp/torchinductor_{user}"], warmup=["true"])
     assert pve_steps.probe_parts(specs, 60)["compile_cache"] == (
