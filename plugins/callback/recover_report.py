@@ -78,6 +78,12 @@ def merge_after(before, steps):
     return gpus, holders
 
 
+def unrun_status(facts):
+    """A step none of whose tasks ran: ``skipped`` when its facts showed nothing to do (a converged step queues no
+    task), ``not_run`` when it had work that never ran (the run stopped before it) or its facts are missing."""
+    return "skipped" if facts and not facts.get("pending") and not facts.get("problems") else "not_run"
+
+
 def step_status(records):
     if any(r["status"] in ("failed", "unreachable") for r in records):
         return "failed"
@@ -189,7 +195,7 @@ class CallbackModule(CallbackBase):
                 entry.setdefault("killed", [])  # nothing ended when the step had no work
             steps[step] = dict(
                 entry,
-                status=step_status(records) if records else "not_run",
+                status=step_status(records) if records else unrun_status(facts),
                 changed=any(r["changed"] for r in records),
                 seconds=round(sum(r["seconds"] for r in records), 3),
             )

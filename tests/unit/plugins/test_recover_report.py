@@ -164,3 +164,10 @@ def test_the_callback_documentation_renders():
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)["recover_report"]["doc"]
     assert doc["options"]["report_dir"]["env"] == [{"name": "PVE_GPU_RECOVER_REPORT_DIR"}]
+
+
+def test_a_step_that_queued_no_task_is_skipped_only_when_its_facts_showed_nothing_to_do():
+    assert recover_report.unrun_status({"pending": False, "problems": [], "changes": []}) == "skipped"
+    assert recover_report.unrun_status({"pending": True, "problems": []}) == "not_run"  # work that never ran
+    assert recover_report.unrun_status({"pending": False, "problems": ["x"]}) == "not_run"
+    assert recover_report.unrun_status({}) == "not_run"
