@@ -1,0 +1,825 @@
+#!/usr/bin/env python3
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The drift runner: recover.yml in check mode through ansible-runner, a JSON summary and a Prometheus textfile.
+
+    python3 drift/runner.py --inventory inventory/proxmox \\
+        --textfile /var/lib/prometheus/node-exporter/pve_gpu_recover.prom --summary /var/lib/pve-gpu-drift/summary.json
+
+runs ``ansible-playbook recover.yml --check --diff`` with ``PVE_GPU_RECOVER_REPORT_DIR`` pointed at a fresh
+directory, reads the report the recover_report callback wrote for each target and the run's events (a target that
+was unreachable or failed before a report was written is named all the same), and says per target: ``in_spec``,
+``drift``, ``failed`` or ``unreachable``. With ``--correct`` the drifting targets are then recovered for real with
+``recover_unattended=true``: what the roles will not do unattended comes back in each step's ``needs_window``.
+
+Exit codes: 0 every target in spec; 2 drift (or, with --correct, something that needs a maintenance window) and
+nothing failed; 1 any target failed or unreachable, the run itself failed, or the runner could not start. A failure
+wins over drift.
+
+Everything that decides (events and reports to a summary, the summary to metrics, the exit code) is a pure function
+of plain data below; ``main()`` wires them to ansible-runner, the lock and the files. docs/design.md, "Scheduled
+drift correction", says why it is built this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PLAYBOOK = "recover.yml"
+SUMMARY_VERSION = 1
+EXIT_IN_SPEC, EXIT_FAILED, EXIT_DRIFT = 0, 1, 2
+STATUSES = ("in_spec", "drift", "failed", "unreachable")
+# recover.yml's order of the steps (the report callback's STEP_ROLES); a step not listed comes last, by name.
+STEP_ORDER = ("preflight", "gpu_processes", "training_code", "training_venv", "compile_cache", "verify")
+# The extra variable a correction run sets; the roles leave what is unsafe unattended to a window.
+UNATTENDED = "recover_unattended"
+RUN_DIR = re.compile(r"^\d{8}T\d{6}Z-\d+$")
+METRIC_PREFIX = "pve_gpu_recover"
+# A run-level cause that leaves every target of the run without a report, in the words the summary uses.
+RUN_ENDED = {
+    "timeout": "the run timed out after {timeout:g} s",
+    "canceled": "the run was canceled (SIGTERM or SIGINT)",
+}
+
+
+class DriftError(Exception):
+    """One sentence: what is wrong, what was found, what to do. main() prints it and exits 1."""
+
+
+class LockHeld(DriftError):
+    pass
+
+
+# -- pure: events and reports to a summary ----------------------------------------------------------------------
+def one_line(text, limit=500):
+    """``"boom\\n  second line"`` -> ``"boom second line"``, cut to ``limit`` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def result_message(result):
+    """The sentence of a failed or unreachable task's result (``msg``, else stderr, else its return code)."""
+    result = result if isinstance(result, dict) else {}
+    for key in ("msg", "stderr", "reason"):
+        if result.get(key):
+            return one_line(result[key])
+    if "rc" in result:
+        return f"exited {result['rc']}"
+    return "failed without a message"
+
+
+def host_events(events):
+    """Per host, what ansible-runner's events say: ``{host: {started, unreachable, failed, dark, failures}}``.
+
+    ``unreachable`` and ``failed`` are the first such event's ``{"task", "msg"}`` (failures under ignore_errors do
+    not count); ``dark``/``failures`` come from the play recap. A host appears as soon as a task started on it, so
+    a target that never got a report (a timeout, an unreachable node) is still named.
+    """
+    hosts = {}
+
+    def entry(host):
+        return hosts.setdefault(host, {"started": False, "unreachable": None, "failed": None, "dark": 0, "failures": 0})
+
+    for event in events:
+        kind = event.get("event")
+        data = event.get("event_data") or {}
+        if kind == "playbook_on_stats":
+            for host in data.get("processed") or {}:
+                entry(host)
+            for key in ("dark", "failures"):
+                for host, count in (data.get(key) or {}).items():
+                    entry(host)[key] = int(count)
+            continue
+        host = data.get("host")
+        if not host:
+            continue
+        found = entry(host)
+        if kind == "runner_on_start":
+            found["started"] = True
+        elif kind == "runner_on_unreachable" and found["unreachable"] is None:
+            found["unreachable"] = {"task": data.get("task"), "msg": result_message(data.get("res"))}
+        elif kind == "runner_on_failed" and not data.get("ignore_errors") and found["failed"] is None:
+            found["failed"] = {"task": data.get("task"), "msg": result_message(data.get("res"))}
+    return hosts
+
+
+def report_steps(report):
+    """``{step: entry}`` of the steps a report holds facts for (a step that is off has none, and is left out).
+
+    An entry is the step's facts from the fact pass overlaid with its acting module's result, as the
+    recover_report callback writes it. When the fact pass itself failed there are no facts: every step the run
+    reached is kept, so the step that failed is named.
+    """
+    before = report.get("before") or {}
+    steps = report.get("steps") or {}
+    names = sorted(steps, key=lambda s: (STEP_ORDER.index(s) if s in STEP_ORDER else len(STEP_ORDER), s))
+    return {name: steps[name] for name in names if not before or isinstance(before.get(name), dict)}
+
+
+def summarize_step(entry, corrected_run=False):
+    """One step of one target: ``{drift, status, changes, problems, needs_window, corrected}``.
+
+    In a check run a step drifts when the fact pass found work (``pending``), its module said it would change
+    something, or something needs a window. In a correction run (``corrected_run``) it was corrected when its
+    module changed something, and it still drifts when something needs a window, or when it had work and changed
+    nothing. ``problems`` make the target fail; they are listed, not counted as drift.
+    """
+    needs_window = [one_line(line) for line in entry.get("needs_window") or []]
+    pending = bool(entry.get("pending"))
+    changed = bool(entry.get("changed")) or bool(entry.get("killed"))
+    # After a correction: something left to a window, or work found and nothing changed (not proven in spec).
+    drift = (
+        bool(needs_window) or (pending and not changed) if corrected_run else pending or changed or bool(needs_window)
+    )
+    return {
+        "drift": drift,
+        "status": entry.get("status"),
+        "changes": [str(line) for line in entry.get("changes") or []],
+        "problems": [str(line) for line in entry.get("problems") or []],
+        "needs_window": needs_window,
+        "corrected": bool(corrected_run and changed),
+    }
+
+
+def report_failure(report):
+    """Why a report says the run failed on its target: ``"<task>: <msg>"``, or the fact pass's problems."""
+    error = report.get("error") or {}
+    msg = error.get("msg")
+    if not msg:
+        problems = (report.get("before") or {}).get("problems") or []
+        msg = " | ".join(problems) if problems else "failed without a message"
+    task = error.get("task")
+    return one_line(f"{task}: {msg}" if task else msg)
+
+
+def summarize_target(name, found, events, *, corrected_run=False, run_status="successful", timeout=None, log=None):
+    """A target's status, reason and steps from its report (``found``: ``{path, report}`` or None) and events.
+
+    Unreachable (the connection to it or its node failed) comes first, then a failure (the report's error, else
+    the failed event), then drift; a target with neither a report nor a failure is failed with the run's reason.
+    """
+    events = events or {}
+    report = (found or {}).get("report")
+    steps = {step: summarize_step(entry, corrected_run) for step, entry in report_steps(report or {}).items()}
+    drifting = [step for step, entry in steps.items() if entry["drift"]]
+    if events.get("unreachable") or events.get("dark"):
+        unreachable = events.get("unreachable") or {}
+        status, reason = "unreachable", unreachable.get("msg") or "unreachable (the play recap counts it)"
+    elif report is not None and report.get("status") == "failed":
+        status, reason = "failed", report_failure(report)
+    elif events.get("failed") or events.get("failures"):
+        failed = events.get("failed") or {}
+        status = "failed"
+        reason = one_line(f"{failed.get('task')}: {failed.get('msg')}") if failed else "failed (the play recap)"
+    elif report is None:
+        status = "failed"
+        why = (found or {}).get("error")
+        if why:
+            reason = why
+        elif run_status in RUN_ENDED:
+            reason = RUN_ENDED[run_status].format(timeout=timeout or 0) + f" before {name}'s report was written"
+        else:
+            reason = f"no report was written for {name}" + (f" (the run's log: {log})" if log else "")
+    elif drifting:
+        status = "drift"
+        if corrected_run:
+            reason = "still drifts after the correction: " + ", ".join(drifting)
+        else:
+            reason = "drift in " + ", ".join(drifting)
+    else:
+        status = "in_spec"
+        corrected = [step for step, entry in steps.items() if entry["corrected"]]
+        reason = ("corrected " + ", ".join(corrected)) if corrected else None
+    if status == "drift" and any(entry["needs_window"] for entry in steps.values()):
+        reason += "; needs a window: " + ", ".join(s for s, e in steps.items() if e["needs_window"])
+    report = report or {}
+    return {
+        "status": status,
+        "reason": reason,
+        "report": (found or {}).get("path"),
+        "run_id": report.get("run_id"),
+        "node": report.get("node"),
+        "vmid": report.get("vmid"),
+        "steps": steps,
+        "corrected": {step: entry["changes"] for step, entry in steps.items() if entry["corrected"]},
+        "needs_window": {step: entry["needs_window"] for step, entry in steps.items() if entry["needs_window"]},
+    }
+
+
+def summarize_phase(reports, events, *, corrected_run=False, run_status="successful", timeout=None, log=None):
+    """``{target: summary}`` for every target a report or an event names (events only: still named)."""
+    hosts = host_events(events)
+    return {
+        name: summarize_target(
+            name,
+            reports.get(name),
+            hosts.get(name),
+            corrected_run=corrected_run,
+            run_status=run_status,
+            timeout=timeout,
+            log=log,
+        )
+        for name in sorted(set(reports) | set(hosts))
+    }
+
+
+def merge_correction(checked, corrected):
+    """The targets after a correction: each corrected target's summary, with its check under ``check``.
+
+    ``checked`` holds every target of the check; ``corrected`` those of the correction run (the drifting ones).
+    A drifting target the correction run did not reach at all (it was cut off) is failed, naming why.
+    """
+    merged = {}
+    for name, before in checked.items():
+        if before["status"] != "drift":
+            merged[name] = before
+            continue
+        after = corrected.get(name)
+        if after is None:
+            after = dict(before, status="failed", reason="the correction run did not reach it", corrected={})
+        merged[name] = dict(
+            after,
+            check={key: before[key] for key in ("status", "reason", "report", "run_id")}
+            | {"drift": [step for step, entry in before["steps"].items() if entry["drift"]]},
+        )
+    return merged
+
+
+def count_statuses(targets):
+    counts = dict.fromkeys(STATUSES, 0)
+    for target in targets.values():
+        counts[target["status"]] += 1
+    return counts
+
+
+def exit_code(targets, errors=()):
+    """0 all in spec, 2 drift and nothing failed, 1 a failure, an unreachable target, a run error or no target."""
+    statuses = {target["status"] for target in targets.values()}
+    if errors or not targets or statuses & {"failed", "unreachable"}:
+        return EXIT_FAILED
+    return EXIT_DRIFT if "drift" in statuses else EXIT_IN_SPEC
+
+
+def overall_status(code):
+    return {EXIT_IN_SPEC: "in_spec", EXIT_DRIFT: "drift"}.get(code, "failed")
+
+
+def run_errors(run, targets):
+    """Run-level errors of one run: it could not start, timed out or was canceled, ansible-playbook failed in a
+    way no target explains (a bad inventory, a syntax error), or it reached no target at all."""
+    if run.get("error"):
+        return [run["error"]]
+    if run["status"] in RUN_ENDED:
+        return [RUN_ENDED[run["status"]].format(timeout=run.get("timeout") or 0) + f" ({run['phase']} run)"]
+    if run["rc"] not in (0, None) and not any(t["status"] in ("failed", "unreachable") for t in targets.values()):
+        return [f"the {run['phase']} run's ansible-playbook exited {run['rc']} ({run['status']}); see {run['log']}"]
+    if not targets:
+        return [
+            f"the {run['phase']} run reached no target: the inventory's gpu_targets group is empty or --limit "
+            "matched none of its hosts"
+        ]
+    return []
+
+
+# -- pure: the Prometheus textfile ------------------------------------------------------------------------------
+def escape_label(value):
+    """A label value as the exposition format wants it: backslash, double quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def escape_help(text):
+    return str(text).replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def format_value(value):
+    if isinstance(value, bool | int):
+        return str(int(value))
+    if math.isnan(value):
+        return "NaN"
+    return repr(round(float(value), 3))
+
+
+def sample(name, labels, value):
+    inner = ",".join(f'{key}="{escape_label(val)}"' for key, val in labels.items())
+    return f"{name}{{{inner}}} {format_value(value)}" if inner else f"{name} {format_value(value)}"
+
+
+def render_textfile(summary):
+    """The summary as node_exporter's textfile collector reads it (every family has HELP and TYPE).
+
+    Per target and step: ``drift`` (0|1), ``needs_window`` (how many things wait for a window), ``corrected``
+    (0|1, this run changed it); per target: ``target_up`` (0 when it was unreachable or the run never got its
+    facts), ``target_failed`` (1 for failed and unreachable), ``last_run_timestamp_seconds``,
+    ``run_duration_seconds``; per run: ``runner_last_run_timestamp_seconds``, ``runner_exit_code`` and
+    ``targets{status}``, so a run that reached no target is visible too.
+    """
+    targets = sorted(summary["targets"].items())
+    finished = summary["finished_timestamp"]
+
+    def per_step(value):
+        return [({"target": t, "step": s}, value(e)) for t, v in targets for s, e in sorted(v["steps"].items())]
+
+    families = [
+        ("drift", "1 when the step of the target is out of spec (check: a run would change it; after --correct: "
+         "it still is).", per_step(lambda e: e["drift"])),
+        ("needs_window", "Things the step of the target leaves to a maintenance window (unsafe unattended).",
+         per_step(lambda e: len(e["needs_window"]))),
+        ("corrected", "1 when this run's --correct changed the step of the target.",
+         per_step(lambda e: e["corrected"])),
+        ("target_up", "1 when the run reached the target and got its report; 0 when unreachable or no report.",
+         [({"target": t}, v["status"] != "unreachable" and v["report"] is not None) for t, v in targets]),
+        ("target_failed", "1 when the run failed on the target or could not reach it.",
+         [({"target": t}, v["status"] in ("failed", "unreachable")) for t, v in targets]),
+        ("last_run_timestamp_seconds", "Unix time the drift run that checked the target finished.",
+         [({"target": t}, finished) for t, _ in targets]),
+        ("run_duration_seconds", "Seconds the ansible-playbook runs that checked (and corrected) the target took.",
+         [({"target": t}, v.get("seconds", summary["duration_seconds"])) for t, v in targets]),
+        ("runner_last_run_timestamp_seconds", "Unix time the drift runner last finished (whatever the outcome).",
+         [({}, finished)]),
+        ("runner_exit_code", "Exit code of the drift runner's last run: 0 in spec, 2 drift, 1 failure.",
+         [({}, summary["exit_code"])]),
+        ("targets", "Targets of the drift runner's last run by status.",
+         [({"status": s}, n) for s, n in summary["counts"].items()]),
+    ]  # fmt: skip
+    lines = []
+    for family, help_text, samples in families:
+        name = f"{METRIC_PREFIX}_{family}"
+        lines.append(f"# HELP {name} {escape_help(help_text)}")
+        lines.append(f"# TYPE {name} gauge")
+        lines.extend(sample(name, labels, value) for labels, value in samples)
+    return "\n".join(lines) + "\n"
+
+
+# -- files: atomic writes, the lock, reports --------------------------------------------------------------------
+def write_atomic(path, text, mode=0o644):
+    """Write ``text`` to ``path`` so a reader sees the old file or the new one, never half of one.
+
+    A temporary file in the same directory (named ``.<name>.<random>.tmp``: node_exporter reads ``*.prom`` only),
+    fsync'ed, chmod'ed to ``mode``, renamed over ``path``; then the directory is fsync'ed so the rename survives a
+    crash. The temporary file is removed if anything fails.
+    """
+    path = Path(path)
+    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fchmod(out.fileno(), mode)
+            os.fsync(out.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def acquire_lock(path, clock=time.time):
+    """Hold ``path`` with a non-blocking flock for this process's life; a held lock raises LockHeld naming its pid.
+
+    The holder writes ``<pid> <started>`` into the file; the lock goes with the process (fd closed on exit), so a
+    killed runner never leaves a stale lock behind.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            os.close(handle)
+            raise
+        holder = os.pread(handle, 200, 0).decode(errors="replace").split()
+        os.close(handle)
+        pid = holder[0] if holder else "unknown"
+        since = f", since {holder[1]}" if len(holder) > 1 else ""
+        raise LockHeld(
+            f"another drift run holds {path} (pid {pid}{since}); this one exits without running: wait for it to "
+            f"finish (ps -p {pid}) or, if it hangs, stop it and run again"
+        ) from None
+    os.ftruncate(handle, 0)
+    os.pwrite(handle, f"{os.getpid()} {iso(clock())}\n".encode(), 0)
+    return handle
+
+
+def load_reports(directory):
+    """``{target: {"path", "report"}}`` from ``<directory>/<target>/<run id>.json`` (the newest when several).
+
+    A report that cannot be read is kept as ``{"path", "report": None, "error"}``: the target fails naming it.
+    """
+    found = {}
+    for path in sorted(Path(directory).glob("*/*.json")):
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+            name = report.get("target") or path.parent.name
+        except (OSError, ValueError, AttributeError) as error:
+            found.setdefault(
+                path.parent.name, {"path": str(path), "report": None, "error": f"unreadable report {path}: {error}"}
+            )
+            continue
+        previous = found.get(name)
+        if (
+            previous is None
+            or previous["report"] is None
+            or str(report.get("written")) >= str(previous["report"].get("written"))
+        ):
+            found[name] = {"path": str(path), "report": report}
+    return found
+
+
+def prune_runs(root, keep):
+    """Remove all but the newest ``keep`` run directories (``<stamp>-<pid>``) under ``root``; nothing else."""
+    runs = sorted(p for p in Path(root).iterdir() if p.is_dir() and not p.is_symlink() and RUN_DIR.match(p.name))
+    for old in runs[: max(len(runs) - keep, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def declares_unattended(project):
+    """Whether the project's roles take ``recover_unattended`` (recover.yml or a role's defaults/argument specs)."""
+    candidates = [Path(project) / PLAYBOOK]
+    for pattern in ("roles/*/meta/argument_specs.yml", "roles/*/defaults/main.yml"):
+        candidates.extend(Path(project).glob(pattern))
+    for path in candidates:
+        with contextlib.suppress(OSError):
+            if re.search(rf"\b{UNATTENDED}\b", path.read_text(encoding="utf-8")):
+                return True
+    return False
+
+
+def iso(timestamp):
+    return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# -- ansible-runner -------------------------------------------------------------------------------------------
+def import_ansible_runner():
+    try:
+        import ansible_runner  # noqa: PLC0415 (optional until a run: the pure functions above work without it)
+    except ImportError as error:
+        lock = Path(__file__).resolve().parent.parent / "requirements" / "dev.lock"
+        raise DriftError(
+            f"ansible-runner is not importable by {sys.executable} ({error}); run the runner with the project's "
+            "venv (.venv/bin/python drift/runner.py ...; `make setup` creates it) or install the pinned one: "
+            f"{sys.executable} -m pip install --require-hashes -r {lock}"
+        ) from None
+    return ansible_runner
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors exit 1: the runner's exit 2 means drift, which a typo must never look like."""
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_FAILED, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv):
+    root = Path(__file__).resolve().parent.parent
+    parser = Parser(
+        prog="drift/runner.py",
+        description="Run recover.yml in check mode (--check --diff) through ansible-runner, write a JSON summary "
+        "and a Prometheus textfile. Exit 0: all in spec; 2: drift; 1: a failure (wins over drift).",
+    )
+    parser.add_argument(
+        "--inventory", "-i", action="append", required=True, help="inventory file or directory (repeatable)"
+    )
+    parser.add_argument(
+        "--project", type=Path, default=root, help="the pve-gpu-recover checkout (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--textfile", type=Path, help="Prometheus textfile to write atomically (e.g. .../pve_gpu_recover.prom)"
+    )
+    parser.add_argument("--summary", default="-", help="JSON summary path, '-' for stdout (default)")
+    parser.add_argument(
+        "--correct",
+        action="store_true",
+        help=f"after the check, recover the drifting targets for real with {UNATTENDED}=true",
+    )
+    parser.add_argument("--limit", "-l", help="ansible --limit pattern")
+    parser.add_argument("--forks", "-f", type=int, help="ansible --forks")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3000,
+        help="seconds for the whole run, check and correction (default: %(default)s)",
+    )
+    parser.add_argument("--extra-vars", "-e", action="append", default=[], help="ansible -e (repeatable; @file works)")
+    parser.add_argument(
+        "--reports-dir", type=Path, help="where each run keeps its reports and logs (default: PROJECT/reports/drift)"
+    )
+    parser.add_argument(
+        "--keep-runs", type=int, default=48, help="run directories kept under --reports-dir (default: %(default)s)"
+    )
+    parser.add_argument("--lock-file", type=Path, help="the runner's lock (default: REPORTS_DIR/drift.lock)")
+    args = parser.parse_args(argv)
+    if args.timeout < 1:
+        parser.error("--timeout must be at least 1 second")
+    if args.keep_runs < 1:
+        parser.error("--keep-runs must be at least 1")
+    if args.forks is not None and args.forks < 1:
+        parser.error("--forks must be at least 1")
+    return args
+
+
+def check_options(args):
+    """Absolute paths, and the clear errors a person meets first: no inventory, no recover.yml, --correct unsafe."""
+    args.project = args.project.expanduser().resolve()
+    playbook = args.project / PLAYBOOK
+    if not playbook.is_file():
+        raise DriftError(
+            f"{playbook} not found: --project must be the pve-gpu-recover checkout that holds {PLAYBOOK} "
+            f"(got {args.project})"
+        )
+    inventories = []
+    for inventory in args.inventory:
+        path = Path(inventory).expanduser()
+        if not path.exists():
+            raise DriftError(
+                f"inventory {inventory} not found (from {Path.cwd()}): pass an inventory file or directory, "
+                f"e.g. --inventory {args.project / 'inventory' / 'proxmox'}"
+            )
+        inventories.append(str(path.resolve()))
+    args.inventory = inventories
+    args.reports_dir = (args.reports_dir or args.project / "reports" / "drift").expanduser().resolve()
+    args.lock_file = (args.lock_file or args.reports_dir / "drift.lock").expanduser().resolve()
+    if args.textfile is not None:
+        args.textfile = args.textfile.expanduser().resolve()
+        if not args.textfile.parent.is_dir():
+            raise DriftError(
+                f"the textfile's directory {args.textfile.parent} does not exist: create it (node_exporter's "
+                "--collector.textfile.directory) or pass another --textfile"
+            )
+    if args.correct and not declares_unattended(args.project):
+        raise DriftError(
+            f"--correct refused: {args.project}'s recover.yml and roles do not declare {UNATTENDED}, so a real run "
+            "would end a live training job and swap a venv under it; run without --correct (check only) until the "
+            "roles honour it"
+        )
+    return args
+
+
+def host_key_checking(project):
+    """What ansible-playbook alone would do: the environment's, else ansible.cfg's, else on.
+
+    ansible-runner turns host key checking off unless ANSIBLE_HOST_KEY_CHECKING is set; ssh to the nodes as root
+    must not lose it silently.
+    """
+    if "ANSIBLE_HOST_KEY_CHECKING" in os.environ:
+        return os.environ["ANSIBLE_HOST_KEY_CHECKING"]
+    config = configparser.ConfigParser(interpolation=None)
+    with contextlib.suppress(OSError, configparser.Error):
+        config.read(Path(project) / "ansible.cfg", encoding="utf-8")
+    return config.get("defaults", "host_key_checking", fallback="True")
+
+
+def environment(args, report_dir):
+    """What ansible-playbook needs beyond this process's environment, whatever ansible-runner sets."""
+    callbacks = [c for c in os.environ.get("ANSIBLE_CALLBACKS_ENABLED", "").split(",") if c.strip()]
+    env = {
+        # systemd gives a bare PATH: the venv's ansible-playbook first.
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)]),
+        "PVE_GPU_RECOVER_REPORT_DIR": str(report_dir),
+        # ansible-runner sets ANSIBLE_CALLBACK_PLUGINS (its own), which hides ansible.cfg's callback_plugins.
+        "ANSIBLE_CALLBACK_PLUGINS": str(args.project / "plugins" / "callback"),
+        "ANSIBLE_CALLBACKS_ENABLED": ",".join(dict.fromkeys([*callbacks, "recover_report"])),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_HOST_KEY_CHECKING": host_key_checking(args.project),
+    }
+    if (args.project / "ansible.cfg").is_file():
+        env["ANSIBLE_CONFIG"] = str(args.project / "ansible.cfg")
+    return env
+
+
+def run_playbook(
+    ansible_runner, args, *, phase, run_dir, deadline, limit=None, cancel=lambda: False, clock=time.monotonic
+):
+    """One ansible-playbook run of recover.yml through ansible-runner: ``phase`` is ``check`` or ``correct``.
+
+    Returns ``{phase, status, rc, seconds, timeout, run_ids, report_dir, log, error, reports, events}``.
+    """
+    report_dir = run_dir / phase
+    report_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / f"{phase}.log"
+    events = []
+    remaining = deadline - clock()
+    result = {
+        "phase": phase,
+        "status": "timeout",
+        "rc": None,
+        "seconds": 0.0,
+        "timeout": args.timeout,
+        "report_dir": str(report_dir),
+        "log": str(log),
+        "error": None,
+    }
+    if remaining < 1:
+        return dict(result, reports={}, events=[], run_ids=[])
+    cmdline = ["--check", "--diff"] if phase == "check" else ["--diff"]
+    for extra in args.extra_vars:
+        cmdline += ["-e", extra]
+    started = clock()
+
+    def on_event(event):
+        if event.get("event") in ("runner_on_start", "runner_on_failed", "runner_on_unreachable", "playbook_on_stats"):
+            events.append(event)
+        return True
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="pve-gpu-drift-") as private:
+            done = ansible_runner.run(
+                private_data_dir=private,
+                ident=phase,
+                project_dir=str(args.project),
+                playbook=str(args.project / PLAYBOOK),
+                inventory=args.inventory,
+                limit=limit,
+                forks=args.forks,
+                cmdline=shlex.join(cmdline),
+                # After the user's -e on the command line: a correction is always unattended.
+                extravars={UNATTENDED: True} if phase == "correct" else None,
+                envvars=environment(args, report_dir),
+                timeout=max(1, math.ceil(remaining)),
+                event_handler=on_event,
+                cancel_callback=cancel,
+                quiet=True,
+                settings={"pexpect_timeout": 1, "suppress_ansible_output": True},
+            )
+            stdout = Path(done.config.artifact_dir) / "stdout"
+            if stdout.is_file():
+                shutil.copyfile(stdout, log)
+            result.update(status=done.status, rc=done.rc)
+    except Exception as error:  # one run's failure is reported, never a traceback
+        result.update(status="error", error=f"ansible-runner could not run {PLAYBOOK} ({phase}): {one_line(error)}")
+    reports = load_reports(report_dir)
+    result.update(
+        seconds=round(clock() - started, 3),
+        reports=reports,
+        events=events,
+        run_ids=sorted({f["report"]["run_id"] for f in reports.values() if f["report"] and f["report"].get("run_id")}),
+    )
+    return result
+
+
+def summarize_run(run, corrected_run=False):
+    targets = summarize_phase(
+        run["reports"],
+        run["events"],
+        corrected_run=corrected_run,
+        run_status=run["status"],
+        timeout=run["timeout"],
+        log=run["log"],
+    )
+    for target in targets.values():
+        target["seconds"] = run["seconds"]
+    return targets
+
+
+def public_run(run):
+    return {k: run[k] for k in ("phase", "status", "rc", "seconds", "run_ids", "report_dir", "log", "error")}
+
+
+def build_summary(args, *, started, finished, runs, targets, errors, run_dir):
+    code = exit_code(targets, errors)
+    return {
+        "version": SUMMARY_VERSION,
+        "mode": "correct" if args.correct else "check",
+        "started": iso(started),
+        "finished": iso(finished),
+        "finished_timestamp": round(finished, 3),
+        "duration_seconds": round(finished - started, 3),
+        "project": str(args.project),
+        "inventory": args.inventory,
+        "limit": args.limit,
+        "run_dir": str(run_dir),
+        "run_ids": [run_id for run in runs for run_id in run["run_ids"]],
+        "runs": [public_run(run) for run in runs],
+        "status": overall_status(code),
+        "exit_code": code,
+        "counts": count_statuses(targets),
+        "errors": errors,
+        "targets": targets,
+    }
+
+
+def human_lines(summary):
+    """One line per target for the journal (stderr), then the run's errors."""
+    lines = []
+    for name, target in summary["targets"].items():
+        reason = f": {target['reason']}" if target["reason"] else ""
+        lines.append(
+            f"{name}: {target['status']}{reason}" + (f" (report {target['report']})" if target["report"] else "")
+        )
+        for step, entry in target["steps"].items():
+            if entry["drift"] or entry["corrected"]:
+                verb = "changed" if entry["corrected"] else "would change"
+                lines.extend(f"  {step} {verb}: {change}" for change in entry["changes"])
+            lines.extend(f"  {step} needs a window: {line}" for line in entry["needs_window"])
+    lines.extend(f"error: {error}" for error in summary["errors"])
+    lines.append(f"drift: {summary['status']} (exit {summary['exit_code']}), {summary['counts']}")
+    return lines
+
+
+def run_and_summarize(args, ansible_runner, *, cancel, clock, monotonic):
+    """The check, then (--correct) the correction of the drifting targets: the summary, and its run directory."""
+    started = clock()
+    deadline = monotonic() + args.timeout
+    run_dir = args.reports_dir / (time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started)) + f"-{os.getpid()}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    common = {"run_dir": run_dir, "deadline": deadline, "cancel": cancel, "clock": monotonic}
+    check = run_playbook(ansible_runner, args, phase="check", limit=args.limit, **common)
+    targets = summarize_run(check)
+    runs, errors = [check], run_errors(check, targets)
+    drifting = [name for name, target in targets.items() if target["status"] == "drift"]
+    if args.correct and drifting and not errors:
+        if cancel():
+            errors.append("canceled before the correction run")
+        else:
+            # Only the drifting targets: one in spec needs nothing, a failed one would fail again.
+            correct = run_playbook(ansible_runner, args, phase="correct", limit=",".join(drifting), **common)
+            corrected = summarize_run(correct, corrected_run=True)
+            for target in corrected.values():
+                target["seconds"] = round(check["seconds"] + correct["seconds"], 3)
+            targets = merge_correction(targets, corrected)
+            runs.append(correct)
+            errors += run_errors(correct, corrected)
+    summary = build_summary(
+        args, started=started, finished=clock(), runs=runs, targets=targets, errors=errors, run_dir=run_dir
+    )
+    return summary, run_dir
+
+
+def publish(args, summary, run_dir):
+    """The textfile (atomic), the summary (the run directory's copy, then --summary), one line per target."""
+    if args.textfile is not None:
+        try:
+            write_atomic(args.textfile, render_textfile(summary))
+        except OSError as error:
+            # Monitoring is blind without it: the run fails, whatever the targets say.
+            summary["errors"].append(f"cannot write the textfile {args.textfile}: {error}")
+            summary["exit_code"] = exit_code(summary["targets"], summary["errors"])
+            summary["status"] = overall_status(summary["exit_code"])
+    text = json.dumps(summary, indent=2) + "\n"
+    write_atomic(run_dir / "summary.json", text)
+    if args.summary == "-":
+        sys.stdout.write(text)
+    else:
+        write_atomic(Path(args.summary).expanduser(), text)
+    for line in human_lines(summary):
+        print(line, file=sys.stderr)
+
+
+def main(argv=None, *, ansible_runner=None, clock=time.time, monotonic=time.monotonic):
+    """Parse, check, take the lock, run, publish; returns the exit code (0 in spec, 2 drift, 1 failure)."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        check_options(args)
+        ansible_runner = ansible_runner or import_ansible_runner()
+        lock = acquire_lock(args.lock_file, clock)
+    except DriftError as error:
+        print(f"drift: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    stop = []
+    # systemd stops the unit with SIGTERM (KillMode=mixed: to this process only): ansible-runner cancels the
+    # playbook, and the summary and the textfile still say what happened.
+    previous = {
+        sig: signal.signal(sig, lambda number, _frame: stop.append(number)) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    # The callback sets it to ansible-playbook's own pid; one inherited from a caller would name the wrong process.
+    os.environ.pop("PVE_GPU_RECOVER_CONTROLLER_PID", None)
+    try:
+        summary, run_dir = run_and_summarize(
+            args, ansible_runner, cancel=lambda: bool(stop), clock=clock, monotonic=monotonic
+        )
+        publish(args, summary, run_dir)
+        prune_runs(args.reports_dir, args.keep_runs)
+        return summary["exit_code"]
+    except OSError as error:
+        print(f"drift: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        os.close(lock)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Reports shaped exactly like recover_report's: built by the callback's own report_of from fact-pass facts."""
+
+import json
+import sys
+import time
+
+import pytest
+from ansible.module_utils import _internal as module_internal
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "plugins" / "callback"))
+controller = module_internal.is_controller
+import recover_report  # noqa: E402
+
+# Importing controller code makes module_utils act as on the controller; the module tests need module semantics.
+module_internal.is_controller = controller
+
+RUN_ID = "20261203T080000Z-abc123"
+GPU0 = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
+
+
+def step_facts(changes=(), problems=(), pending=None, **extra):
+    """One step's facts as evaluate_step returns them (module_utils/pve_steps.py)."""
+    return {
+        "changes": list(changes),
+        "problems": list(problems),
+        "diff": {"before": "", "after": ""},
+        "pending": bool(changes) if pending is None else pending,
+        "seconds": 0.01,
+        **extra,
+    }
+
+
+def fact_pass(**steps):
+    """ansible_facts.pve_gpu_recover of a CT: preflight's and the given steps' facts (a step left out is off)."""
+    steps = {"preflight": step_facts(gpus=[{"uuid": GPU0, "index": 0, "memory_used_mib": 0}]), **steps}
+    return {
+        "run_id": RUN_ID,
+        "target": {"label": "CT 200 on pve1", "vmid": 200, "node": "pve1", "hostname": "train"},
+        "lock": {"path": "/run/lock/pve-gpu-recover/200.lock", "held": False, "action": "taken"},
+        "pending": [name for name, facts in steps.items() if facts["pending"]],
+        "problems": [problem for facts in steps.values() for problem in facts["problems"]],
+        "seconds": 0.2,
+        **steps,
+    }
+
+
+def task(step, status="ok", changed=False, action=None, remote=True):
+    return {
+        "step": step,
+        "task": f"{step} : a task",
+        "action": action or step,
+        "status": status,
+        "changed": changed,
+        "remote": remote,
+        "seconds": 0.1,
+    }
+
+
+def make_report(name, before, *, check_mode=True, results=None, error=None, failed_step=None):
+    """The report recover_report writes for ``name``: the fact pass, then each step's acting task.
+
+    A step with work ran its module (changed in check mode too, as the modules report truthfully); one without
+    was skipped; ``results`` are the acting modules' results; ``failed_step`` is where ``error`` happened.
+    """
+    results = results or {}
+    tasks = [task("preflight", action="validate_argument_spec", remote=False)]
+    if before:
+        tasks.append(task("preflight", action="target_facts"))
+    for step in ("gpu_processes", "training_code", "training_venv", "compile_cache"):
+        if step == failed_step:
+            tasks.append(task(step, status="failed"))
+            break
+        if not before or error:
+            break
+        facts = before.get(step)
+        if facts is None:
+            tasks.append(task(step, status="skipped"))
+            continue
+        changed = bool(results.get(step, {}).get("changed", facts["pending"]))
+        tasks.append(task(step, status="ok" if facts["pending"] else "skipped", changed=changed))
+    if failed_step == "preflight":
+        tasks.append(task("preflight", status="failed", action="assert", remote=False))
+    callback = recover_report.CallbackModule.__new__(recover_report.CallbackModule)
+    callback.run_id = RUN_ID
+    callback.started = time.time() - 3
+    host = {"tasks": tasks, "results": dict(results), "before": before, "error": error, "first": time.time()}
+    # Round-trip through JSON as the callback writes it.
+    return json.loads(json.dumps(callback.report_of(name, host, check_mode), default=str))
+
+
+def write_report(directory, report):
+    """Where the callback puts it: <report dir>/<target>/<run id>.json."""
+    path = directory / report["target"] / f"{report['run_id']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, sort_keys=True))
+    return path
+
+
+@pytest.fixture
+def runner():
+    from drift import runner as module  # noqa: PLC0415 (after ROOT is on sys.path)
+
+    return module

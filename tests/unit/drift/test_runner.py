@@ -1,0 +1,684 @@
+"""drift/runner.py: the summary from recover_report's reports and ansible-runner's events, the exit code, the
+textfile, the atomic write, the lock, the CLI's errors, and main() with a stand-in ansible-runner."""
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.unit.drift.conftest import RUN_ID, fact_pass, make_report, step_facts, write_report
+
+RUNNER = ROOT / "drift" / "runner.py"
+CT_STOPPED = "CT 200 on pve1: container '200' not running (pct status: stopped); start it: pct start 200"
+UNREACHABLE = (
+    "Task failed: Failed to connect to the host via ssh: ssh: connect to host pve1.example.org port 22: "
+    "Connection refused"
+)
+
+
+def event(kind, host=None, **data):
+    return {"event": kind, "event_data": dict(data, **({"host": host} if host else {}))}
+
+
+def summarize(runner, tmp_path, reports, events=(), **kwargs):
+    """Reports written where the callback writes them, read back by the runner, summarized."""
+    for report in reports:
+        write_report(tmp_path, report)
+    return runner.summarize_phase(runner.load_reports(tmp_path), list(events), **kwargs)
+
+
+# -- check runs: in spec, each kind of drift, failed, unreachable ------------------------------------------------
+def test_a_converged_target_is_in_spec_and_a_step_that_is_off_is_left_out(runner, tmp_path):
+    before = fact_pass(gpu_processes=step_facts(processes=[]), training_venv=step_facts())
+    targets = summarize(runner, tmp_path, [make_report("train200", before)])
+    target = targets["train200"]
+    assert (target["status"], target["reason"]) == ("in_spec", None)
+    assert target["report"] == str(tmp_path / "train200" / f"{RUN_ID}.json")
+    assert (target["run_id"], target["node"], target["vmid"]) == (RUN_ID, "pve1", 200)
+    # training_code and compile_cache are off (no facts): not steps of this target.
+    assert sorted(target["steps"]) == ["gpu_processes", "preflight", "training_venv"]
+    assert target["steps"]["training_venv"] == {
+        "drift": False,
+        "status": "skipped",
+        "changes": [],
+        "problems": [],
+        "needs_window": [],
+        "corrected": False,
+    }
+    assert runner.exit_code(targets) == 0
+
+
+DRIFT = {
+    "gpu_processes": step_facts(
+        ["end pid 1193 (python3) on GPU 0, 21090 MiB", "end pid 1194 (python3) on GPU 0, 21090 MiB"],
+        processes=[{"pid": 1193, "gpus": [0], "memory_mib": 21090, "name": "python3"}],
+    ),
+    "training_code": step_facts(["save 1 modified file, then check out 4f3c2a1 (on main at 9e8d7c6)"]),
+    "training_venv": step_facts(["torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)"]),
+    "compile_cache": step_facts(
+        [
+            "purge /tmp/torchinductor_root (stamped for torch 2.11.0+cu128, now 2.11.0+cu130; 1.0 MB)",
+            "stamp /tmp/torchinductor_root for torch 2.11.0+cu130 (CUDA 13.0), triton 3.6.0, NVIDIA H200",
+        ]
+    ),
+}
+
+
+@pytest.mark.parametrize("step", sorted(DRIFT))
+def test_each_kind_of_drift_names_its_step_and_what_a_run_would_change(runner, tmp_path, step):
+    steps = {name: step_facts() for name in DRIFT}
+    steps[step] = DRIFT[step]
+    targets = summarize(runner, tmp_path, [make_report("train200", fact_pass(**steps))])
+    target = targets["train200"]
+    assert (target["status"], target["reason"]) == ("drift", f"drift in {step}")
+    assert [name for name, entry in target["steps"].items() if entry["drift"]] == [step]
+    assert target["steps"][step]["changes"] == DRIFT[step]["changes"]
+    assert target["steps"][step]["status"] == "changed"  # the module ran in check mode and said so
+    assert runner.exit_code(targets) == 2
+
+
+def test_what_a_correction_would_leave_to_a_window_is_drift_too(runner, tmp_path):
+    venv = step_facts(
+        ["torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)"],
+        needs_window=["swap /opt/venvs/train: pid 4242 (python3 train.py) runs from it"],
+    )
+    target = summarize(runner, tmp_path, [make_report("train200", fact_pass(training_venv=venv))])["train200"]
+    assert target["status"] == "drift"
+    assert target["reason"] == "drift in training_venv; needs a window: training_venv"
+    assert target["needs_window"] == {"training_venv": venv["needs_window"]}
+
+
+def test_a_hardware_run_report_reads_as_drift(runner, tmp_path):
+    """A report the callback wrote on the H200 (docs/hardware): check mode, two processes holding GPU 0."""
+    reports = json.loads((ROOT / "docs" / "hardware" / "2026-12-03" / "gpu-reports.json").read_text())
+    check = next(r for r in reports if r["check_mode"] and r["status"] == "changed")
+    target = summarize(runner, tmp_path, [check])["localhost"]
+    assert target["status"] == "drift"
+    assert target["steps"]["gpu_processes"]["changes"][0].startswith("end pid 1193 (python3) on GPU 0")
+    assert not target["steps"]["preflight"]["drift"]
+
+
+def test_a_fact_pass_problem_fails_the_target_with_the_sentence_and_wins_over_drift(runner, tmp_path):
+    stopped = fact_pass(
+        preflight=step_facts(problems=[CT_STOPPED]), gpu_processes=step_facts(pending=False, skipped=True)
+    )
+    error = {"step": "preflight", "task": "preflight : Assert no step found a problem", "msg": CT_STOPPED}
+    drifting = fact_pass(gpu_processes=DRIFT["gpu_processes"])
+    drifting["target"] = {"label": "CT 201 on pve1", "vmid": 201, "node": "pve1", "hostname": "t2"}
+    targets = summarize(
+        runner,
+        tmp_path,
+        [make_report("train200", stopped, error=error, failed_step="preflight"), make_report("train201", drifting)],
+    )
+    assert targets["train200"]["status"] == "failed"
+    assert targets["train200"]["reason"] == f"preflight : Assert no step found a problem: {CT_STOPPED}"
+    assert targets["train200"]["steps"]["preflight"]["problems"] == [CT_STOPPED]
+    assert targets["train201"]["status"] == "drift"
+    assert runner.exit_code(targets) == 1
+
+
+def test_a_failed_fact_pass_still_names_the_step_it_failed_in(runner, tmp_path):
+    error = {"step": "preflight", "task": "preflight : Read what every step needs", "msg": "run lock held by run X"}
+    report = make_report("train200", {}, error=error, failed_step="preflight")
+    target = summarize(runner, tmp_path, [report])["train200"]
+    assert (target["status"], target["reason"]) == (
+        "failed",
+        "preflight : Read what every step needs: run lock held by run X",
+    )
+    assert target["steps"]["preflight"]["status"] == "failed"
+
+
+def test_an_unreachable_target_is_named_from_the_events_alone(runner, tmp_path):
+    events = [
+        event("runner_on_start", "train200", task="Read what every step needs, holding the run lock"),
+        event(
+            "runner_on_unreachable",
+            "train200",
+            task="Read what every step needs, holding the run lock",
+            res={"unreachable": True, "msg": UNREACHABLE},
+        ),
+        event("playbook_on_stats", processed={"train200": 1}, dark={"train200": 1}, failures={}),
+    ]
+    targets = summarize(runner, tmp_path, [], events)
+    assert targets["train200"]["status"] == "unreachable"
+    assert targets["train200"]["reason"] == UNREACHABLE
+    assert (targets["train200"]["report"], targets["train200"]["steps"]) == (None, {})
+    assert runner.exit_code(targets) == 1
+
+
+def test_unreachable_wins_over_the_report_the_callback_wrote_for_it(runner, tmp_path):
+    error = {"step": "preflight", "task": "preflight : Read", "msg": UNREACHABLE}
+    report = make_report("train200", {}, error=error, failed_step="preflight")
+    events = [event("runner_on_unreachable", "train200", task="Read", res={"msg": UNREACHABLE, "unreachable": True})]
+    target = summarize(runner, tmp_path, [report], events)["train200"]
+    assert (target["status"], target["reason"]) == ("unreachable", UNREACHABLE)
+    assert target["report"] is not None
+
+
+def test_a_target_that_failed_before_any_step_is_named_with_the_task_and_message(runner, tmp_path):
+    events = [
+        event("runner_on_start", "train203", task="Name this run"),
+        event("runner_on_failed", "train203", task="Check ignored", ignore_errors=True, res={"msg": "ignored"}),
+        event("runner_on_failed", "train203", task="Name this run", res={"msg": "boom\n  on two lines"}),
+    ]
+    target = summarize(runner, tmp_path, [], events)["train203"]
+    assert (target["status"], target["reason"]) == ("failed", "Name this run: boom on two lines")
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [
+        ("timeout", "the run timed out after 600 s before train200's report was written"),
+        ("canceled", "the run was canceled (SIGTERM or SIGINT) before train200's report was written"),
+        ("failed", "no report was written for train200 (the run's log: /x/check.log)"),
+    ],
+)
+def test_a_run_cut_off_before_the_reports_fails_each_target_it_started(runner, tmp_path, status, reason):
+    events = [event("runner_on_start", "train200", task="Read")]
+    targets = summarize(runner, tmp_path, [], events, run_status=status, timeout=600, log="/x/check.log")
+    assert targets["train200"] == dict(targets["train200"], status="failed", reason=reason)
+
+
+def test_an_unreadable_report_fails_its_target_naming_the_file(runner, tmp_path):
+    (tmp_path / "train200").mkdir()
+    (tmp_path / "train200" / "run.json").write_text("{half a rep")
+    target = runner.summarize_phase(runner.load_reports(tmp_path), [])["train200"]
+    assert target["status"] == "failed"
+    assert target["reason"].startswith(f"unreadable report {tmp_path / 'train200' / 'run.json'}: ")
+
+
+@pytest.mark.parametrize(
+    ("statuses", "errors", "code"),
+    [
+        (["in_spec", "in_spec"], [], 0),
+        (["in_spec", "drift"], [], 2),
+        (["drift", "failed"], [], 1),
+        (["drift", "unreachable"], [], 1),
+        (["in_spec"], ["the check run's ansible-playbook exited 1"], 1),
+        ([], [], 1),  # no target at all is never "in spec"
+    ],
+)
+def test_exit_codes_failure_wins_over_drift(runner, statuses, errors, code):
+    targets = {f"t{i}": {"status": s} for i, s in enumerate(statuses)}
+    assert runner.exit_code(targets, errors) == code
+
+
+def test_run_errors_explain_what_no_target_does(runner):
+    run = {"phase": "check", "status": "failed", "rc": 1, "error": None, "log": "/r/check.log", "timeout": 60}
+    assert runner.run_errors(run, {}) == ["the check run's ansible-playbook exited 1 (failed); see /r/check.log"]
+    ok = dict(run, status="successful", rc=0)
+    assert runner.run_errors(ok, {})[0].startswith("the check run reached no target")
+    assert runner.run_errors(dict(run, status="timeout", rc=254), {"t": {"status": "failed"}}) == [
+        "the run timed out after 60 s (check run)"
+    ]
+    assert runner.run_errors(dict(run, rc=2), {"t": {"status": "failed"}}) == []
+
+
+# -- --correct ---------------------------------------------------------------------------------------------------
+def corrected_targets(runner, tmp_path, venv_result):
+    """train200 drifts in gpu_processes and training_venv; the correction ends the processes, and the venv step
+    does what ``venv_result`` says."""
+    steps = {"gpu_processes": DRIFT["gpu_processes"], "training_venv": DRIFT["training_venv"]}
+    checked = summarize(runner, tmp_path / "check", [make_report("train200", fact_pass(**steps))])
+    killed = {
+        "changed": True,
+        "killed": [{"pid": 1193, "signal": "SIGTERM"}],
+        "changes": DRIFT["gpu_processes"]["changes"],
+    }
+    report = make_report(
+        "train200",
+        fact_pass(**steps),
+        check_mode=False,
+        results={"gpu_processes": killed, "training_venv": venv_result},
+    )
+    corrected = summarize(runner, tmp_path / "correct", [report], corrected_run=True)
+    return checked, runner.merge_correction(checked, corrected)
+
+
+def test_a_correction_that_did_everything_leaves_the_target_in_spec(runner, tmp_path):
+    checked, merged = corrected_targets(
+        runner, tmp_path, {"changed": True, "changes": DRIFT["training_venv"]["changes"]}
+    )
+    target = merged["train200"]
+    assert (target["status"], target["reason"]) == ("in_spec", "corrected gpu_processes, training_venv")
+    assert target["corrected"] == {
+        "gpu_processes": DRIFT["gpu_processes"]["changes"],
+        "training_venv": DRIFT["training_venv"]["changes"],
+    }
+    assert target["check"] == {
+        "status": "drift",
+        "reason": "drift in gpu_processes, training_venv",
+        "report": checked["train200"]["report"],
+        "run_id": RUN_ID,
+        "drift": ["gpu_processes", "training_venv"],
+    }
+    assert target["report"].startswith(str(tmp_path / "correct"))
+    assert runner.exit_code(merged) == 0
+
+
+def test_what_needs_a_window_keeps_the_target_drifting_after_a_correction(runner, tmp_path):
+    window = ["swap /opt/venvs/train: pid 4242 (python3 train.py) runs from it"]
+    _, merged = corrected_targets(runner, tmp_path, {"changed": False, "needs_window": window})
+    target = merged["train200"]
+    assert target["status"] == "drift"
+    assert target["reason"] == "still drifts after the correction: training_venv; needs a window: training_venv"
+    assert target["needs_window"] == {"training_venv": window}
+    assert list(target["corrected"]) == ["gpu_processes"]
+    assert runner.exit_code(merged) == 2
+
+
+def test_a_step_with_work_that_changed_nothing_is_not_counted_as_corrected(runner, tmp_path):
+    _, merged = corrected_targets(runner, tmp_path, {"changed": False})
+    assert merged["train200"]["status"] == "drift"
+    assert merged["train200"]["steps"]["training_venv"]["drift"] is True
+
+
+def test_a_drifting_target_the_correction_never_reached_is_failed(runner, tmp_path):
+    checked = summarize(runner, tmp_path, [make_report("train200", fact_pass(gpu_processes=DRIFT["gpu_processes"]))])
+    merged = runner.merge_correction(checked, {})
+    assert (merged["train200"]["status"], merged["train200"]["reason"]) == (
+        "failed",
+        "the correction run did not reach it",
+    )
+
+
+# -- the textfile --------------------------------------------------------------------------------------------------
+SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
+LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(,|$)')
+
+
+def parse_exposition(text):
+    """A small parser of Prometheus' text format: {name: {"help", "type", "samples": [(labels, value)]}}.
+
+    Fails on a sample without HELP and TYPE before it, a label value with an unescaped quote or newline, an
+    unknown escape, a value that is not a float, a family declared twice.
+    """
+    families = {}
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            _, kind, name, rest = line.split(" ", 3)
+            family = families.setdefault(name, {"help": None, "type": None, "samples": []})
+            key = kind.lower()
+            assert family[key] is None, f"{key} of {name} twice"
+            assert not family["samples"], f"{key} of {name} after its samples"
+            family[key] = rest
+            continue
+        match = SAMPLE.match(line)
+        assert match, line
+        family = families.get(match["name"])
+        assert family and family["help"] and family["type"] == "gauge", f"no HELP/TYPE before {line}"
+        labels, rest = {}, match["labels"] or ""
+        while rest:
+            label = LABEL.match(rest)
+            assert label, f"bad labels in {line}"
+            assert re.fullmatch(r'(?:[^\\]|\\[\\"n])*', label[2]), f"bad escape in {line}"
+            labels[label[1]] = re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m[1], m[1]), label[2])
+            rest = rest[label.end() :]
+        family["samples"].append((labels, float(match["value"])))
+    return families
+
+
+def summary_of(runner, targets, exit_code=None):
+    return {
+        "targets": targets,
+        "finished_timestamp": 1796371200.5,
+        "duration_seconds": 12.25,
+        "exit_code": runner.exit_code(targets) if exit_code is None else exit_code,
+        "counts": runner.count_statuses(targets),
+    }
+
+
+def test_the_textfile_has_every_family_with_help_and_type_and_escapes_label_values(runner, tmp_path):
+    weird = 'ct "200"\\lab\nsecond'
+    reports = [
+        make_report("train200", fact_pass(gpu_processes=DRIFT["gpu_processes"], training_venv=step_facts())),
+        make_report(
+            weird, fact_pass(training_venv=step_facts(DRIFT["training_venv"]["changes"], needs_window=["a", "b"]))
+        ),
+    ]
+    events = [event("runner_on_unreachable", "down202", task="Read", res={"msg": UNREACHABLE})]
+    targets = summarize(runner, tmp_path, reports, events)
+    for target in targets.values():
+        target["seconds"] = 7.5
+    families = parse_exposition(runner.render_textfile(summary_of(runner, targets)))
+    prefix = "pve_gpu_recover_"
+    drift = {(s[0]["target"], s[0]["step"]): s[1] for s in families[prefix + "drift"]["samples"]}
+    assert drift[("train200", "gpu_processes")] == 1
+    assert drift[("train200", "training_venv")] == 0
+    assert drift[(weird, "training_venv")] == 1  # the name came back exactly, quote, backslash and newline
+    window = {(s[0]["target"], s[0]["step"]): s[1] for s in families[prefix + "needs_window"]["samples"]}
+    assert window[(weird, "training_venv")] == 2
+    up = {s[0]["target"]: s[1] for s in families[prefix + "target_up"]["samples"]}
+    failed = {s[0]["target"]: s[1] for s in families[prefix + "target_failed"]["samples"]}
+    assert up == {"train200": 1, weird: 1, "down202": 0}
+    assert failed == {"train200": 0, weird: 0, "down202": 1}
+    stamps = families[prefix + "last_run_timestamp_seconds"]["samples"]
+    assert {s[0]["target"]: s[1] for s in stamps} == dict.fromkeys(targets, 1796371200.5)
+    assert {s[1] for s in families[prefix + "run_duration_seconds"]["samples"]} == {7.5}
+    assert families[prefix + "runner_exit_code"]["samples"] == [({}, 1.0)]
+    assert families[prefix + "runner_last_run_timestamp_seconds"]["samples"] == [({}, 1796371200.5)]
+    counts = {s[0]["status"]: s[1] for s in families[prefix + "targets"]["samples"]}
+    assert counts == {"in_spec": 0, "drift": 2, "failed": 0, "unreachable": 1}
+    assert sorted(families) == sorted(
+        prefix + name
+        for name in (
+            "drift",
+            "needs_window",
+            "corrected",
+            "target_up",
+            "target_failed",
+            "last_run_timestamp_seconds",
+            "run_duration_seconds",
+            "runner_last_run_timestamp_seconds",
+            "runner_exit_code",
+            "targets",
+        )
+    )
+
+
+def test_a_run_that_reached_no_target_still_says_so_in_the_textfile(runner):
+    families = parse_exposition(runner.render_textfile(summary_of(runner, {})))
+    assert families["pve_gpu_recover_runner_exit_code"]["samples"] == [({}, 1.0)]
+    assert families["pve_gpu_recover_drift"]["samples"] == []
+
+
+def test_escaping_follows_the_exposition_format(runner):
+    assert runner.escape_label('a\\b"c\nd') == 'a\\\\b\\"c\\nd'
+    assert runner.escape_help("line\\one\ntwo") == "line\\\\one\\ntwo"
+
+
+# -- files: the atomic write, the lock, pruning ---------------------------------------------------------------------
+def test_the_atomic_write_replaces_the_file_leaves_no_temp_file_and_is_0644(runner, tmp_path):
+    path = tmp_path / "pve_gpu_recover.prom"
+    path.write_text("old\n")
+    old_umask = os.umask(0o077)
+    try:
+        runner.write_atomic(path, "new\n")
+    finally:
+        os.umask(old_umask)
+    assert path.read_text() == "new\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pve_gpu_recover.prom"]
+
+
+def test_a_failed_atomic_write_keeps_the_old_file_and_removes_its_temp_file(runner, tmp_path, monkeypatch):
+    path = tmp_path / "pve_gpu_recover.prom"
+    path.write_text("old\n")
+
+    def replace(*_args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runner.os, "replace", replace)
+    with pytest.raises(OSError, match="No space left"):
+        runner.write_atomic(path, "new\n")
+    assert path.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pve_gpu_recover.prom"]
+
+
+HOLD = textwrap.dedent("""\
+    import sys
+    sys.path.insert(0, {root!r})
+    from drift import runner
+    runner.acquire_lock({lock!r})
+    print("held", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_second_process_is_refused_naming_the_holder_pid(runner, tmp_path):
+    lock = tmp_path / "drift.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD.format(root=str(ROOT), lock=str(lock))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(runner.LockHeld, match=rf"another drift run holds {lock} \(pid {holder.pid}, since "):
+            runner.acquire_lock(lock)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
+    # Gone with its process: the next run takes it.
+    os.close(runner.acquire_lock(lock))
+
+
+def test_the_cli_refuses_to_run_while_another_run_holds_the_lock(runner, tmp_path):
+    lock = tmp_path / "drift.lock"
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text("all: {}\n")
+    handle = runner.acquire_lock(lock)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(RUNNER), "--inventory", str(inventory), "--lock-file", str(lock)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(handle)
+    assert done.returncode == 1, done.stderr
+    assert f"another drift run holds {lock} (pid {os.getpid()}, since " in done.stderr
+    assert done.stdout == ""
+
+
+def test_host_key_checking_stays_as_ansible_playbook_alone_would_have_it(runner, tmp_path, monkeypatch):
+    """ansible-runner turns it off unless told: the runner tells it the environment's, ansible.cfg's, or on."""
+    monkeypatch.delenv("ANSIBLE_HOST_KEY_CHECKING", raising=False)
+    assert runner.host_key_checking(tmp_path) == "True"
+    (tmp_path / "ansible.cfg").write_text("[defaults]\nhost_key_checking = False\n")
+    assert runner.host_key_checking(tmp_path) == "False"
+    monkeypatch.setenv("ANSIBLE_HOST_KEY_CHECKING", "True")
+    assert runner.host_key_checking(tmp_path) == "True"
+
+
+def test_only_the_oldest_run_directories_are_pruned(runner, tmp_path):
+    names = ["20261201T000000Z-1", "20261202T000000Z-7", "20261203T000000Z-3", "keep-me", "summary.json"]
+    for name in names[:4]:
+        (tmp_path / name).mkdir()
+    (tmp_path / names[4]).write_text("{}")
+    runner.prune_runs(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+
+
+# -- the CLI's errors ------------------------------------------------------------------------------------------------
+def run_main(runner, argv, capsys, **kwargs):
+    code = runner.main(argv, **kwargs)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_missing_inventory_says_what_to_pass(runner, tmp_path, capsys):
+    code, _, err = run_main(runner, ["--inventory", str(tmp_path / "nope")], capsys)
+    assert code == 1
+    assert f"drift: inventory {tmp_path / 'nope'} not found" in err
+    assert "e.g. --inventory" in err
+
+
+def test_a_project_without_recover_yml_is_refused(runner, tmp_path, capsys):
+    (tmp_path / "hosts").write_text("")
+    code, _, err = run_main(runner, ["-i", str(tmp_path / "hosts"), "--project", str(tmp_path)], capsys)
+    assert code == 1
+    assert f"drift: {tmp_path / 'recover.yml'} not found: --project must be the pve-gpu-recover checkout" in err
+
+
+def test_without_ansible_runner_the_error_gives_the_fix(runner, tmp_path, capsys, monkeypatch):
+    (tmp_path / "hosts").write_text("")
+    monkeypatch.setitem(sys.modules, "ansible_runner", None)  # import fails as if it were not installed
+    code, _, err = run_main(runner, ["-i", str(tmp_path / "hosts"), "--lock-file", str(tmp_path / "l")], capsys)
+    assert code == 1
+    assert "ansible-runner is not importable by" in err
+    assert f"-m pip install --require-hashes -r {ROOT / 'requirements' / 'dev.lock'}" in err
+
+
+def test_a_usage_error_exits_1_never_2_which_means_drift(runner, capsys):
+    with pytest.raises(SystemExit) as exited:
+        runner.main(["--forks", "many"])
+    assert exited.value.code == 1
+    with pytest.raises(SystemExit) as exited:
+        runner.main([])
+    assert exited.value.code == 1
+    assert "--inventory" in capsys.readouterr().err
+
+
+def test_correct_is_refused_until_the_roles_declare_recover_unattended(runner, tmp_path, capsys):
+    project = tmp_path / "project"
+    (project / "roles" / "gpu_processes" / "defaults").mkdir(parents=True)
+    (project / "recover.yml").write_text("- hosts: gpu_targets\n")
+    (tmp_path / "hosts").write_text("")
+    argv = ["-i", str(tmp_path / "hosts"), "--project", str(project), "--correct"]
+    code, _, err = run_main(runner, argv, capsys)
+    assert code == 1
+    assert "--correct refused" in err
+    assert "do not declare recover_unattended" in err
+    (project / "roles" / "gpu_processes" / "defaults" / "main.yml").write_text("recover_unattended: false\n")
+    assert runner.declares_unattended(project)
+
+
+# -- main() with a stand-in for ansible-runner -------------------------------------------------------------------------
+class FakeAnsibleRunner:
+    """ansible_runner.run as the runner calls it: writes the phase's reports where PVE_GPU_RECOVER_REPORT_DIR says,
+    feeds the events to event_handler, and returns what ansible-runner returns."""
+
+    def __init__(self, phases):
+        self.phases = phases  # phase ident -> (reports, events, status, rc)
+        self.calls = []
+
+    def run(self, **kwargs):
+        self.calls.append(kwargs)
+        reports, events, status, rc = self.phases[kwargs["ident"]]
+        directory = Path(kwargs["envvars"]["PVE_GPU_RECOVER_REPORT_DIR"])
+        for report in reports:
+            write_report(directory, report)
+        for item in events:
+            kwargs["event_handler"](item)
+        artifacts = Path(kwargs["private_data_dir"]) / "artifacts" / kwargs["ident"]
+        artifacts.mkdir(parents=True)
+        (artifacts / "stdout").write_text(f"PLAY RECAP ({kwargs['ident']})\n")
+        return types.SimpleNamespace(status=status, rc=rc, config=types.SimpleNamespace(artifact_dir=str(artifacts)))
+
+
+def project_with_unattended(tmp_path):
+    project = tmp_path / "project"
+    (project / "plugins" / "callback").mkdir(parents=True)
+    (project / "recover.yml").write_text("- hosts: gpu_targets\n  vars: {recover_unattended: false}\n")
+    (project / "ansible.cfg").write_text("[defaults]\n")
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text("all: {}\n")
+    return project, inventory
+
+
+def test_main_checks_corrects_the_drifting_targets_only_and_writes_summary_and_textfile(runner, tmp_path, capsys):
+    project, inventory = project_with_unattended(tmp_path)
+    steps = {"gpu_processes": DRIFT["gpu_processes"], "training_venv": DRIFT["training_venv"]}
+    window = ["swap /opt/venvs/train: pid 4242 (python3 train.py) runs from it"]
+    killed = {"changed": True, "killed": [{"pid": 1193, "signal": "SIGTERM"}]}
+    fake = FakeAnsibleRunner(
+        {
+            "check": (
+                [
+                    make_report("train200", fact_pass(**steps)),
+                    make_report("ok201", fact_pass(gpu_processes=step_facts())),
+                ],
+                [event("runner_on_start", "train200"), event("runner_on_start", "ok201")],
+                "successful",
+                0,
+            ),
+            "correct": (
+                [
+                    make_report(
+                        "train200",
+                        fact_pass(**steps),
+                        check_mode=False,
+                        results={"gpu_processes": killed, "training_venv": {"changed": False, "needs_window": window}},
+                    )
+                ],
+                [event("runner_on_start", "train200")],
+                "successful",
+                0,
+            ),
+        }
+    )
+    textfile = tmp_path / "textfile" / "pve_gpu_recover.prom"
+    textfile.parent.mkdir()
+    argv = [
+        *("--inventory", str(inventory), "--project", str(project), "--correct"),
+        *("--textfile", str(textfile), "--summary", str(tmp_path / "summary.json"), "--limit", "train*:ok*"),
+        *("-e", "preflight_expected_gpu_count=8", "--forks", "5", "--reports-dir", str(tmp_path / "runs")),
+    ]
+    code, out, err = run_main(runner, argv, capsys, ansible_runner=fake)
+    assert code == 2, err
+    assert out == ""
+    check, correct = fake.calls
+    assert check["cmdline"] == "--check --diff -e preflight_expected_gpu_count=8"
+    assert (check["limit"], check["extravars"], check["forks"]) == ("train*:ok*", None, 5)
+    assert correct["cmdline"] == "--diff -e preflight_expected_gpu_count=8"
+    assert (correct["limit"], correct["extravars"]) == ("train200", {"recover_unattended": True})
+    for call in fake.calls:
+        assert call["playbook"] == str(project / "recover.yml")
+        assert call["inventory"] == [str(inventory)]
+        assert call["envvars"]["ANSIBLE_CONFIG"] == str(project / "ansible.cfg")
+        assert call["envvars"]["ANSIBLE_CALLBACK_PLUGINS"] == str(project / "plugins" / "callback")
+        assert "recover_report" in call["envvars"]["ANSIBLE_CALLBACKS_ENABLED"].split(",")
+        assert 1 <= call["timeout"] <= 3000
+    report_dirs = {call["envvars"]["PVE_GPU_RECOVER_REPORT_DIR"] for call in fake.calls}
+    assert len(report_dirs) == 2  # a fresh directory per run
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["mode"], summary["status"], summary["exit_code"]) == ("correct", "drift", 2)
+    assert summary["counts"] == {"in_spec": 1, "drift": 1, "failed": 0, "unreachable": 0}
+    assert summary["run_ids"] == [RUN_ID, RUN_ID]
+    assert [run["phase"] for run in summary["runs"]] == ["check", "correct"]
+    run_dir = Path(summary["run_dir"])
+    assert (run_dir / "check.log").read_text() == "PLAY RECAP (check)\n"
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    target = summary["targets"]["train200"]
+    assert target["status"] == "drift"
+    assert target["corrected"] == {"gpu_processes": DRIFT["gpu_processes"]["changes"]}
+    assert target["needs_window"] == {"training_venv": window}
+    assert target["check"]["drift"] == ["gpu_processes", "training_venv"]
+    assert target["report"].startswith(str(run_dir / "correct"))
+    assert summary["targets"]["ok201"]["status"] == "in_spec"
+
+    families = parse_exposition(textfile.read_text())
+    corrected = {(s[0]["target"], s[0]["step"]): s[1] for s in families["pve_gpu_recover_corrected"]["samples"]}
+    assert corrected[("train200", "gpu_processes")] == 1
+    assert corrected[("train200", "training_venv")] == 0
+    assert stat.S_IMODE(textfile.stat().st_mode) == 0o644
+    assert sorted(p.name for p in textfile.parent.iterdir()) == ["pve_gpu_recover.prom"]
+    assert "train200: drift: still drifts after the correction: training_venv" in err
+    assert f"  training_venv needs a window: {window[0]}" in err
+
+
+def test_main_does_not_correct_when_nothing_drifts_and_prints_the_summary_on_stdout(runner, tmp_path, capsys):
+    project, inventory = project_with_unattended(tmp_path)
+    fake = FakeAnsibleRunner(
+        {"check": ([make_report("ok201", fact_pass(gpu_processes=step_facts()))], [], "successful", 0)}
+    )
+    argv = ["-i", str(inventory), "--project", str(project), "--correct", "--reports-dir", str(tmp_path / "r")]
+    code, out, _ = run_main(runner, argv, capsys, ansible_runner=fake)
+    assert code == 0
+    assert [call["ident"] for call in fake.calls] == ["check"]
+    assert json.loads(out)["targets"]["ok201"]["status"] == "in_spec"
+
+
+def test_a_crashed_run_with_no_target_fails_with_the_run_error(runner, tmp_path, capsys):
+    project, inventory = project_with_unattended(tmp_path)
+    fake = FakeAnsibleRunner({"check": ([], [], "failed", 1)})
+    argv = ["-i", str(inventory), "--project", str(project), "--reports-dir", str(tmp_path / "r")]
+    code, out, err = run_main(runner, argv, capsys, ansible_runner=fake)
+    summary = json.loads(out)
+    assert code == 1
+    assert summary["errors"] == [f"the check run's ansible-playbook exited 1 (failed); see {summary['runs'][0]['log']}"]
+    assert "error: the check run's ansible-playbook exited 1" in err

@@ -1,0 +1,177 @@
+"""drift/runner.py with the real ansible-runner and ansible-playbook, on localhost: a throwaway project whose
+recover.yml has the real recover_report callback and stand-in step modules, never the project's recover.yml."""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import ROOT
+
+RUNNER = ROOT / "drift" / "runner.py"
+WINDOW = "swap /opt/venvs/train: pid 4242 (python3 train.py) runs from it"
+
+FILES = {
+    "ansible.cfg": """\
+        [defaults]
+        roles_path = roles
+        library = library
+        callbacks_enabled = recover_report
+        inject_facts_as_vars = false
+        gathering = explicit
+        retry_files_enabled = false
+        """,
+    # The fact pass: publishes the facts the inventory gives the host.
+    "library/target_facts.py": """\
+        from ansible.module_utils.basic import AnsibleModule
+
+        def main():
+            module = AnsibleModule({"facts": {"type": "dict", "required": True}}, supports_check_mode=True)
+            module.exit_json(changed=False, ansible_facts={"pve_gpu_recover": module.params["facts"]})
+
+        main()
+        """,
+    # A step's acting module: would change (check), changes, or, unattended, leaves what it must to a window.
+    "library/step_act.py": """\
+        from ansible.module_utils.basic import AnsibleModule
+
+        def main():
+            module = AnsibleModule(
+                {"changes": {"type": "list"}, "window": {"type": "list"}, "unattended": {"type": "bool"}},
+                supports_check_mode=True,
+            )
+            p = module.params
+            if p["unattended"] and p["window"] and not module.check_mode:
+                module.exit_json(changed=False, needs_window=p["window"], changes=[])
+            module.exit_json(changed=True, changes=p["changes"])
+
+        main()
+        """,
+    "roles/preflight/tasks/main.yml": """\
+        - name: Read what every step needs
+          target_facts:
+            facts: "{{ fake_facts }}"
+        - name: Assert no step found a problem
+          ansible.builtin.assert:
+            that: ansible_facts.pve_gpu_recover.problems | length == 0
+            fail_msg: "{{ ansible_facts.pve_gpu_recover.problems | join(' | ') }}"
+        """,
+    "roles/gpu_processes/tasks/main.yml": """\
+        - name: End the holders
+          step_act:
+            changes: "{{ ansible_facts.pve_gpu_recover.gpu_processes.changes }}"
+            unattended: "{{ recover_unattended | default(false) }}"
+          when: ansible_facts.pve_gpu_recover.gpu_processes.pending
+        """,
+    "roles/training_venv/tasks/main.yml": """\
+        - name: Rebuild the venv
+          step_act:
+            changes: "{{ ansible_facts.pve_gpu_recover.training_venv.changes }}"
+            window: "{{ venv_window | default([]) }}"
+            unattended: "{{ recover_unattended | default(false) }}"
+          when: ansible_facts.pve_gpu_recover.training_venv.pending
+        """,
+    "recover.yml": """\
+        - name: Recover GPU targets (recover_unattended honoured by the stand-in steps)
+          hosts: gpu_targets
+          gather_facts: false
+          tasks:
+            - name: Fail before any step (a broken host)
+              ansible.builtin.fail:
+                msg: "no pve_node for this host"
+              when: fail_early | default(false)
+            - name: Name this run
+              ansible.builtin.set_fact:
+                recover_run_id: run-e2e
+              run_once: true
+            - name: Preflight
+              ansible.builtin.import_role:
+                name: preflight
+            - name: GPU processes
+              ansible.builtin.import_role:
+                name: gpu_processes
+            - name: Training venv
+              ansible.builtin.import_role:
+                name: training_venv
+        """,
+}
+
+
+def facts(gpu_changes=(), venv_changes=()):
+    steps = {
+        "preflight": {"changes": [], "problems": [], "pending": False},
+        "gpu_processes": {"changes": list(gpu_changes), "problems": [], "pending": bool(gpu_changes)},
+        "training_venv": {"changes": list(venv_changes), "problems": [], "pending": bool(venv_changes)},
+    }
+    return {
+        "run_id": "run-e2e",
+        "target": {"label": "CT", "vmid": 200, "node": "localhost"},
+        "pending": [s for s, f in steps.items() if f["pending"]],
+        "problems": [],
+        **steps,
+    }
+
+
+def make_project(tmp_path):
+    project = tmp_path / "project"
+    for name, text in FILES.items():
+        path = project / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    (project / "plugins" / "callback").mkdir(parents=True)
+    shutil.copy(ROOT / "plugins" / "callback" / "recover_report.py", project / "plugins" / "callback")
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    hosts = {
+        "ok200": dict(local, fake_facts=facts()),
+        "drift201": dict(
+            local,
+            fake_facts=facts(["end pid 516 (python3) on GPU 0, 20000 MiB"], ["torch 2.11.0+cu130 -> 2.11.0+cu128"]),
+            venv_window=[WINDOW],
+        ),
+        # Nothing listens on port 9: refused at once.
+        "down202": {"ansible_host": "127.0.0.1", "ansible_port": 9, "fake_facts": facts()},
+        "broken203": dict(local, fail_early=True, fake_facts=facts()),
+    }
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(json.dumps({"all": {"children": {"gpu_targets": {"hosts": hosts}}}}))
+    return project, inventory
+
+
+def test_check_then_correct_through_ansible_runner(tmp_path):
+    project, inventory = make_project(tmp_path)
+    textfile = tmp_path / "pve_gpu_recover.prom"
+    command = [sys.executable, str(RUNNER), "--inventory", str(inventory), "--project", str(project)]
+    command += ["--correct", "--textfile", str(textfile), "--timeout", "120"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False, cwd=tmp_path)
+    summary = json.loads(done.stdout)
+    # Failure wins over drift.
+    assert done.returncode == 1, done.stderr
+    targets = summary["targets"]
+    assert {name: t["status"] for name, t in targets.items()} == {
+        "ok200": "in_spec",
+        "drift201": "drift",
+        "down202": "unreachable",
+        "broken203": "failed",
+    }
+    assert "Connection refused" in targets["down202"]["reason"]
+    assert targets["broken203"]["reason"] == "Fail before any step (a broken host): no pve_node for this host"
+    assert targets["broken203"]["report"] is None
+    drift = targets["drift201"]
+    assert drift["check"]["drift"] == ["gpu_processes", "training_venv"]
+    assert drift["corrected"] == {"gpu_processes": ["end pid 516 (python3) on GPU 0, 20000 MiB"]}
+    assert drift["needs_window"] == {"training_venv": [WINDOW]}
+    correct_report = json.loads((tmp_path / drift["report"]).read_text())
+    assert correct_report["check_mode"] is False
+    check_report = json.loads((tmp_path / drift["check"]["report"]).read_text())
+    assert check_report["check_mode"] is True
+    # The correction ran on the drifting target only.
+    assert [run["phase"] for run in summary["runs"]] == ["check", "correct"]
+    correct_dir = summary["runs"][1]["report_dir"]
+    assert [p.name for p in sorted((tmp_path / correct_dir).iterdir())] == ["drift201"]
+    metrics = textfile.read_text()
+    assert 'pve_gpu_recover_drift{target="drift201",step="training_venv"} 1' in metrics
+    assert 'pve_gpu_recover_needs_window{target="drift201",step="training_venv"} 1' in metrics
+    assert 'pve_gpu_recover_target_up{target="down202"} 0' in metrics
+    assert 'pve_gpu_recover_target_failed{target="broken203"} 1' in metrics
+    assert "PLAY RECAP" in (tmp_path / summary["runs"][0]["log"]).read_text()
