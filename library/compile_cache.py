@@ -29,7 +29,10 @@ description:
     root are named in the result), and a directory on another filesystem mounted inside a root is left alone.
   - No root is purged while a live process of the target uses it (its cwd, an open file or a mapped file lies in
     it, as C(/proc) shows) - never under a running compile. recover.yml runs this step after the GPU step, which
-    ends the target's GPU holders first.
+    ends the target's GPU holders first. Attended, such a root fails the task before anything is deleted.
+    Unattended (I(unattended)), it is left as it is (neither purged nor stamped) and named in I(needs_window),
+    the other roots are handled as usual, no warm-up runs, and the task does not fail because of it; the acting
+    script, which looks at the processes again just before the purge, leaves a root it finds in use the same way.
   - When I(warmup) is given, it runs once after a purge (or when every root is missing or empty) - alone, as
     I(user), with a deadline, C(TORCHINDUCTOR_COMPILE_THREADS=1), the venv first on C(PATH) and the first root as
     C(TORCHINDUCTOR_CACHE_DIR). The roots it creates are stamped. Its failure fails the task with its exit code and
@@ -127,6 +130,12 @@ options:
         Ignored for a bare host, where both run in this module's own process.
     type: str
     default: python3
+  unattended:
+    description:
+      - The scheduled drift corrector's mode - a stale root in use by a live process is left for a maintenance
+        window (I(needs_window)) instead of failing the task. The role sets it from C(recover_unattended).
+    type: bool
+    default: false
 requirements:
   - In the target, Python 3.9+ and, for the GPU models, C(nvidia-smi) (without it, no GPU is assumed).
 seealso:
@@ -173,6 +182,8 @@ cache_roots:
       fingerprint cannot be read), C(reason), C(escapes) (symlinks in it that lead out of it, C(link) and
       C(target)), C(escapes_count), C(mounts) (other filesystems mounted inside it, left alone), C(busy)
       (processes using it that the GPU step ends first).
+    - A stale root an unattended run leaves because a live process uses it also has C(window) (true) and C(live)
+      (those processes - C(pid) as the target numbers it, C(name), C(how)).
     - After a real run also C(size_before), C(size_after) (bytes), C(purged) (C(files), C(bytes), C(links),
       C(links_out), C(mounts_left); null when not purged) and C(stamped).
     - The result has no top-level C(path) key - Ansible would add the stats of a node file of that name.
@@ -191,6 +202,18 @@ cache_roots:
       size_after: 96
       purged: {files: 1204, bytes: 152000000, links: 1, links_out: [{link: /tmp/torchinductor_root/h, target: /etc/hostname}], mounts_left: []}
       stamped: true
+needs_window:
+  description:
+    - Unattended only - one sentence per stale root left as it is because a live process uses it (found by the
+      module's read or by the acting script just before the purge); the task does not fail because of them.
+      Empty otherwise.
+  returned: always
+  type: list
+  elements: str
+  sample:
+    - "CT 200 on pve1: compile cache /tmp/torchinductor_root is stale (stamped for torch 2.11.0+cu130, now
+      2.11.0+cu128; 152 MB) but in use by pid 4711 (python3: cwd, mapped): not purged under a live process; purging
+      it needs a window (stop the job, or run recover.yml without recover_unattended)"
 expected:
   description:
     - The fingerprint the caches must be built for - C(torch) (exact, local tag included), C(variant), C(cuda),
@@ -291,6 +314,7 @@ from ansible.module_utils.pve_cache import (
     check_spec,
     module_facts,
     probe_payload,
+    window_line,
 )
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
@@ -307,6 +331,7 @@ ARGUMENT_SPEC = {
     "python_executable": {"type": "str", "default": "python3"},
 }
 DONE_KEYS = {"roots": list, "fingerprint": (dict, type(None))}
+WINDOW_KEYS = {"path": str, "real_path": str, "users": list}
 DONE_ROOT_KEYS = {"path": str, "stamped": bool, "size_before": (int, type(None)), "size_after": (int, type(None))}
 
 
@@ -344,7 +369,24 @@ def done_of(answer):
             raise CacheError("the compile cache script answered a root of the wrong shape", kind="probe")
     if answer.get("warmup") is not None and not isinstance(answer["warmup"], dict):
         raise CacheError("the compile cache script answered a warmup that is not an object", kind="probe")
+    window = answer.get("needs_window", [])
+    if not isinstance(window, list) or any(
+        not isinstance(w, dict) or any(not isinstance(w.get(k), t) for k, t in WINDOW_KEYS.items()) for w in window
+    ):
+        raise CacheError("the compile cache script answered a needs_window of the wrong shape", kind="probe")
     return answer
+
+
+def script_windows(before, done, label):
+    """The sentences of the roots the acting script left in use (unattended), which the module's read had planned
+    to purge: the script looked again just before the purge."""
+    planned = {root["path"]: root for root in before["roots"]}
+    lines = []
+    for window in (done or {}).get("needs_window") or []:
+        root = planned.get(window["path"]) or {"path": window["path"], "reason": "stale", "size_bytes": 0}
+        users = [u for u in window["users"] if isinstance(u, dict)]
+        lines.append(window_line(label, dict(root, live=users)) + " (found just before the purge)")
+    return lines
 
 
 def out_of_spec(facts):
@@ -372,10 +414,12 @@ def warmup_result(before, done):
     return dict(before["warmup"], ran=ran is not None, **(ran or {}))
 
 
-def result_of(before, after, done, seconds):
-    """``changed``, changes and diff from the first read (identical in check mode), the sizes after from the last."""
+def result_of(before, after, done, seconds, label=""):
+    """``changed``, changes and diff from the first read (identical in check mode), the sizes after from the last;
+    ``needs_window`` from the first read and from the acting script."""
     return {
         "changed": before["pending"],
+        "needs_window": before["needs_window"] + script_windows(before, done, label),
         "cache_roots": roots_result(before, done),
         "expected": before["expected"],
         "venv": before["venv"],
@@ -422,10 +466,12 @@ def main():
             act = (pve_script_compile_cache, act_payload(spec, before, answer, budget))
             parts = target.run_probes({ACT: act, NAME: read}, python=p["python_executable"], timeout=budget + GRACE)
             done = done_of(part_answer(parts, ACT, target.label))
-            after = module_facts(spec, part_answer(parts, NAME, target.label), target.label)
+            # Roots the script found in use and left (unattended) stay stale: no reason to fail the check after.
+            left = [window["real_path"] for window in done.get("needs_window") or []]
+            after = module_facts(spec, part_answer(parts, NAME, target.label), target.label, window=left)
             if out_of_spec(after):
                 raise CacheError(out_of_spec(after), kind="verify", details={"cache_roots": roots_result(after, done)})
-        result = result_of(before, after, done, time.monotonic() - started)
+        result = result_of(before, after, done, time.monotonic() - started, target.label)
     except RecoverError as error:
         module.fail_json(**error.to_result(prefix=f"{target.label}: " if target else ""))
     module.exit_json(**result)

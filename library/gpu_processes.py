@@ -39,6 +39,14 @@ description:
     module naming it, its parent and its systemd service.
   - Only the GPUs passed to the target count. For a CT they are the ones C(nvidia-smi) lists inside it, one
     C(pct exec); everything else happens on the node.
+  - Unattended (I(unattended), the scheduled drift corrector) it never ends the training job that runs as
+    expected, named by I(guard). A holder is guarded when it, or one of its parents in the same target, matches an
+    entry of I(guard). A guarded holder, the launchers above it and any holder whose job shares a process with it
+    are left running and named in I(needs_window), one sentence each, and the module does not fail because of them;
+    unguarded holders are ended as usual. The memory wait then covers only the GPUs no guarded holder uses, and new
+    workers of the guarded job during the wait or the I(settle) watch are no new holders.
+  - Attended (the default) the guard changes nothing - the operator asked for recovery - but I(guarded) still
+    names the holders it matches.
 version_added: "0.1.0"
 author: pve-gpu-recover contributors
 extends_documentation_fragment:
@@ -127,6 +135,29 @@ options:
       - Seconds between two checks while waiting (one C(nvidia-smi --query-gpu) on the node takes about 25 ms).
     type: float
     default: 0.05
+  unattended:
+    description:
+      - Run as the scheduled drift corrector does - leave the job that I(guard) names running and report it in
+        I(needs_window) instead of ending it. Unguarded holders are still ended.
+      - The role sets it from C(recover_unattended) (C(ansible-playbook recover.yml -e recover_unattended=true)).
+    type: bool
+    default: false
+  guard:
+    description:
+      - The training job that runs as expected. Each entry is a dict with exactly one key, C(match) or C(pid_file).
+      - C(match) - a Python regular expression searched (C(re.search)) in a process's command line, its argv
+        joined with spaces (C(/proc/<pid>/cmdline), read on the node).
+      - C(pid_file) - an absolute path INSIDE the target to a file holding the pid of the job's main process
+        as the target numbers it (its pid namespace). It is read inside the target (one more C(pct exec) when the
+        module runs with such an entry); a missing file names no process (its job does not run). In an unattended
+        run a pid file that exists but cannot be read, or holds anything but one pid, fails the module before
+        anything is ended.
+      - A holder is guarded when it or one of its parents in the target (up to, not including, the target's init)
+        matches. Only used to leave processes running when I(unattended) is true; I(guarded) names the matches
+        either way.
+    type: list
+    elements: dict
+    default: []
 requirements:
   - Runs as root on the node (or the bare host); C(nvidia-smi) on the node and inside the CT.
 seealso:
@@ -160,6 +191,21 @@ EXAMPLES = r"""
     vmid: 200
     end_launchers: false
   delegate_to: pve1
+
+- name: Unattended - end stray holders, but leave the training job (and its torchrun) running
+  gpu_processes:
+    vmid: 200
+    unattended: true
+    guard:
+      - match: 'torchrun .*train\.py'
+      - pid_file: /run/train/train.pid
+  delegate_to: pve1
+  register: cleanup
+
+- name: Tell the drift corrector what needs a maintenance window
+  ansible.builtin.debug:
+    msg: "{{ cleanup.needs_window }}"
+  when: cleanup.needs_window | length > 0
 """
 
 RETURN = r"""
@@ -192,6 +238,30 @@ protected:
   returned: always
   type: list
   elements: dict
+guarded:
+  description:
+    - The target's holders that I(guard) names (they or a parent of theirs match), each with its C(command)
+      (shortened) and C(reason). Attended they are ended like any other (they are in I(processes)); unattended
+      they are left running and named in I(needs_window).
+  returned: always
+  type: list
+  elements: dict
+  sample:
+    - {pid: 516, ns_pid: 41, name: python3, owner: "ct:200", gpus: [0], memory_mib: 20998, found_by: [device, nvml],
+       command: python3 train.py, reason: "its parent pid 500 (torchrun, pid 12 inside: 'torchrun train.py') matches
+       gpu_processes_guard {match: 'torchrun'}"}
+needs_window:
+  description:
+    - One sentence per holder an unattended run left running (guarded, or sharing its job with a guarded one) - its
+      pid, its command shortened, why; ending it needs a maintenance window. Empty when attended and when nothing
+      was left running. The module does not fail because of them.
+  returned: always
+  type: list
+  elements: str
+  sample:
+    - "CT 200 on pve1: pid 516 (python3, pid 41 inside) on GPU 0, 20998 MiB, running 'python3 train.py', is left
+      running: its parent pid 500 (torchrun, pid 12 inside: 'torchrun train.py') matches gpu_processes_guard
+      {match: 'torchrun'}; ending it needs a window (run recover.yml without recover_unattended)"
 seconds_to_free:
   description: Seconds from the first signal until every GPU of the target was verified free (0 when nothing was ended).
   returned: always
@@ -255,7 +325,7 @@ new_holders:
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.nvidia_smi import NvidiaSmi
 from ansible.module_utils.pve_errors import RecoverError
-from ansible.module_utils.pve_gpu_cleanup import SPEC, check_waits, cleanup
+from ansible.module_utils.pve_gpu_cleanup import SPEC, check_spec, cleanup
 from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target
 
 
@@ -268,7 +338,7 @@ def main():
         },
         supports_check_mode=True,
     )
-    wrong = check_waits(module.params)
+    wrong = check_spec(module.params)
     if wrong:
         module.fail_json(msg=f"{wrong}; fix the gpu_processes_* variable of that name")
     target = None

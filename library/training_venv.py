@@ -33,7 +33,13 @@ description:
     it works again only once renamed back, since a venv embeds its path. Either way its freeze
     (C(name==version) lines, torch's exact build from C(torch/version.py)) is saved to C(<old dir>.freeze.txt)
     first.
-version_added: "0.3.0"
+  - Unattended (I(unattended), the scheduled drift corrector) a venv that needs a rebuild is not swapped while a
+    live process of the target runs from it - its C(/proc/<pid>/exe), the argv[0] of a Python interpreter, or a file
+    it maps lies under I(path) or the version it points to. Those processes are read on the node (the target's
+    processes by their cgroup, C(/lxc/<vmid>/)), only when a rebuild is due, before anything is built; and once
+    more inside the target just before the swap, in the build's own C(pct exec), for a job started during the
+    build (the new version is then removed). Either way the module does not fail - it builds nothing (or swaps
+    nothing), returns C(changed=false) and names the processes in I(needs_window).
 author: pve-gpu-recover contributors
 extends_documentation_fragment:
   - action_common_attributes
@@ -117,6 +123,21 @@ options:
         Ignored for a bare host, where both run in this module's own process.
     type: str
     default: python3
+  unattended:
+    description:
+      - Never swap the venv under a live process of the target; name the processes in I(needs_window) instead
+        (the scheduled drift corrector). The role sets it from C(recover_unattended).
+      - Attended (the default) the venv is rebuilt and swapped whatever runs from it.
+    type: bool
+    default: false
+  ending_pids:
+    description:
+      - Pids (as the target numbers them) that the GPU step ends before this one; they do not count as running from
+        the venv. Used only in check mode (the GPU step ended nothing then), as the fact pass does; a real run sees
+        them gone. The role passes the fact pass's C(ending_pids).
+    type: list
+    elements: int
+    default: []
 requirements:
   - In the target, Python 3.9+ and either uv or the C(venv) module with C(ensurepip) (Debian C(python3-venv)).
   - Network from the target to the lock's indexes.
@@ -202,6 +223,28 @@ removed:
   returned: always
   type: list
   elements: str
+needs_window:
+  description:
+    - Unattended only - one sentence when a rebuild is due but a live process runs from the venv (found before the
+      build, or just before the swap); nothing was swapped and the module did not fail. Empty otherwise.
+  returned: always
+  type: list
+  elements: str
+  sample:
+    - "CT 200 on pve1: the venv at /opt/venvs/train needs a rebuild (torch 2.11.0+cu130 -> 2.11.0+cu128) but pid 516
+      (python3, pid 41 inside: 'python3 train.py'; argv0 /opt/venvs/train/bin/python) runs from it: it is not swapped
+      under a live process; rebuilding it needs a window (stop the job, or run recover.yml without
+      recover_unattended)"
+in_use:
+  description:
+    - Unattended, with a rebuild due - the target's processes running from the venv, each with C(pid) (on the node;
+      inside the target when found just before the swap), C(ns_pid), C(name), C(command), C(how) (C(exe),
+      C(argv0), C(mapped)) and C(file); C(how) null with C(error) when its files could not be read in time. A
+      process the build script found just before the swap has C(pid) and C(ns_pid) as the target numbers it,
+      C(name) and C(inside) (true).
+  returned: always
+  type: list
+  elements: dict
 retention_skipped:
   description: Versions retention would have removed but kept, each with C(path), C(pids) and C(reason).
   returned: always
@@ -294,6 +337,8 @@ from ansible.module_utils.pve_venv import (
     ignored_tooling,
     parse_lock,
     probe_payload,
+    read_node,
+    window_message,
 )
 
 BUILD = "build"
@@ -312,6 +357,7 @@ ARGUMENT_SPEC = {
     "keep": {"type": "int"},
     "build_timeout": {"type": "int", "default": 1800},
     "python_executable": {"type": "str", "default": "python3"},
+    "ending_pids": {"type": "list", "elements": "int", "default": []},
 }
 # What the build script answers on success, and the type of each key (its answer comes from inside the CT).
 BUILT_KEYS = {"current": str, "builder": dict, "lock_file": str, "cleaned": list, "removed": list}
@@ -320,7 +366,7 @@ BUILT_KEYS.update({"retention_skipped": list, "previous": (dict, type(None))})
 
 def check_options(params):
     """Why the options cannot work (one sentence), or ``""``."""
-    wrong = check_spec({name: params[name] for name in SPEC})
+    wrong = check_spec({name: params.get(name) for name in SPEC})
     if wrong:
         return wrong
     if params["keep"] is not None and params["keep"] < 1:
@@ -354,7 +400,7 @@ def build_payload(spec, params, stamp):
         "ignore": sorted(ignored_tooling(locked, spec["tooling"])),
         # `python3 -m venv` seeds pip/setuptools: under tooling=exact a pip build removes those the lock lacks.
         "drop_tooling": sorted(set(TOOLING) - set(locked)) if exact else [],
-    }
+    } | ({"window_check": True} if spec.get("unattended") else {})
 
 
 def part_answer(parts, name, label):
@@ -377,6 +423,12 @@ def built_of(answer, path):
             stderr=return_text if isinstance(return_text, str) else None,
             details={"cleaned": answer.get("cleaned") or [], "left_behind": answer.get("left_behind")},
         )
+    if isinstance(answer, dict) and "needs_window" in answer:
+        window = answer["needs_window"]
+        users = window.get("users") if isinstance(window, dict) else None
+        if not isinstance(users, list) or not all(isinstance(u, dict) and isinstance(u.get("pid"), int) for u in users):
+            raise VenvError("the build script answered a needs_window of the wrong shape", kind="probe")
+        return answer
     for key, kind in BUILT_KEYS.items():
         if not isinstance(answer, dict) or not isinstance(answer.get(key), kind):
             raise VenvError(f"the build script answered no {key!r} in the expected shape", kind="probe")
@@ -399,6 +451,8 @@ def result_of(before, after, built, seconds):
     built = built or {}
     return {
         "changed": before["pending"],
+        "needs_window": before["needs_window"],
+        "in_use": before["in_use"],
         "venv": before["path"],  # not "path": exit_json would add stats of the node's file of that name
         "current": built.get("current"),
         "previous": built.get("previous"),
@@ -415,6 +469,45 @@ def result_of(before, after, built, seconds):
         "diff": before["diff"],
         "seconds": round(seconds, 3),
     }
+
+
+def rebuild(target, spec, p, read, context):
+    """One pct exec: build and swap, then the reader part reads the venv again through the new symlink.
+
+    Returns ``(built, after)``; ``after`` is None when the build script found a live process on the current venv
+    just before the swap (unattended: ``built`` then holds ``needs_window``). Still out of spec fails (verify).
+    """
+    payload = build_payload(spec, p, utc_stamp())
+    if p["uv_wheel"]:
+        payload["uv"] = install_uv(target, p["uv_wheel"])
+    parts = target.run_probes(
+        {BUILD: (pve_script_training_venv, payload), NAME: read},
+        python=p["python_executable"],
+        timeout=p["build_timeout"] + CLEANUP_GRACE,
+    )
+    built = built_of(part_answer(parts, BUILD, target.label), spec["path"])
+    if "needs_window" in built:
+        return built, None
+    after = evaluate_step(spec, part_answer(parts, NAME, target.label), {}, dict(context, check_mode=False))
+    if out_of_spec(after):
+        details = {key: built[key] for key in ("current", "previous", "builder", "lock_file")}
+        details.update({key: after[key] for key in ("installed", "missing", "extra", "wrong")})
+        raise VenvError(out_of_spec(after), kind="verify", details=details)
+    return built, after
+
+
+def swap_refused(before, built, label, seconds):
+    """The result when the build script found a live process on the current venv just before the swap: nothing
+    was swapped (the new version was removed), no change, the processes in ``needs_window``."""
+    users = [
+        {"pid": u["pid"], "ns_pid": u["pid"], "name": str(u.get("name")), "inside": True}
+        for u in built["needs_window"]["users"]
+    ]
+    when = " (found when the new version was ready; that version was removed, nothing swapped)"
+    sentence = window_message(label, before["path"], before["changes"], users, when)
+    result = result_of(dict(before, pending=False, in_use=users, needs_window=[sentence]), None, None, seconds)
+    stays = before["diff"]["before"]
+    return dict(result, changes=[], diff={"before": stays, "after": stays}, cleaned=built.get("cleaned") or [])
 
 
 def uv_from_wheel(wheel_path):
@@ -464,29 +557,24 @@ def main():
         if wrong:
             raise VenvError(f"{wrong}; fix the training_venv_* variable of that name", kind="invalid")
         target = Target.from_params(p)
-        context = {"target": {"label": target.label, "vmid": target.vmid, "node": target.node}, "steps": {}}
+        vmid = target.vmid if target.is_container else None
+        context = {"target": {"label": target.label, "vmid": vmid, "node": target.node}, "steps": {}}
         read = (pve_probe_training_venv, probe_payload(spec, p["timeout"]))
         answer = target.run_probe(read[0], read[1], python=p["python_executable"])
-        before = evaluate_step(spec, answer, {}, dict(context, check_mode=module.check_mode))
+        # Unattended with a rebuild due: who runs from the venv, read on the node (nothing otherwise). Check mode:
+        # the GPU step ended nothing, so the processes it would end still run; a real run sees them gone.
+        node = dict(read_node(spec, target, answer, context), ending=p["ending_pids"] if module.check_mode else [])
+        before = evaluate_step(spec, answer, node, dict(context, check_mode=module.check_mode))
         if before["problems"]:
             raise VenvError("; ".join(before["problems"]), kind="problems")
         built = after = None
         if before["pending"] and not module.check_mode:
-            # One pct exec: build and swap, then the reader part reads the venv again through the new symlink.
-            payload = build_payload(spec, p, utc_stamp())
-            if p["uv_wheel"]:
-                payload["uv"] = install_uv(target, p["uv_wheel"])
-            build = (pve_script_training_venv, payload)
-            parts = target.run_probes(
-                {BUILD: build, NAME: read}, python=p["python_executable"], timeout=p["build_timeout"] + CLEANUP_GRACE
-            )
-            built = built_of(part_answer(parts, BUILD, target.label), spec["path"])
-            after = evaluate_step(spec, part_answer(parts, NAME, target.label), {}, dict(context, check_mode=False))
-            if out_of_spec(after):
-                details = {key: built[key] for key in ("current", "previous", "builder", "lock_file")}
-                details.update({key: after[key] for key in ("installed", "missing", "extra", "wrong")})
-                raise VenvError(out_of_spec(after), kind="verify", details=details)
-        result = result_of(before, after, built, time.monotonic() - started)
+            built, after = rebuild(target, spec, p, read, context)
+        seconds = time.monotonic() - started
+        if built is not None and "needs_window" in built:
+            result = swap_refused(before, built, target.label, seconds)
+        else:
+            result = result_of(before, after, built, seconds)
     except RecoverError as error:
         module.fail_json(**error.to_result(prefix=f"{target.label}: " if target else ""))
     module.exit_json(**result)

@@ -13,6 +13,12 @@ than a cache with it is ``refused`` (:func:`refusal`), which stops the run befor
 Its probe part (``pve_probe_compile_cache``) reads the roots by ``lstat`` only, the stamps, the venv's
 ``torch/version.py`` and triton's METADATA (never ``import torch``), the users' homes and which live processes
 use a root. Everything here is pure: the probe's answer and the facts of the steps before in, facts out.
+
+A stale root that a live process uses (its cwd, an open or a mapped file in it; the GPU step's processes aside,
+they are ended first) is never purged. Attended, that is a problem: the run stops before anything is deleted.
+Unattended (``unattended``, the scheduled drift corrector), that root is left as it is (not purged, not stamped)
+and named in ``needs_window``; the other roots are purged and stamped as usual, no warm-up runs (the caches it
+would fill are in use) and the run does not fail for it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import shlex
 from ansible.module_utils import pve_probe_compile_cache
 from ansible.module_utils.nvidia_smi import NvidiaSmiError, classify_failure, parse_gpus, query_gpu_argv
 from ansible.module_utils.pve_errors import RecoverError
+from ansible.module_utils.pve_gpu_cleanup import ending_pids_of  # pids the GPU step ends before this step runs
 from ansible.module_utils.pve_probe_compile_cache import clean, inside, refusal
 from ansible.module_utils.pve_target import ENV_NAME
 from ansible.module_utils.pve_venv import variant
@@ -47,6 +54,8 @@ SPEC = {
     "warmup_timeout": {"type": "int", "default": 900},
     # Environment of the warm-up, on top of what the step sets (it may not change TORCHINDUCTOR_COMPILE_THREADS).
     "warmup_env": {"type": "dict", "default": {}},
+    # The scheduled drift corrector: a stale root in use is left for a window (needs_window), not a problem.
+    "unattended": {"type": "bool", "default": False},
 }
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 FINGERPRINT_KEYS = ("torch", "variant", "cuda", "triton", "gpus")
@@ -254,15 +263,6 @@ def gpu_names_of(context):
     return [g.get("name") for g in preflight.get("gpus") or [] if isinstance(g.get("name"), str)]
 
 
-def ending_pids_of(context):
-    """Pids (as the target numbers them) that the GPU step ends before this step runs."""
-    facts = context["steps"].get("gpu_processes") or {}
-    if not facts.get("pending"):
-        return []
-    found = [p.get("ns_pid") for p in (facts.get("processes") or []) + (facts.get("launchers") or [])]
-    return sorted({pid for pid in found if isinstance(pid, int)})
-
-
 def venv_plan_of(spec, context):
     """``(pending, lock torch)`` of the training venv step when it is in the pass for this very venv."""
     facts = context["steps"].get("training_venv")
@@ -358,7 +358,7 @@ def diff_lines(roots, expected, venv_changes, warmup):
             state = f"stamp unusable ({root['stamp_error']})"
         else:
             state = "unstamped"
-        if verdict in ("fresh", "stale", "unstamped"):
+        if verdict in ("fresh", "stale", "unstamped") and not root.get("window"):
             new = target
         elif verdict == "missing" and warmup and target:
             new = f"{target} (if the warm-up fills it)"
@@ -369,9 +369,44 @@ def diff_lines(roots, expected, venv_changes, warmup):
     return "".join(before), "".join(after)
 
 
-def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending, extra_problems=()):
+def window_line(label, root):
+    """The one sentence of a stale root an unattended run leaves because a live process uses it."""
+    users = f"in use by {describe_users(root['live'])}" if root["live"] else "in use by a live process"
+    return (
+        f"{label}: compile cache {root['path']} is stale ({root['reason']}; {human_size(root['size_bytes'])}) but "
+        f"{users}: not purged under a live process; purging it needs a window (stop the job, or run recover.yml "
+        "without recover_unattended)"
+    )
+
+
+def in_use(roots, users, ending, label, problems, *, unattended, window):
+    """Sort the stale roots by the live processes that use them; returns the roots left for a window.
+
+    Each stale root gets ``busy`` (users the GPU step ends first: purged after them). A root with other live
+    users is a problem (appended to ``problems``), or, ``unattended``, left as it is: ``window`` true and ``live``
+    its users; so is a root whose real path is in ``window`` (the acting script left it).
+    """
+    waiting = []
+    for root in (r for r in roots if r["verdict"] == "stale"):
+        found = [u for u in users.get(root["real_path"]) or [] if isinstance(u, dict)]
+        root["busy"] = [u for u in found if u.get("pid") in ending]
+        live = [u for u in found if u.get("pid") not in ending]
+        if unattended and (live or root["real_path"] in window):
+            root.update(live=live, window=True)
+            waiting.append(root)
+        elif live:
+            problems.append(
+                f"{label}: cannot purge {root['path']}: in use by {describe_users(live)}; a purge never runs under "
+                "a live process (a running compile): stop it and run again"
+            )
+    return waiting
+
+
+def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending, extra_problems=(), window=()):
     """The step's facts from the probe's answer and the expected fingerprint; shared by the fact pass and the
-    module. ``ending``: pids the GPU step ends first (a root they use is purged after them)."""
+    module. ``ending``: pids the GPU step ends first (a root they use is purged after them). ``window``: real
+    paths the acting script found in use and left (unattended), judged as needing a window whoever uses them now.
+    """
     user = answer["user"]
     homes = {clean(h): list(u) for h, u in answer["homes"].items() if isinstance(h, str) and h.startswith("/")}
     if user.get("home") and clean(user["home"]) not in homes:
@@ -399,18 +434,10 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
             f"{label}: {spec['venv']} is {found}, so the caches cannot be judged; set compile_cache_venv to the "
             "venv training runs in"
         )
-    ending = set(ending)
-    users = answer["users"]
-    purging = [r for r in roots if r["verdict"] == "stale"]
-    for root in purging:
-        found = [u for u in users.get(root["real_path"]) or [] if isinstance(u, dict)]
-        root["busy"] = [u for u in found if u.get("pid") in ending]
-        live = [u for u in found if u.get("pid") not in ending]
-        if live:
-            problems.append(
-                f"{label}: cannot purge {root['path']}: in use by {describe_users(live)}; a purge never runs under "
-                "a live process (a running compile): stop it and run again"
-            )
+    waiting = in_use(
+        roots, answer["users"], set(ending), label, problems, unattended=spec.get("unattended"), window=window
+    )
+    purging = [r for r in roots if r["verdict"] == "stale" and not r.get("window")]
     if purging and answer.get("users_partial"):
         problems.append(
             f"{label}: cannot tell whether a live process uses a cache to purge: the process scan ran out of time; "
@@ -419,9 +446,10 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
     existing = [r for r in roots if r["verdict"] != "refused"]
     cold = all(r["verdict"] in ("missing", "stale") or r["entries"] == 0 for r in existing)
     warmup = bool(spec["warmup"]) and expected is not None and bool(existing) and (bool(purging) or cold)
+    warmup = warmup and not waiting  # never a compile while a live process uses the caches it would fill
     changes = []
     for root in roots:
-        if root["verdict"] == "stale":
+        if root["verdict"] == "stale" and not root.get("window"):
             changes.append(purge_line(root))
             changes.append(f"stamp {root['path']} {REBUILT if venv_changes else 'for ' + describe(expected)}")
         elif root["verdict"] == "unstamped":
@@ -433,6 +461,7 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
         changes.append(warmup_line(spec))
     before, after = diff_lines(roots, expected, venv_changes, warmup)
     return {
+        "needs_window": [window_line(label, root) for root in waiting],
         "user": spec["user"],
         "home": user.get("home"),
         "venv": spec["venv"],
@@ -485,8 +514,9 @@ def evaluate_step(spec, answer, node, context):
     )
 
 
-def module_facts(spec, answer, label, *, venv_pending=False, ending=()):
-    """The same facts for the acting module, from its own probe read (GPU names from its own nvidia-smi)."""
+def module_facts(spec, answer, label, *, venv_pending=False, ending=(), window=()):
+    """The same facts for the acting module, from its own probe read (GPU names from its own nvidia-smi);
+    ``window``: real paths the acting script left in use (see :func:`judge`)."""
     check_answer(answer, spec)
     gpus, problem = gpu_names_read(answer)
     return judge(
@@ -498,6 +528,7 @@ def module_facts(spec, answer, label, *, venv_pending=False, ending=()):
         venv_changes=venv_pending,
         ending=ending,
         extra_problems=[f"{label}: {problem}"] if problem else [],
+        window=window,
     )
 
 
@@ -546,7 +577,7 @@ def warmup_environment(spec, home, first_root):
 
 def act_payload(spec, facts, answer, timeout):
     """What the acting script needs: each root's action, the fingerprint to stamp, the warm-up."""
-    actions = {"stale": "purge", "unstamped": "stamp"}
+    actions = {"stale": "purge", "unstamped": "stamp"}  # a root that needs a window: no action
     user = answer["user"]
     warmup = None
     if facts["warmup"] and facts["warmup"]["planned"]:
@@ -562,7 +593,11 @@ def act_payload(spec, facts, answer, timeout):
         }
     return {
         "roots": [
-            {"path": r["path"], "real_path": r["real_path"], "action": actions.get(r["verdict"])}
+            {
+                "path": r["path"],
+                "real_path": r["real_path"],
+                "action": None if r.get("window") else actions.get(r["verdict"]),
+            }
             for r in facts["roots"]
         ],
         "fingerprint": facts["expected"],
@@ -570,4 +605,4 @@ def act_payload(spec, facts, answer, timeout):
         "homes": answer["homes"],
         "warmup": warmup,
         "timeout": timeout,
-    }
+    } | ({"unattended": True} if spec.get("unattended") else {})

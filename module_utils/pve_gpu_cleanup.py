@@ -15,15 +15,26 @@ shells running the job) are ended first, together with the holders. A holder in 
 cannot be ended by signals: the step fails naming the service and the command that stops it. Once the memory is
 free, the step watches ``settle`` seconds for new holders, so a restarter it could not recognise is named instead
 of passing unnoticed.
+
+Unattended mode (``unattended``, the scheduled drift corrector): the ``guard`` names the training job that runs as
+expected (``{match: REGEX}`` searched in a process's command line, ``{pid_file: PATH}`` inside the target whose
+pid is the job's main process). A holder is guarded when it or one of its parents in the same target matches
+(:func:`plan_guard`); unattended, a guarded holder, its launchers and any holder whose job shares a process with
+it are left running and named in ``needs_window`` (the run does not fail for them); unguarded holders are ended as
+usual. Attended (the default), the guard changes nothing: the operator asked for recovery; the facts still name
+the guarded holders (``guarded``). The pid files are read inside the target by this step's probe part, which the
+fact pass runs only when the guard has a ``pid_file`` entry.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 
+from ansible.module_utils import pve_probe_gpu_processes
 from ansible.module_utils.nvidia_smi import NvidiaSmi, shown, valid_uuid
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_process import (
@@ -43,7 +54,9 @@ from ansible.module_utils.pve_process import (
 )
 
 NAME = "gpu_processes"
-PROBE = None  # the GPUs come from preflight's probe part; the holders are read on the node
+# The GPUs come from preflight's probe part and the holders are read on the node; this part only reads the guard's
+# pid files inside the target, and only when there are some (probe_payload is None otherwise: no part at all).
+PROBE = pve_probe_gpu_processes
 DEFAULT_PROTECTED = ["nvidia-persistenced", "nv-hostengine", "nv-fabricmanager", "nvidia-fabricmanager", "dcgm*"]
 # Parents that start workers and start them again when they die: matched like protected, and also by the module
 # of ``python -m`` and the script an interpreter runs (pve_process.program_names).
@@ -87,7 +100,12 @@ SPEC = {
     "memory_threshold_mib": {"type": "int", "default": 0},
     "poll_interval": {"type": "float", "default": 0.05},
     "settle": {"type": "float", "default": 3},
+    # The scheduled drift corrector: leave the guarded job running and name it in needs_window (module docstring).
+    "unattended": {"type": "bool", "default": False},
+    # The training job that runs as expected: [{match: REGEX} | {pid_file: PATH}] (check_guard says the shape).
+    "guard": {"type": "list", "elements": "dict", "default": []},
 }
+GUARD_KEYS = ("match", "pid_file")
 MAX_PARENTS = 32  # how far up a holder's parents are walked (a real job is a few levels deep)
 COMMAND_SHOWN = 120  # characters of a parent's command line a message quotes
 
@@ -104,19 +122,41 @@ def owner_of(target):
     return f"ct:{target['vmid']}" if target["vmid"] is not None else "host"
 
 
+def ending_pids_of(context):
+    """Pids (as the target numbers them) that this step ends before a later step runs: its facts' ``processes``
+    and ``launchers`` when it has work (``context["steps"]`` of the fact pass), else none."""
+    facts = context["steps"].get(NAME) or {}
+    if not facts.get("pending"):
+        return []
+    found = [p.get("ns_pid") for p in (facts.get("processes") or []) + (facts.get("launchers") or [])]
+    return sorted({pid for pid in found if isinstance(pid, int)})
+
+
 # -- the fact pass ---------------------------------------------------------------------------------------------
+def pid_files_of(guard):
+    """The pid files the guard names, in its order, once each."""
+    files = (item["pid_file"] for item in guard or [] if isinstance(item, dict) and "pid_file" in item)
+    return list(dict.fromkeys(files))
+
+
 def probe_payload(spec, timeout=60):
-    return None
+    """``{"pid_files": [...]}`` when the guard names pid files (read inside the target); None (no part) otherwise."""
+    files = pid_files_of(spec.get("guard"))
+    return {"pid_files": files} if files else None
 
 
 def read_node(spec, target, answer, context):
     """Node-side reads: NVML's compute processes (host pids), their /proc entries, the device-file holders, and
-    the jobs of the target's own (their parents, the members of the systemd services they run in)."""
+    the jobs of the target's own (their parents, the members of the systemd services they run in). With a guard,
+    every parent of the target's holders up to the target's init (a guard may name any of them)."""
     owner = owner_of(context["target"])
     apps = NvidiaSmi(target.run_on_node, timeout=target.timeout).compute_apps()
     infos = {a["pid"]: read_process(a["pid"]) for a in apps}
     devices = device_holders(owner)
-    ancestors, units = read_jobs([*infos.values(), *(info for info, _ in devices)], owner)
+    holder_infos = [*infos.values(), *(info for info, _ in devices)]
+    ancestors, units = read_jobs(holder_infos, owner)
+    if spec.get("guard"):
+        ancestors.update(read_lineage(holder_infos, owner, ancestors))
     return {"apps": apps, "infos": infos, "devices": devices, "ancestors": ancestors, "units": units}
 
 
@@ -126,13 +166,25 @@ def evaluate_step(spec, answer, node, context):
     gpus = context["steps"]["preflight"]["gpus"]
     holders = collect_holders(node["apps"], gpus, node["infos"], node["devices"])
     owner = owner_of(target)
+    ancestors = node.get("ancestors", {})
     to_end, protected_idle, blockers = plan_cleanup(
         holders, owner, spec["protected"], target["node"], spec["keep_idle"]
     )
-    restarters, services = plan_jobs(
+    guard_pids, unread = guard_pids_of(answer, spec.get("guard"))
+    ending, guarded, kept = plan_guard(
         to_end,
         holders,
-        node.get("ancestors", {}),
+        ancestors,
+        owner=owner,
+        guard=spec.get("guard") or [],
+        guard_pids=guard_pids,
+        unattended=spec.get("unattended", False),
+        protected=spec["protected"],
+    )
+    restarters, services = plan_jobs(
+        ending,
+        holders,
+        ancestors,
         node.get("units", {}),
         owner=owner,
         launchers=spec["launchers"],
@@ -145,19 +197,23 @@ def evaluate_step(spec, answer, node, context):
         problems.append(service_message(target["label"], services, target["vmid"]))
     if restarters and not spec["end_launchers"]:
         problems.append(restarter_message(target["label"], restarters))
-    held = busy_gpus(gpus, {g["uuid"] for g in gpus}, spec["memory_threshold_mib"])
-    if held and not to_end and not blockers:
+    if unread and spec.get("unattended"):
+        problems.append(pid_file_message(target["label"], unread))
+    held = busy_gpus(gpus, wait_uuids(gpus, kept), spec["memory_threshold_mib"])
+    if held and not ending and not blockers:
         problems.append(str(no_holder_error(target["label"], held, spec["memory_threshold_mib"], {})))
     return {
-        "processes": [as_result(e) for e in to_end],
+        "processes": [as_result(e) for e in ending],
         "launchers": [as_launcher(r) for r in restarters],
         "protected": [as_result(e) for e in protected_idle],
         "blockers": [dict(as_result(e), reason=why) for e, why in blockers]
         + [dict(as_result(e), reason=service_reason(unit, e, target["vmid"])) for e, unit in services],
-        "changes": plan_changes(to_end, restarters),
+        "guarded": [as_guarded(e, why) for e, why in guarded],
+        "needs_window": [window_message(target["label"], e, why) for e, why in kept],
+        "changes": plan_changes(ending, restarters),
         "problems": problems,
-        "diff": diff_cleanup(to_end, restarters),
-        "pending": bool(to_end) and not problems,
+        "diff": diff_cleanup(ending, restarters),
+        "pending": bool(ending) and not problems,
     }
 
 
@@ -188,6 +244,35 @@ def read_jobs(holder_infos, owner):
         if unit is not None and unit["path"] not in units:
             units[unit["path"]] = read_unit_members(unit["path"])
     return ancestors, units
+
+
+def read_lineage(holder_infos, owner, known=None):
+    """Node-side: host pid -> ProcessInfo of every parent of a holder of ``owner`` up to the target's init (never
+    past it, never into another owner), at most MAX_PARENTS levels; ``known`` (the walk of :func:`read_jobs`)
+    is reused, not read again. Only what ``known`` lacks is returned.
+
+    :func:`read_jobs` stops at an interactive shell or a session manager (nothing above is the holder's job); a
+    guard may name a process above those (the tmux session that runs the training), so this walk goes on.
+    """
+    known = dict(known or {})
+    found = {}
+    for info in holder_infos:
+        if info is None or info.owner != owner:
+            continue
+        pid = info.ppid
+        for _ in range(MAX_PARENTS):
+            if pid <= 1:
+                break
+            parent = known.get(pid)
+            if parent is None:
+                parent = read_process(pid)
+                if parent is None:
+                    break
+                known[pid] = found[pid] = parent
+            if parent.owner != owner or parent.ns_pid == 1:
+                break
+            pid = parent.ppid
+    return found
 
 
 # -- pure logic ----------------------------------------------------------------------------------------------
@@ -297,6 +382,165 @@ def plan_jobs(to_end, holders, ancestors, units, *, owner, launchers, protected)
     return sorted(restarters.values(), key=lambda r: (-r["depth"], r["info"].pid)), services
 
 
+# -- the guard (unattended mode) -------------------------------------------------------------------------------
+def guard_pids_of(answer, guard):
+    """``({pid file: pid inside the target}, [(pid file, why unreadable)])`` from the probe part's answer.
+
+    A missing pid file names no process (its job does not run); one that exists but holds no pid, or cannot be
+    read, is in the second list. The answer comes from inside a CT: anything that is not its shape is a
+    GpuProcessesError (the fact pass then names the step as unreadable).
+    """
+    files = pid_files_of(guard)
+    if not files:
+        return {}, []
+    read = answer.get("pid_files") if isinstance(answer, dict) else None
+    if not isinstance(read, dict):
+        raise GpuProcessesError("the gpu_processes probe answered no 'pid_files' object")
+    pids, unread = {}, []
+    for path in files:
+        one = read.get(path)
+        if not isinstance(one, dict) or one.get("state") not in ("ok", "missing", "unreadable"):
+            raise GpuProcessesError(f"the gpu_processes probe answered nothing usable for the pid file {path}")
+        pid = one.get("pid")
+        if one["state"] == "ok" and isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+            pids[path] = pid
+        elif one["state"] != "missing":
+            unread.append((path, str(one.get("reason") or "it holds no pid")))
+    return pids, unread
+
+
+def lineage(info, ancestors, owner):
+    """``info`` and its parents in the same target, nearest first, up to (not including) the target's init; pure.
+
+    ``ancestors``: host pid -> ProcessInfo (:func:`read_jobs`, :func:`read_lineage`).
+    """
+    chain, current = [], info
+    while (
+        current is not None
+        and current.owner == owner
+        and current.pid > 1
+        and current.ns_pid != 1
+        and current not in chain
+        and len(chain) <= MAX_PARENTS
+    ):
+        chain.append(current)
+        current = ancestors.get(current.ppid)
+    return chain
+
+
+def guard_hit(info, guard, guard_pids):
+    """How the guard names process ``info`` (words for messages), or None; pure.
+
+    ``{match: REGEX}`` is searched (re.search) in its command line joined with spaces; ``{pid_file: PATH}`` names it
+    when the pid the file holds (``guard_pids``) is its pid inside the target.
+    """
+    command = " ".join(info.cmdline)
+    for item in guard:
+        if "match" in item and command and re.search(item["match"], command):
+            return f"matches gpu_processes_guard {{match: {item['match']!r}}}"
+        if "pid_file" in item and guard_pids.get(item["pid_file"]) == info.ns_pid:
+            return f"is the pid in {item['pid_file']} (gpu_processes_guard)"
+    return None
+
+
+def guard_reason(info, ancestors, owner, guard, guard_pids):
+    """``(guarded process, why)`` when holder ``info`` or one of its parents in the target is guarded, else None."""
+    for depth, process in enumerate(lineage(info, ancestors, owner)):
+        hit = guard_hit(process, guard, guard_pids)
+        if hit is not None:
+            if depth == 0:
+                return process, f"it {hit}"
+            kin = "parent" if depth == 1 else "ancestor"
+            return process, f"its {kin} {describe_process(process)} {hit}"
+    return None
+
+
+def plan_guard(to_end, holders, ancestors, *, owner, guard, guard_pids, unattended, protected):
+    """Split the target's own holders by the guard: ``(ending, guarded, kept)``; pure.
+
+    ``guarded``: ``[(entry, why)]`` of the holders that are, or descend from, a process the guard names (told in
+    attended mode too). ``kept`` (unattended only, else ``[]``): the holders left running, each with why: the
+    guarded ones, then, until none is added, every holder that is a parent of a kept one, a child of a kept one,
+    or whose job (:func:`job_chain`) shares a process with a kept one's line, since ending it would end or restart
+    what is kept. ``ending``: ``to_end`` without ``kept``; the launchers planned from it are never the kept job's.
+    """
+    guarded = []
+    for entry in to_end:
+        found = guard_reason(entry["info"], ancestors, owner, guard, guard_pids)
+        if found is not None:
+            guarded.append((entry, found[1]))
+    if not unattended or not guarded:
+        return list(to_end), guarded, []
+    kept = {entry["info"].pid: (entry, why) for entry, why in guarded}
+    lines = {entry["info"].pid: lineage(entry["info"], ancestors, owner) for entry in to_end}
+
+    guarded_pids = set(kept)
+
+    def named(entry):
+        if entry["info"].pid in guarded_pids:
+            return f"the guarded {describe(entry)}"
+        return f"{describe(entry)}, which is left running"
+
+    added = True
+    while added:
+        added = False
+        job = {}  # host pid of every process in a kept holder's line -> that holder
+        for entry, _ in kept.values():
+            for process in lines[entry["info"].pid]:
+                job.setdefault(process.pid, entry)
+        for entry in to_end:
+            info = entry["info"]
+            if info.pid in kept:
+                continue
+            above = [p for p in lines[info.pid][1:] if p.pid in kept]
+            shared = [p for p in job_chain(info, holders, ancestors, owner, protected) if p.pid in job]
+            if info.pid in job:
+                why = f"it is a parent of {named(job[info.pid])}"
+            elif above:
+                why = f"it descends from {named(kept[above[0].pid][0])}"
+            elif shared:
+                why = f"its job shares {describe_process(shared[0])} with {named(job[shared[0].pid])}"
+            else:
+                continue
+            kept[info.pid] = (entry, why)
+            added = True
+    ordered = [kept[e["info"].pid] for e in to_end if e["info"].pid in kept]
+    return [e for e in to_end if e["info"].pid not in kept], guarded, ordered
+
+
+def wait_uuids(gpus, kept):
+    """The UUIDs of the target's GPUs that must be free after the step: all but those a kept holder uses."""
+    busy = {index for entry, _ in kept for index in entry["gpus"]}
+    return {g["uuid"] for g in gpus if g["index"] not in busy}
+
+
+def as_guarded(entry, why):
+    return dict(as_result(entry), command=short_command(entry["info"]), reason=why)
+
+
+def short_command(info):
+    text = " ".join(info.cmdline)
+    return text if len(text) <= COMMAND_SHOWN else text[:COMMAND_SHOWN] + "..."
+
+
+def window_message(label, entry, why):
+    """One sentence per holder an unattended run leaves running: pid, command (shortened), why."""
+    command = f", running {shown_command(entry['info'])}," if entry["info"].cmdline else ""
+    return (
+        f"{label}: {describe(entry)}{command} is left running: {why}; ending it needs a window (run recover.yml "
+        "without recover_unattended)"
+    )
+
+
+def pid_file_message(label, unread):
+    return (
+        f"{label}: cannot tell which process the guard's pid file names: "
+        + "; ".join(f"{path}: {why}" for path, why in unread)
+        + ". Nothing was ended: an unattended run ends nothing it cannot tell from the guarded job. Fix the pid "
+        "file or gpu_processes_guard"
+    )
+
+
 def shown_command(info):
     """A process's command line as messages quote it: repr (inert), at most COMMAND_SHOWN characters."""
     text = " ".join(info.cmdline)
@@ -386,8 +630,43 @@ def check_waits(params):
     return None
 
 
-# The fact pass checks the step's settings with this before anything runs (module_utils/pve_steps).
-check_spec = check_waits
+def check_guard(guard):
+    """A sentence naming the first ``guard`` entry that cannot work (it names the role variable), or None.
+
+    Each entry is a dict with exactly one of ``match`` (a regular expression, searched in a process's command line
+    joined with spaces) or ``pid_file`` (an absolute path inside the target).
+    """
+    shape = "each entry is {match: REGEX} (searched in the command line) or {pid_file: /absolute/path} (in the target)"
+    for number, item in enumerate(guard or []):
+        where = f"gpu_processes_guard[{number}]"
+        if not isinstance(item, dict):
+            return f"{where} is {item!r}, not a dict; {shape}"
+        unknown = sorted(str(k) for k in item if k not in GUARD_KEYS)
+        if unknown:
+            return f"{where} has {', '.join(unknown)}; {shape}"
+        present = [key for key in GUARD_KEYS if key in item]
+        if len(present) != 1:
+            return f"{where} has {' and '.join(present) or 'neither match nor pid_file'}; give one per entry: {shape}"
+        key, value = present[0], item[present[0]]
+        if not isinstance(value, str) or not value:
+            return f"{where}.{key} is {value!r}; give a non-empty string"
+        if key == "match":
+            try:
+                re.compile(value)
+            except re.error as error:
+                return f"{where}.match {value!r} is not a regular expression: {error}"
+        elif not value.startswith("/") or "\0" in value:
+            return f"{where}.pid_file {value!r} is not an absolute path (the pid file's path inside the target)"
+    return None
+
+
+def check_spec(params):
+    """A sentence naming the first setting that cannot work, or None: the waits, then the guard's shape.
+
+    The fact pass checks the step's settings with this before anything runs (module_utils/pve_steps); the
+    module checks its options with it too.
+    """
+    return check_waits(params) or check_guard(params.get("guard"))
 
 
 # -- waiting ---------------------------------------------------------------------------------------------------
@@ -459,20 +738,44 @@ def watch_settle(new_holders, *, window, poll_interval, clock=time.monotonic, sl
 
 
 # -- wiring ----------------------------------------------------------------------------------------------------
+def read_guard_pids(target, p):
+    """The guard's pid files, read inside the target by the probe part: one more command, made only when the
+    guard names pid files. Returns :func:`guard_pids_of`'s ``(pids, unread)``."""
+    payload = probe_payload(p)
+    if payload is None:
+        return {}, []
+    return guard_pids_of(target.run_probe(pve_probe_gpu_processes, payload), p["guard"])
+
+
 def find(target, node_smi, p):
     """Read the target's GPUs (in the target), NVML's processes, device holders and their jobs (on the node); plan.
 
-    Returns a dict: ``gpus``, ``owner``, ``to_end``, ``protected_idle``, ``blockers``, ``restarters``,
-    ``services`` and ``jobs`` (``(pid, start_time)`` of every parent that is part of a holder's job).
+    Returns a dict: ``gpus``, ``owner``, ``to_end`` (what a run ends: the guard's ``kept`` left out),
+    ``protected_idle``, ``blockers``, ``restarters``, ``services``, ``jobs`` (``(pid, start_time)`` of every
+    parent that is part of a holder's job), ``guarded``, ``kept``, ``unread`` (pid files that could not be read),
+    ``guard_pids`` and ``ancestors``.
     """
     gpus = NvidiaSmi(target.run, timeout=target.timeout).memory()
+    guard_pids, unread = read_guard_pids(target, p)
     owner = owner_of({"vmid": target.vmid if target.is_container else None})
     apps = node_smi.compute_apps()
     infos = {a["pid"]: read_process(a["pid"]) for a in apps}
     devices = device_holders(owner)
     holders = collect_holders(apps, gpus, infos, devices)
-    to_end, protected_idle, blockers = plan_cleanup(holders, owner, p["protected"], target.node, p["keep_idle"])
-    ancestors, units = read_jobs([e["info"] for e in to_end], owner)
+    own, protected_idle, blockers = plan_cleanup(holders, owner, p["protected"], target.node, p["keep_idle"])
+    ancestors, units = read_jobs([e["info"] for e in own], owner)
+    if p["guard"]:
+        ancestors.update(read_lineage([e["info"] for e in own], owner, ancestors))
+    to_end, guarded, kept = plan_guard(
+        own,
+        holders,
+        ancestors,
+        owner=owner,
+        guard=p["guard"],
+        guard_pids=guard_pids,
+        unattended=p["unattended"],
+        protected=p["protected"],
+    )
     restarters, services = plan_jobs(
         to_end, holders, ancestors, units, owner=owner, launchers=p["launchers"], protected=p["protected"]
     )
@@ -490,6 +793,11 @@ def find(target, node_smi, p):
         "restarters": restarters,
         "services": services,
         "jobs": jobs,
+        "guarded": guarded,
+        "kept": kept,
+        "unread": unread,
+        "guard_pids": guard_pids,
+        "ancestors": ancestors,
     }
 
 
@@ -561,26 +869,45 @@ def left_alone(entry, p):
     return not sum(entry["gpus"].values()) and matches_name(entry["info"], [*p["protected"], *p["keep_idle"]])
 
 
-def relist(node_smi, gpus, owner, known, p):
-    """The holders of the target's GPUs now (NVML and device files) that are not in ``known`` (pid, start time)
-    and not :func:`left_alone`."""
+def relist(node_smi, gpus, owner, known, p, *, keep=None):
+    """The holders of the target's GPUs now (NVML and device files) that are not in ``known`` (pid, start time),
+    not :func:`left_alone` and not what ``keep(entry)`` says an unattended run leaves running (the guarded job)."""
     apps = node_smi.compute_apps()
     holders = collect_holders(apps, gpus, {a["pid"]: read_process(a["pid"]) for a in apps}, device_holders(owner))
     return [
-        e for pid, e in sorted(holders.items()) if (pid, e["info"].start_time) not in known and not left_alone(e, p)
+        e
+        for pid, e in sorted(holders.items())
+        if (pid, e["info"].start_time) not in known and not left_alone(e, p) and not (keep and keep(e))
     ]
 
 
-def new_device_holders(owner, known, p):
-    """The target's processes holding NVIDIA device files that are not in ``known`` and not :func:`left_alone`:
-    a /proc scan, no command."""
+def new_device_holders(owner, known, p, *, keep=None):
+    """The target's processes holding NVIDIA device files that are not in ``known``, not :func:`left_alone` and
+    not kept (``keep``, see :func:`relist`): a /proc scan, no command."""
     found = [{"info": info, "gpus": {}, "found_by": {"device"}} for info, _ in device_holders(owner)]
-    return [e for e in found if (e["info"].pid, e["info"].start_time) not in known and not left_alone(e, p)]
+    return [
+        e
+        for e in found
+        if (e["info"].pid, e["info"].start_time) not in known and not left_alone(e, p) and not (keep and keep(e))
+    ]
+
+
+def guarded_now(found, p):
+    """``keep`` for :func:`relist` in an unattended run: a new holder that is the guarded job's (it or a parent of
+    it is guarded: a job that runs as expected starts workers), read on the node when it appears."""
+    owner, ancestors = found["owner"], dict(found["ancestors"])
+
+    def keep(entry):
+        ancestors.update(read_lineage([entry["info"]], owner, ancestors))
+        return guard_reason(entry["info"], ancestors, owner, p["guard"], found["guard_pids"]) is not None
+
+    return keep
 
 
 def refuse_unsafe(target, found, p, result):
     """Raise, before anything is ended, when the plan cannot free the GPUs: blockers (other owners', protected),
-    holders in a systemd service of their own, or restarters that ``end_launchers: false`` forbids ending."""
+    holders in a systemd service of their own, restarters that ``end_launchers: false`` forbids ending, or (in
+    an unattended run) a guard pid file that cannot be read."""
     vmid = target.vmid if target.is_container else None
     if found["blockers"]:
         raise GpuProcessesError(
@@ -596,6 +923,8 @@ def refuse_unsafe(target, found, p, result):
         )
     if found["restarters"] and not p["end_launchers"]:
         raise GpuProcessesError(restarter_message(target.label, found["restarters"]), **result)
+    if found["unread"] and p["unattended"]:
+        raise GpuProcessesError(pid_file_message(target.label, found["unread"]), **result)
 
 
 def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None):
@@ -608,11 +937,14 @@ def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None)
     clock, sleep = time.monotonic, time.sleep  # looked up now, so a test can give the module a clock of its own
     found = find(target, node_smi, p)
     gpus, to_end, restarters = found["gpus"], found["to_end"], found["restarters"]
-    uuids = {g["uuid"] for g in gpus}
+    # The GPUs that must be free afterwards: those a holder left running (unattended, guarded) uses stay busy.
+    uuids = wait_uuids(gpus, found["kept"])
     result = {
         "processes": [as_result(e) for e in to_end],
         "launchers": [as_launcher(r) for r in restarters],
         "protected": [as_result(e) for e in found["protected_idle"]],
+        "guarded": [as_guarded(e, why) for e, why in found["guarded"]],
+        "needs_window": [window_message(target.label, e, why) for e, why in found["kept"]],
         "killed": [],
         "memory": gpus,
         "polls": 0,
@@ -647,13 +979,16 @@ def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None)
     result["killed"] = killed
     if survivors:
         raise survivor_error(target, [(e, state_of(e)) for e in survivors], p["kill_timeout"], result)
-    # What may still hold the GPUs after this: only what was left alone (protected or idle).
-    known = {(e["info"].pid, e["info"].start_time) for e in found["protected_idle"]}
+    # What may still hold the GPUs after this: only what was left alone (protected or idle, or the guarded job of
+    # an unattended run, which may start new workers of its own).
+    kept = [e for e, _ in found["kept"]]
+    known = {(e["info"].pid, e["info"].start_time) for e in [*found["protected_idle"], *kept]}
     owner = found["owner"]
+    keep = guarded_now(found, p) if p["unattended"] and p["guard"] else None
     appeared = []
 
     def interrupt():
-        appeared[:] = new_device_holders(owner, known, p)
+        appeared[:] = new_device_holders(owner, known, p, keep=keep)
         return bool(appeared)
 
     waiting, polls = clock(), 0
@@ -672,7 +1007,7 @@ def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None)
         if free:
             break
         # Before blaming the driver: memory that came back may be a new worker's (a restarted job).
-        new = relist(node_smi, gpus, owner, known, p)
+        new = relist(node_smi, gpus, owner, known, p, keep=keep)
         if new:
             when = (
                 "while the step waited for their memory to be released"
@@ -694,12 +1029,12 @@ def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None)
     result["seconds_to_free"] = round(clock() - started, 3)
     if p["settle"] > 0:
         new = watch_settle(
-            lambda: new_device_holders(owner, known, p),
+            lambda: new_device_holders(owner, known, p, keep=keep),
             window=p["settle"],
             poll_interval=p["poll_interval"],
             clock=clock,
             sleep=sleep,
-        ) or relist(node_smi, gpus, owner, known, p)
+        ) or relist(node_smi, gpus, owner, known, p, keep=keep)
         if new:
             raise new_holder_error(
                 target, new, found, f"within the {p['settle']:g} s the step watched after their memory was free", result

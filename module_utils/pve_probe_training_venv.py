@@ -135,7 +135,8 @@ def _site_packages(path, python):
 def probe(payload):
     """Answer ``{"path": venv, "timeout": s}`` with the venv's interpreter, distributions and torch build.
 
-    ``{"path", "exists" (pyvenv.cfg read), "directory" (the path is a directory), "python" ("3.11"),
+    ``{"path", "exists" (pyvenv.cfg read), "directory" (the path is a directory), "real_path" (where it resolves,
+    only when it exists), "python" ("3.11"),
     "pyvenv" ({key: value}), "interpreter" ({"path", "exists"}), "lib_pythons" (["3.11"]), "site_packages",
     "distributions" ([{"name", "version", "installer", "direct_url"}]), "broken" ([{"record", "reason"}]),
     "torch_version_py" (parse_torch_version_py() or None), "errors" (what could not be read)}``.
@@ -163,6 +164,9 @@ def probe(payload):
     interpreter = os.path.join(path, "bin", "python")
     answer.update(
         exists=True,
+        # Where the venv really is (a version behind the symlink): the node compares the files processes run from
+        # with it (an unattended run swaps no venv a live process runs from).
+        real_path=os.path.realpath(path),
         pyvenv=pyvenv,
         # A venv's bin/python links to its base interpreter; a dangling link means that python is gone.
         interpreter={"path": os.path.realpath(interpreter), "exists": os.path.exists(interpreter)},

@@ -16,7 +16,10 @@ anything it replaces the stamp with a "purging" marker, so a purge that is cut s
 fresh or adoptable cache: the next run purges again.
 
 Order: check every root, check no process uses a root to purge, purge, stamp, warm up (once, alone, with a
-deadline, ``TORCHINDUCTOR_COMPILE_THREADS=1``), stamp the roots the warm-up created. Any failure answers
+deadline, ``TORCHINDUCTOR_COMPILE_THREADS=1``), stamp the roots the warm-up created. A root to purge that a live
+process uses fails the whole act (``busy``, nothing purged), unless the payload says ``unattended``: then that
+root is left as it is (neither purged nor stamped), named in the answer's ``needs_window``, no warm-up runs, and
+the other roots are purged and stamped. Any failure answers
 ``{"error": kind, "message", "cmd", "rc", "stdout_tail", "stderr_tail", "done"}`` with what was already done.
 """
 
@@ -352,6 +355,8 @@ class Act:
         self.stamp_name = payload["stamp_name"]
         self.homes = {clean(h): list(u) for h, u in payload["homes"].items()}
         self.warmup = payload.get("warmup")
+        self.unattended = bool(payload.get("unattended"))
+        self.window = []  # unattended: roots to purge left as they are, in use by a live process
         self.deadline = time.monotonic() + float(payload["timeout"])
         for root in self.roots:
             root.update(size_before=None, size_after=None, purged=None, stamped=False)
@@ -386,6 +391,12 @@ class Act:
         purging = [r for r in acting if r["action"] == "purge"]
         users = users_of(sorted({reals[id(r)] for r in purging}), os.getpid())
         busy = [(r, users[reals[id(r)]]) for r in purging if users[reals[id(r)]]]
+        if busy and self.unattended:
+            for root, found in busy:
+                root["action"] = None  # left for a window: neither purged nor stamped
+                self.window.append({"path": root["path"], "real_path": reals[id(root)], "users": found})
+            self.warmup = None  # no compile while a live process uses the caches it would fill
+            busy = []
         if busy:
             named = "; ".join(
                 f"{r['path']} by " + ", ".join(f"pid {u['pid']} ({u['name']}: {', '.join(u['how'])})" for u in found)
@@ -408,6 +419,7 @@ class Act:
             "roots": self.roots,
             "warmup": self.warmed,
             "fingerprint": self.fingerprint,
+            "needs_window": self.window,
             "seconds": round(time.monotonic() - started, 3),
         }
 
@@ -461,11 +473,12 @@ def probe(payload):
 
     ``payload``: ``{"roots": [{"path", "real_path", "action": "purge"|"stamp"|None}], "fingerprint", "stamp_name",
     "homes" ({home: [users]}), "warmup" ({"argv", "env", "timeout", "cwd", "user", "uid", "gid"} or None),
-    "timeout"}``.
+    "timeout", "unattended" (optional: a root in use is left, not a failure)}``.
 
     Success: ``{"roots": [{"path", "real_path", "action", "size_before", "size_after", "purged" ({"files",
     "bytes", "links", "links_out", "mounts_left"} or None), "stamped"}], "warmup" ({"argv", "rc", "seconds",
-    "size_before", "size_after", "filled", "stdout_tail", "stderr_tail"} or None), "fingerprint", "seconds"}``.
+    "size_before", "size_after", "filled", "stdout_tail", "stderr_tail"} or None), "fingerprint", "needs_window"
+    ([{"path", "real_path", "users": [{"pid", "name", "how"}]}], unattended only), "seconds"}``.
     Failure: ``{"error", "message", "cmd", "rc", "stdout_tail", "stderr_tail", "done"}``.
     """
     try:

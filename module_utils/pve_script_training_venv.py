@@ -25,6 +25,11 @@ Layout (a venv embeds its own path, so a working venv is never moved while jobs 
 
 Any failure removes what this run built and answers ``{"error": kind, "message": sentence, "stderr_tail", "cmd",
 "rc"}``; ``<path>`` is then untouched.
+
+Unattended (``window_check`` in the payload), the last thing before the swap is a look at the live processes: when
+one runs from the current venv (a job started while the new one was built), the new version is removed, ``<path>``
+is left as it was and the answer is ``{"needs_window": {"path", "users": [{"pid", "name"}]}, "cleaned",
+"left_behind"}``, not an error: swapping it needs a window.
 """
 
 import contextlib
@@ -355,6 +360,15 @@ def processes_using(directories, proc="/proc"):
     return {d: sorted(p) for d, p in using.items() if p}
 
 
+def comm_of(pid, proc="/proc"):
+    """The kernel's name of ``pid`` (``python3``), or ``?`` when it cannot be read."""
+    try:
+        with open(os.path.join(proc, str(pid), "comm"), encoding="utf-8", errors="replace") as handle:
+            return handle.read().strip() or "?"
+    except OSError:
+        return "?"
+
+
 def _paths_of(proc_pid):
     """The files a process runs from: its exe, its argv[0] (directory resolved) and its mapped files."""
     paths = []
@@ -450,6 +464,7 @@ class Build:
         self.created = False  # this run made self.new (so a failure removes it)
         self.swapped = False  # self.new is the current venv (so nothing of it is ever removed)
         self.cleaned = []
+        self.window_check = bool(payload.get("window_check"))  # unattended: never swap under a live process
 
     # -- commands ------------------------------------------------------------------------------------------
     def run(self, argv, what):
@@ -704,6 +719,15 @@ class Build:
         name, where = self.builder()
         builder = self.make_venv_with_uv(where) if name == "uv" else self.make_venv_with_pip(where)
         python = self.check()
+        if self.window_check and old_dir and os.path.isdir(old_dir):
+            users = processes_using([old_dir]).get(old_dir, [])
+            if users:  # a job started from it while this one was built: swapping it needs a window
+                return {
+                    "needs_window": {"path": old_dir, "users": [{"pid": pid, "name": comm_of(pid)} for pid in users]},
+                    "cleaned": self.cleaned,
+                    "left_behind": self.discard(),
+                    "seconds": round(time.monotonic() - started, 3),
+                }
         os.unlink(os.path.join(self.new, MARKER))
         previous = None
         if old_dir and os.path.isdir(old_dir):
@@ -741,11 +765,14 @@ def probe(payload):
 
     ``payload``: ``{"path", "lock" (its text), "python" ("3.11" or None), "stamp" ("20261203T101500Z"), "uv" (path
     or name), "keep" (int or None), "timeout" (s), "expected" ({canonical name: version}, the lock's pins),
-    "ignore" (tooling names not compared), "drop_tooling" (seeded tooling a pip build removes)}``.
+    "ignore" (tooling names not compared), "drop_tooling" (seeded tooling a pip build removes), "window_check"
+    (unattended: no swap while a live process uses the current venv; optional)}``.
 
     Success: ``{"path", "current", "previous" ({"path", "freeze", "moved", "note"} or None), "builder" ({"name",
     "path", "version"[, "fallback"]}), "python", "lock_file", "cleaned", "removed", "retention_skipped",
-    "seconds"}``. Failure: ``{"error", "message", "cmd", "rc", "stderr_tail", "cleaned", "left_behind"}``.
+    "seconds"}``. Failure: ``{"error", "message", "cmd", "rc", "stderr_tail", "cleaned", "left_behind"}``. Not
+    swapped because a live process uses the current venv (``window_check``): ``{"needs_window", "cleaned",
+    "left_behind", "seconds"}``.
     """
     try:
         build = Build(payload)

@@ -8,6 +8,7 @@ A step is a module in module_utils that exposes (docs/design.md, "Adding a step"
 * ``PROBE``: its probe part (a stdlib-only module with ``probe(payload)``, run inside the target), or None;
 * ``SPEC``: the typed argument spec of the step's settings; the acting module takes the same options;
 * ``probe_payload(spec, timeout)``: what the probe part is asked to read (JSON), within ``timeout`` seconds;
+  None leaves the part out of this pass (its ``answer`` is then None);
 * ``read_node(spec, target, answer, context)``: the node-side reads (the module already runs on the node);
   ``answer`` is None when the probe part failed;
 * ``evaluate_step(spec, answer, node, context)``: pure; the step's facts, with at least ``changes`` (one line per
@@ -133,19 +134,25 @@ def probe_parts(specs, timeout):
     parts = {}
     for step in steps_in(specs):
         if step.PROBE is not None:
-            parts[probe_name(step.PROBE)] = (step.PROBE, step.probe_payload(specs[step.NAME], timeout))
+            payload = step.probe_payload(specs[step.NAME], timeout)
+            if payload is not None:  # nothing to read inside this time (gpu_processes without guard pid files)
+                parts[probe_name(step.PROBE)] = (step.PROBE, payload)
     return parts
 
 
 def failed_step(step, target_label, why):
-    """The facts of a step that could not be read: a problem that names it, nothing pending."""
-    return {
+    """The facts of a step that could not be read: a problem that names it, nothing pending, nothing found that
+    needs a window (``needs_window`` is in every step's facts that has an unattended mode)."""
+    facts = {
         "changes": [],
         "problems": [f"{target_label}: the {step.NAME} facts could not be read: {why}"],
         "diff": {"before": "", "after": ""},
         "pending": False,
         "error": why,
     }
+    if "unattended" in step.SPEC:
+        facts["needs_window"] = []
+    return facts
 
 
 def evaluate_steps(specs, target, answers, context, clock=time.monotonic):
@@ -157,7 +164,9 @@ def evaluate_steps(specs, target, answers, context, clock=time.monotonic):
     for step in steps_in(specs):
         started = clock()
         spec = specs[step.NAME]
-        part = answers.get(probe_name(step.PROBE)) if step.PROBE is not None else {"answer": None}
+        # A step without a part this time (no probe, or a payload of None) reads nothing inside: its answer is None.
+        part = answers.get(probe_name(step.PROBE)) if step.PROBE is not None else None
+        part = {"answer": None} if part is None else part
         preflight = context["steps"].get(pve_preflight.NAME)
         if step is not pve_preflight and preflight is not None and preflight["problems"]:
             facts = dict(failed_step(step, context["target"]["label"], "preflight found problems"), skipped=True)

@@ -11,6 +11,15 @@ satisfied by ``2.11.0+cu130``; here they differ, because the local tag is the CU
 the drift this project exists to find. The lock is a ``uv pip compile --generate-hashes`` requirements file;
 the role reads it on the controller (``lookup('file', training_venv_lock_file)``) and passes its TEXT, so the
 node needs no copy of it and the fact pass sees exactly what the build will install.
+
+Unattended (``unattended``, the scheduled drift corrector), a venv that needs a rebuild is not swapped while a
+live process of the target runs from it: the facts name those processes in ``needs_window`` and nothing is
+pending. Which processes run from it is read on the node (:func:`read_node`, pve_process.processes_running_from:
+the target's processes by their cgroup, then each one's exe, an interpreter's argv[0] and its mapped files), and
+only when the venv needs a rebuild: a converged run reads nothing more. On the node, because pve_process already
+reads the target's processes there with bounded reads (a process stuck in the driver costs seconds, never the
+run), the kernel's answer is not the CT's word, and the read costs no command in the target. Processes the GPU
+step ends first (its facts, before this step's) do not count.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ import re
 
 from ansible.module_utils import pve_probe_training_venv
 from ansible.module_utils.pve_errors import RecoverError
+from ansible.module_utils.pve_gpu_cleanup import ending_pids_of, owner_of
+from ansible.module_utils.pve_process import processes_running_from
 
 NAME = "training_venv"
 PROBE = pve_probe_training_venv
@@ -36,6 +47,8 @@ SPEC = {
     "python": {"type": "str"},
     # pip/setuptools/wheel when the lock does not pin them: "ignore" (see TOOLING) or "exact" (they are extra).
     "tooling": {"type": "str", "default": "ignore", "choices": ["ignore", "exact"]},
+    # The scheduled drift corrector: never swap the venv under a live process of the target (needs_window).
+    "unattended": {"type": "bool", "default": False},
 }
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 
@@ -54,6 +67,7 @@ _VARIANT = re.compile(r"^(?P<variant>cu\d+|cpu|xpu|rocm\d+(?:\.\d+)*)(?:\.|$)")
 _INDEX_OPTIONS = {"--index-url": "index", "-i": "index", "--extra-index-url": "extra"}
 _REJECTED_OPTIONS = ("-e", "--editable", "-r", "--requirement", "-c", "--constraint")
 _FIX = "compile it with `uv pip compile --generate-hashes`"
+COMMAND_SHOWN = 120  # characters of a process's command line a message quotes
 
 
 class VenvError(RecoverError):
@@ -359,15 +373,14 @@ def venv_changes(path, answer, python, lock_count):
     return changes
 
 
-def evaluate_step(spec, answer, node, context):
-    """The training venv facts of the fact pass: what is installed, how it differs from the lock, the diff.
+def venv_facts(spec, answer, label):
+    """The venv's facts before the window rule: what is installed, how it differs from the lock, the diff; pure.
 
     Returns ``{"path", "exists", "python", "expected_python", "installed", "torch", "lock", "missing", "extra",
     "wrong", "broken", "changes", "problems", "diff": {"before", "after"}, "pending"}``. A missing venv, a python
     minor other than the expected one, a broken record and any distribution difference are drift (``changes``,
     ``pending``); what the probe could not read is a problem (nothing is decided on half the facts).
     """
-    label = context["target"]["label"]
     check_answer(answer)
     lock = parse_lock(spec["lock"])
     locked = lock["distributions"]
@@ -415,6 +428,65 @@ def evaluate_step(spec, answer, node, context):
     }
 
 
+def venv_roots(spec, answer):
+    """The directories a process runs the venv from: ``path`` and, when it is a symlink (every venv this project
+    built), the version it points to (``real_path``, resolved inside the target by the probe)."""
+    roots = [spec["path"]]
+    real = answer.get("real_path") if isinstance(answer, dict) else None
+    if isinstance(real, str) and real.startswith("/") and real not in roots:
+        roots.append(real)
+    return roots
+
+
+def describe_user(user):
+    """``pid 516 (python3, pid 41 inside: 'python3 train.py'; mapped /opt/venvs/train.X/.../libtorch.so)``; a
+    process the build script found inside the target (``inside``): ``pid 41 inside the target (python3)``."""
+    if user.get("inside"):
+        return f"pid {user['pid']} inside the target ({user.get('name')})"
+    inside = f", pid {user['ns_pid']} inside" if user.get("ns_pid") not in (None, user["pid"]) else ""
+    command = f": {user['command']!r}" if user.get("command") else ""
+    how = f"; {user['how']} {user['file']}" if user.get("how") else f"; {user.get('error')}"
+    return f"pid {user['pid']} ({user.get('name')}{inside}{command}{how})"
+
+
+def window_message(label, path, changes, users, when=""):
+    """The one sentence of a venv an unattended run does not swap: what it would change, who runs from it
+    (``when``: words after "runs from it", e.g. that the build script found it just before the swap)."""
+    shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
+    sure = [u for u in users if not u.get("error")]
+    unsure = [u for u in users if u.get("error")]
+    who = []
+    if sure:
+        who.append(f"{', '.join(describe_user(u) for u in sure)} {'runs' if len(sure) == 1 else 'run'} from it{when}")
+    if unsure:
+        who.append(f"whether {', '.join(describe_user(u) for u in unsure)} runs from it cannot be told")
+    return (
+        f"{label}: the venv at {path} needs a rebuild ({shown}) but {' and '.join(who)}: it is not swapped under a "
+        "live process; rebuilding it needs a window (stop the job, or run recover.yml without recover_unattended)"
+    )
+
+
+def evaluate_step(spec, answer, node, context):
+    """The training venv facts of the fact pass (and of the module): :func:`venv_facts`, then the window rule.
+
+    ``node``: :func:`read_node`'s ``{"users": [...]}`` (unattended with a rebuild due only) and, from the module in
+    check mode, ``"ending"``: pids (inside the target) the GPU step would end first. Adds ``needs_window`` (one
+    sentence, or none), ``in_use`` (the processes running from the venv, those the GPU step ends first left out)
+    and ``ending_pids``. Unattended, a rebuild due while ``in_use`` is not empty is no change: ``changes`` is empty,
+    the diff shows the venv as it stays, and nothing is pending.
+    """
+    label = context["target"]["label"]
+    facts = venv_facts(spec, answer, label)
+    ending = sorted(set(ending_pids_of(context)) | set(node.get("ending") or []))
+    users = [u for u in node.get("users") or [] if u.get("ns_pid") not in ending]
+    facts.update(in_use=users, needs_window=[], ending_pids=ending)
+    if spec.get("unattended") and facts["changes"] and not facts["problems"] and users:
+        facts["needs_window"] = [window_message(label, spec["path"], facts["changes"], users)]
+        stays = facts["diff"]["before"]
+        facts.update(changes=[], pending=False, diff={"before": stays, "after": stays})
+    return facts
+
+
 # -- the fact pass ---------------------------------------------------------------------------------------------
 def probe_payload(spec, timeout=60):
     """What the probe part reads inside the target: ``{"path": "/opt/venvs/train", "timeout": 60}``."""
@@ -422,5 +494,25 @@ def probe_payload(spec, timeout=60):
 
 
 def read_node(spec, target, answer, context):
-    """Nothing on the node: the venv lives inside the target."""
-    return {}
+    """Node-side, unattended only: ``{"users": [...]}``, the target's processes running from the venv, read only
+    when the venv needs a rebuild (a venv in spec, or an attended run, reads nothing: ``{}``).
+
+    Each user is ``{"pid", "ns_pid", "name", "command" (shortened), "how" (exe, argv0, mapped), "file"}``, or,
+    when its files could not be read in time, the same with ``"how": None`` and ``"error"``: an unattended run
+    swaps nothing under a process it cannot vouch for.
+    """
+    if not spec.get("unattended"):
+        return {}
+    facts = venv_facts(spec, answer, context["target"]["label"])
+    if not facts["changes"] or facts["problems"]:
+        return {}
+    found, unreadable = processes_running_from(owner_of(context["target"]), venv_roots(spec, answer))
+    users = [dict(user_of(info), how=how, file=path) for info, how, path in found]
+    users += [dict(user_of(info), how=None, error=error) for info, error in unreadable]
+    return {"users": sorted(users, key=lambda u: u["pid"])}
+
+
+def user_of(info):
+    command = " ".join(info.cmdline)
+    shown = command if len(command) <= COMMAND_SHOWN else command[:COMMAND_SHOWN] + "..."
+    return {"pid": info.pid, "ns_pid": info.ns_pid, "name": info.comm, "command": shown}

@@ -959,3 +959,45 @@ def test_uv_installed_from_a_wheel_on_a_bare_host_runs(tmp_path):
         again = training_venv.install_uv(target, wheel)  # kept: already there
     assert path == again == f"{home}/uv-0.13.9/uv"
     assert subprocess.run([path], capture_output=True, text=True, check=True).stdout == "uv 0.13.9\n"
+
+
+# -- unattended on a bare host: a real job running from the venv (the node-side read is this machine's /proc) --
+def test_bare_host_unattended_a_real_job_running_from_the_venv_keeps_it(host, capsys):
+    host.run(capsys, GOOD)
+    current = host.version(STAMPS[0])
+    # Started by the venv's own path, as a job's console scripts do: its exe is the base python3.11.
+    job = subprocess.Popen(
+        [f"{host.path}/bin/python", "-c", "import sys, six; print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert job.stdout.readline() == "ready\n"
+        result = host.run(capsys, SMALLER, unattended=True)
+        attended_check = host.run(capsys, SMALLER, check_mode=True)
+    finally:
+        job.stdin.close()
+        job.wait(30)
+    assert (result["changed"], result["current"]) == (False, None)
+    assert [(u["pid"], u["how"]) for u in result["in_use"] if u["pid"] == job.pid] == [(job.pid, "argv0")]
+    assert f"pid {job.pid} (python" in result["needs_window"][0]
+    assert Path(host.path).resolve() == current  # nothing swapped
+    assert attended_check["changed"] is True  # attended it would be rebuilt
+    # The job has ended: an unattended run rebuilds it now.
+    after = host.run(capsys, SMALLER, unattended=True)
+    assert (after["changed"], after["current"], after["needs_window"]) == (True, str(host.version(STAMPS[1])), [])
+
+
+def test_bare_host_the_script_removes_the_new_version_when_a_job_started_during_the_build(host, capsys, monkeypatch):
+    host.run(capsys, GOOD)
+    current = host.version(STAMPS[0])
+    monkeypatch.setattr(pve_venv, "processes_running_from", lambda owner, roots, **_: ([], []))
+    # What the script finds just before the swap: a job that started from the current venv during the build.
+    monkeypatch.setattr(script, "processes_using", lambda directories, proc="/proc": {d: [4242] for d in directories})
+    result = host.run(capsys, SMALLER, unattended=True)
+    assert (result["changed"], result["current"]) == (False, None)
+    assert "pid 4242 inside the target" in result["needs_window"][0]
+    assert Path(host.path).resolve() == current
+    assert not host.version(STAMPS[1]).exists()  # the version it built is gone, and so is its lock
+    assert not Path(f"{host.version(STAMPS[1])}.lock.txt").exists()

@@ -469,6 +469,7 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
         "warmup": [],
         "warmup_timeout": 900,
         "warmup_env": {},
+        "unattended": False,
     }
     assert pve_cache.check_spec(result.validated_parameters) == ""
 

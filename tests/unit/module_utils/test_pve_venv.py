@@ -327,6 +327,9 @@ def test_the_facts_have_the_documented_keys():
             "problems",
             "diff",
             "pending",
+            "needs_window",
+            "in_use",
+            "ending_pids",
         ]
     )
     json.dumps(facts)  # facts travel as ansible_facts: plain JSON
@@ -471,6 +474,7 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
         "lock": LOCK,
         "python": None,
         "tooling": "ignore",
+        "unattended": False,
     }
     assert ArgumentSpecValidator(pve_venv.SPEC).validate({}).error_messages == ["missing required arguments: lock"]
     assert "tooling" in ArgumentSpecValidator(pve_venv.SPEC).validate({"lock": LOCK, "tooling": "x"}).error_messages[0]
