@@ -13,9 +13,10 @@ import socket
 import sys
 
 import pytest
+import target_facts
 import verify
 import yaml
-from ansible.module_utils import pve_probe_verify, pve_target, pve_verify
+from ansible.module_utils import pve_preflight, pve_probe_verify, pve_steps, pve_target, pve_verify
 from ansible.module_utils.common import warnings as ansible_warnings
 from ansible.module_utils.nvidia_smi import query_gpu_argv
 from ansible.module_utils.testing import patch_module_args
@@ -306,3 +307,70 @@ def test_the_fact_pass_spec_and_the_acting_task_pass_every_setting():
     assert acting["changed_when"] is False
     assert acting["delegate_to"] == "{{ pve_node | default(inventory_hostname) }}"
     assert load("tasks/settings.yml") == []
+
+
+# -- the fact pass with verify registered last (what the lead's one line in STEPS does) ----------------------------
+FACTS_DOC = yaml.safe_load((ROOT / "tests/unit/library/test_target_facts.yaml").read_text())["anchors"]
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    monkeypatch.setattr(pve_steps, "STEPS", (*pve_steps.STEPS, pve_verify))
+    monkeypatch.setattr(pve_steps, "BY_NAME", {step.NAME: step for step in pve_steps.STEPS})
+    monkeypatch.setattr(pve_preflight, "read_node_driver_version", lambda _path: "580.159.04")
+
+
+def fact_pass(tmp_path, monkeypatch, capsys, smi_stdout, verify_settings, *, check_mode=False):
+    """target_facts on CT 200 with preflight and verify: ONE pct exec carries both parts, nothing else runs."""
+    healthy = dict(FACTS_DOC["healthy"], nvidia_smi={"rc": 0, "stdout": smi_stdout, "stderr": ""})
+    payloads = {"preflight": FACTS_DOC["payload"], "verify": {"venv": "/opt/venvs/train"}}
+    version_py = (FIXTURES / "venv" / "version_py_cu130.txt").read_text().replace("cu130", "cu128")
+    verify_answer = {
+        "venv": "/opt/venvs/train",
+        "exists": True,
+        "python": True,
+        "site_packages": "/opt/venvs/train/lib/python3.11/site-packages",
+        "torch_version_py": pve_probe_verify.parse_torch_version_py(version_py.replace("'13.0'", "'12.8'")),
+    }
+    out = json.dumps({"preflight": {"answer": healthy}, "verify": {"answer": verify_answer}})
+    runner = FakeRunner(([*FACTS_DOC["probe_argv"], json.dumps(payloads)], (0, out, "")))
+    params = {"run_id": "run-1", "owner": "alice@ctl", "lock_dir": str(tmp_path), "vmid": 200}
+    params["steps"] = {"preflight": {"expected_gpu_count": 2}, "verify": verify_settings}
+    result = run_module(target_facts, params, runner, monkeypatch, capsys, check_mode=check_mode)
+    return result["ansible_facts"]["pve_gpu_recover"]
+
+
+@pytest.mark.usefixtures("registered")
+@pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
+def test_a_converged_target_is_verified_in_the_fact_pass_and_nothing_is_left_to_run(
+    check_mode, tmp_path, monkeypatch, capsys
+):
+    stdout = FACTS_DOC["healthy"]["nvidia_smi"]["stdout"]
+    settings = {"torch_version": "2.11.0+cu128", "cuda_version": "12.8", "gpu_count": 2}
+    facts = fact_pass(tmp_path, monkeypatch, capsys, stdout, settings, check_mode=check_mode)
+    verified = facts["verify"]
+    assert (verified["problems"], verified["pending"], verified["changes"]) == ([], False, [])
+    assert all(c["ok"] is True for c in verified["checks"])
+    assert verified["torch"]["version"] == "2.11.0+cu128"
+    # Nothing pending, no problem: the lock went back in the same execution; the role makes no remote call.
+    assert (facts["pending"], facts["problems"], facts["lock"]["held"]) == ([], [], False)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.usefixtures("registered")
+def test_broken_hardware_stops_the_run_in_the_fact_pass(tmp_path, monkeypatch, capsys):
+    header, *rows = FACTS_DOC["healthy"]["nvidia_smi"]["stdout"].splitlines()
+    rows[1] = rows[1].replace(", No, No, 5, 16, None", ", Yes, No, 5, 16, None")  # GPU 1: a row remap pending
+    facts = fact_pass(tmp_path, monkeypatch, capsys, "\n".join([header, *rows]) + "\n", {"import_torch": "always"})
+    assert facts["problems"] == facts["verify"]["problems"]
+    assert facts["problems"][0].startswith(
+        "CT 200 on pve1: memory row remapping: GPU 1 (GPU-5c8d304e-f6b5-2ed9-0941-57901455451b): a row remap is pending"
+    )
+    assert (facts["verify"]["pending"], facts["lock"]["held"]) == (False, False)
+
+
+@pytest.mark.usefixtures("registered")
+def test_always_keeps_the_lock_for_the_module_to_run(tmp_path, monkeypatch, capsys):
+    stdout = FACTS_DOC["healthy"]["nvidia_smi"]["stdout"]
+    facts = fact_pass(tmp_path, monkeypatch, capsys, stdout, {"import_torch": "always"}, check_mode=True)
+    assert (facts["pending"], facts["lock"]["held"]) == (["verify"], True)
