@@ -133,8 +133,8 @@ options:
     default: changed
   torch_timeout:
     description:
-      - Seconds the venv's python may take to import torch and start CUDA (C(import torch) alone takes 5-6 s on an
-        H200 node). It is killed then, in the target too, and the task fails saying so.
+      - Seconds the venv's python may take to import torch and start CUDA (7.5 s the first time on a one-GPU H200,
+        2 s once its files are cached). It is killed then, in the target too, and the task fails saying so.
     type: int
     default: 180
 requirements:

@@ -557,6 +557,9 @@ def cuda_cause(torch, driver, expected=None):
             f"driver {driver} is too old for torch's CUDA {torch['cuda']} (it needs {need} or newer): install a newer "
             "driver on the node, or the torch build for an older CUDA"
         )
+    if torch["cuda_visible_devices"] is not None:
+        # Hidden GPUs make CUDA report none without a word (seen on an H200: tests/fixtures/verify).
+        return f"CUDA_VISIBLE_DEVICES={shown(torch['cuda_visible_devices'])} is set in the target's environment"
     if said.strip():
         return f"CUDA said {shown(said.strip())}"
     return "CUDA gave no reason: check dmesg | grep -i nvrm on the node"
@@ -740,7 +743,8 @@ def check_torch_answer(answer):
         "error_phase": phase,
         "warnings": _strings(answer, "warnings"),
         "devices": _strings(answer, "devices", pattern=DEVICE),
-        "cuda_visible_devices": (_typed(answer, "cuda_visible_devices", (str,)) or None),
+        # Set but empty hides every GPU: "" is a value here, not "unset".
+        "cuda_visible_devices": _typed(answer, "cuda_visible_devices", (str,)),
         "python_version": _version(answer, "python"),
         "seconds": _typed(answer, "seconds", (int, float)),
         "failure": "import" if phase == "import" else None,

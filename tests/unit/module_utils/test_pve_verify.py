@@ -954,6 +954,39 @@ def test_a_warning_that_is_not_cudas_is_never_given_as_its_cause():
     assert detail.endswith("CUDA gave no reason: check dmesg | grep -i nvrm on the node")
 
 
+def test_the_scripts_real_answer_on_an_h200_passes_for_its_own_build():
+    real = json.loads((VERIFY / "torch_probe_h200.json").read_text())
+    # The script answers what the manual capture of tests/fixtures/h200 printed, plus what explains failures.
+    assert {k: real[k] for k in TORCH_REAL} == TORCH_REAL
+    spec = dict(KNOWN_GOOD, torch_version="2.11.0+cu130", cuda_version="13.0")
+    checks = torch_check(spec, torch_of("torch_probe_h200.json"), count=1)
+    assert [(c["name"], c["ok"]) for c in checks] == [
+        ("torch_import", True),
+        ("torch_version", True),
+        ("cuda_version", True),
+        ("cuda_available", True),
+        ("torch_device_count", True),
+        ("torch_device_names", True),
+    ]
+    # Against the known-good spec it is the other CUDA build, in two sentences.
+    wrong = failed(torch_check(KNOWN_GOOD, torch_of("torch_probe_h200.json"), count=1))
+    assert len(wrong) == 2
+    assert all(d.split("; ")[1].startswith("the other CUDA build of torch") for d in wrong)
+
+
+@pytest.mark.parametrize(
+    ("name", "shown_value"), [("torch_probe_h200_visible_empty.json", "''"), ("torch_probe_h200_visible_5.json", "'5'")]
+)
+def test_gpus_hidden_by_cuda_visible_devices_are_named_though_cuda_says_nothing(name, shown_value):
+    torch = torch_of(name)
+    assert (torch["available"], torch["device_count"], torch["warnings"]) == (False, 0, [])  # as captured
+    spec = dict(KNOWN_GOOD, torch_version="", cuda_version="")
+    assert failed(torch_check(spec, torch, count=1)) == [
+        f"CT 200 on pve1: torch.cuda.is_available() is False, expected True; CUDA_VISIBLE_DEVICES={shown_value} is set "
+        "in the target's environment"
+    ]
+
+
 def test_error_802_names_the_fabric_manager():
     assert failed(torch_check(KNOWN_GOOD, torch_of("torch_probe_802.json"))) == [
         "CT 200 on pve1: torch.cuda.is_available() is False, expected True; CUDA error 802 (system not yet "
