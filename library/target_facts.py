@@ -79,8 +79,8 @@ options:
       - The settings of each step whose facts are read, by step name; each is checked against the step's own
         options (the role variables C(<step>_<setting>) without the prefix) and takes its defaults.
       - C(preflight) is always read. Known steps, in their order, are C(preflight), C(gpu_processes),
-        C(training_code), C(training_venv) and C(compile_cache); each one's settings are the options of its module
-        that are not the target's (module_utils/pve_steps.py).
+        C(training_code), C(training_venv), C(compile_cache) and C(verify); each one's settings are the options
+        of its module that are not the target's (module_utils/pve_steps.py).
     type: dict
     default: {}
   fail_on_problems:
@@ -150,6 +150,10 @@ ansible_facts:
           job's processes, a venv or a cache a live process uses; empty when attended). That work is in neither
           C(changes) nor C(pending), and it is no problem. C(training_venv) also adds C(in_use) and
           C(ending_pids).
+        - C(verify) adds C(checks) (name, ok, severity, expected, found, detail; ok null when a step with work in
+          this run decides it), C(warnings) (shown as this task's warnings), C(torch) (from C(torch/version.py),
+          no import), C(expected), C(health), C(deferred) and C(steps_with_work); it is pending only when torch
+          must be imported (C(verify_import_torch)).
       type: dict
       sample:
         run_id: 20261203T101500Z-3f2a1c
@@ -194,7 +198,7 @@ lock:
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_lock import DEFAULT_LOCK_DIR, DEFAULT_TTL
-from ansible.module_utils.pve_steps import fact_pass, validate_specs
+from ansible.module_utils.pve_steps import STEP_NAMES, fact_pass, validate_specs
 from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target
 
 
@@ -235,6 +239,10 @@ def main():
         )
     except RecoverError as error:
         module.fail_json(**error.to_result())  # every error of the pass already names its target
+    # A step's findings set to warn (verify's health checks) are shown at no cost: no task of their own.
+    for name in STEP_NAMES:
+        for warning in (facts.get(name) or {}).get("warnings") or []:
+            module.warn(warning)
     if facts["problems"] and p["fail_on_problems"]:
         # Every problem at once, before anything changes (each already names its target).
         module.fail_json(

@@ -61,6 +61,12 @@ def _compile_cache():
     return pve_cache
 
 
+def _verify():
+    from ansible.module_utils import pve_verify  # noqa: PLC0415 (imported when the step is in the pass)
+
+    return pve_verify
+
+
 # In the order the steps run; a step's evaluate sees the facts of those before it.
 LOADERS = {
     pve_preflight.NAME: lambda: pve_preflight,
@@ -68,6 +74,7 @@ LOADERS = {
     "training_code": _training_code,
     "training_venv": _training_venv,
     "compile_cache": _compile_cache,
+    "verify": _verify,
 }
 STEP_NAMES = tuple(LOADERS)
 

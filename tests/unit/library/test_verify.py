@@ -309,14 +309,13 @@ def test_the_fact_pass_spec_and_the_acting_task_pass_every_setting():
     assert load("tasks/settings.yml") == []
 
 
-# -- the fact pass with verify registered last (what the lead's one line in STEPS does) ----------------------------
+# -- the fact pass with verify registered last -------------------------------------------------------------------
 FACTS_DOC = yaml.safe_load((ROOT / "tests/unit/library/test_target_facts.yaml").read_text())["anchors"]
 
 
 @pytest.fixture
 def registered(monkeypatch):
-    monkeypatch.setattr(pve_steps, "STEPS", (*pve_steps.STEPS, pve_verify))
-    monkeypatch.setattr(pve_steps, "BY_NAME", {step.NAME: step for step in pve_steps.STEPS})
+    assert pve_steps.STEP_NAMES[-1] == "verify"
     monkeypatch.setattr(pve_preflight, "read_node_driver_version", lambda _path: "580.159.04")
 
 

@@ -528,16 +528,10 @@ def test_check_spec_names_settings_that_cannot_work(changed, message):
     assert said.startswith(message) and bool(said) == bool(message)
 
 
-# -- the registry: verify works as the LAST step of STEPS --------------------------------------------------------
-@pytest.fixture
-def registered(monkeypatch):
-    """What the lead's one line does: pve_verify appended to STEPS (after compile_cache)."""
-    monkeypatch.setattr(pve_steps, "STEPS", (*pve_steps.STEPS, pve_verify))
-    monkeypatch.setattr(pve_steps, "BY_NAME", {step.NAME: step for step in pve_steps.STEPS})
-
-
-@pytest.mark.usefixtures("registered")
-def test_the_step_plugs_into_the_registry_as_its_last_entry():
+# -- the registry: verify is the LAST step -----------------------------------------------------------------------
+def test_the_step_is_the_registrys_last_entry():
+    assert pve_steps.STEP_NAMES[-1] == pve_verify.NAME
+    assert pve_steps.load_step("verify") is pve_verify
     assert probe_name(pve_verify.PROBE) == pve_verify.NAME
     assert pve_verify.NAME not in pve_steps.RESERVED
     specs = pve_steps.validate_specs({"verify": {"torch_version": "2.11.0+cu128", "health": {"pcie_gen": "warn"}}})
@@ -564,7 +558,7 @@ class GpuStep:
 
 
 def test_evaluated_last_it_sees_every_step_before_it_and_a_malformed_part_is_a_problem(monkeypatch):
-    monkeypatch.setattr(pve_steps, "STEPS", (pve_preflight, GpuStep, pve_verify))
+    monkeypatch.setitem(pve_steps.LOADERS, "gpu_processes", lambda: GpuStep)
     monkeypatch.setattr(pve_preflight, "read_node_driver_version", lambda _path: "580.159.04")
     specs = {
         "preflight": dict(pve_preflight.SPEC_DEFAULTS, expected_gpu_count=8),
