@@ -90,6 +90,15 @@ options:
       - Set it to false to read the facts of a target that has problems without failing.
     type: bool
     default: true
+  check_run:
+    description:
+      - Whether the run is a C(--check) run. The fact pass's task runs with C(check_mode: false) (it must take
+        the lock and read real facts), so the module cannot tell a check run from its own check mode; the steps
+        plan with this instead (verify does not import torch after a check run's planned changes, which were
+        not made).
+      - Either this or the module's own check mode makes the pass plan for a check run.
+    type: bool
+    default: false
 requirements:
   - On the node, C(pct) (for a CT), coreutils C(timeout) and C(nvidia-smi).
   - In the target, Python 3.9+ and C(nvidia-smi).
@@ -215,6 +224,7 @@ def main():
             "python": {"type": "str", "default": "python3"},
             "steps": {"type": "dict", "default": {}},
             "fail_on_problems": {"type": "bool", "default": True},
+            "check_run": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )
@@ -234,7 +244,7 @@ def main():
                 "controller_pid": p["controller_pid"],
             },
             python=p["python"],
-            check_mode=module.check_mode,
+            check_mode=module.check_mode or p["check_run"],
             warn=module.warn,
         )
     except RecoverError as error:

@@ -279,3 +279,26 @@ def test_fail_on_problems_false_returns_the_facts_without_failing(tmp_path, monk
     result = run_module(target_facts, args, runner, monkeypatch, capsys)
     assert not result.get("failed")
     assert facts_of(result)["problems"][0].startswith("CT 200 on pve1: cannot free its GPUs: pid 777")
+
+
+@pytest.mark.parametrize(
+    ("check_mode", "check_run", "planned_as_check"),
+    [(False, False, False), (False, True, True), (True, False, True)],
+    ids=["real-run", "check-run-task-forced-real", "module-check-mode"],
+)
+def test_a_check_run_is_planned_as_one_although_the_task_runs_for_real(
+    check_mode, check_run, planned_as_check, tmp_path, monkeypatch, capsys
+):
+    # The fact pass task runs with check_mode false (it takes the lock); check_run tells it the run is a --check,
+    # so that verify does not import torch after changes a check run only planned (seen on the H200: it failed
+    # on a stray holder's memory that gpu_processes had only planned to free).
+    seen = {}
+
+    def fake_fact_pass(target, specs, *, lock, python, check_mode, warn):
+        seen["check_mode"] = check_mode
+        return {"pending": [], "problems": [], "lock": {"held": False}}
+
+    monkeypatch.setattr(target_facts, "fact_pass", fake_fact_pass)
+    args = params(tmp_path, vmid=200, check_run=check_run)
+    run_module(target_facts, args, FakeRunner(), monkeypatch, capsys, check_mode=check_mode)
+    assert seen["check_mode"] is planned_as_check
