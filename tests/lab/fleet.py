@@ -32,6 +32,9 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Each node gets its own (node_env); one left in the caller's shell would only make labctl's import refuse it.
+for name in ("PVE_GPU_LAB_NODE", "PVE_GPU_LAB_DIR", "PVE_GPU_LAB_SSH_PORT"):
+    os.environ.pop(name, None)
 sys.path.insert(0, HERE)
 import labctl  # noqa: E402  (its inventory lines; every change to a node goes through its CLI)
 
