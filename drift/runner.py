@@ -9,12 +9,15 @@
 runs ``ansible-playbook recover.yml --check --diff`` with ``PVE_GPU_RECOVER_REPORT_DIR`` pointed at a fresh
 directory, reads the report the recover_report callback wrote for each target and the run's events (a target that
 was unreachable or failed before a report was written is named all the same), and says per target: ``in_spec``,
-``drift``, ``failed`` or ``unreachable``. With ``--correct`` the drifting targets are then recovered for real with
-``recover_unattended=true``: what the roles will not do unattended comes back in each step's ``needs_window``.
+``drift``, ``failed``, ``busy`` or ``unreachable``. ``busy`` is a failure whose cause is another run: the fact
+pass found the target's run lock on its node held by another recover run (its error kind ``locked``, or ``busy``
+when that run has held the lock directory for seconds); the reason names that run and ``held_by`` carries its run
+id. With ``--correct`` the drifting targets are then recovered for real with ``recover_unattended=true``: what the
+roles will not do unattended comes back in each step's ``needs_window``.
 
 Exit codes: 0 every target in spec; 2 drift (or, with --correct, something that needs a maintenance window) and
-nothing failed; 1 any target failed or unreachable, the run itself failed, or the runner could not start. A failure
-wins over drift.
+nothing failed; 1 any target failed, busy or unreachable, the run itself failed, or the runner could not start. A
+failure wins over drift.
 
 Everything that decides (events and reports to a summary, the summary to metrics, the exit code) is a pure function
 of plain data below; ``main()`` wires them to ansible-runner, the lock and the files. docs/design.md, "Scheduled
@@ -44,7 +47,12 @@ from pathlib import Path
 PLAYBOOK = "recover.yml"
 SUMMARY_VERSION = 1
 EXIT_IN_SPEC, EXIT_FAILED, EXIT_DRIFT = 0, 1, 2
-STATUSES = ("in_spec", "drift", "failed", "unreachable")
+STATUSES = ("in_spec", "drift", "failed", "busy", "unreachable")
+# Statuses that fail the run: busy is a failure too (the target was not checked), only its cause differs.
+FAILURES = ("failed", "busy", "unreachable")
+# The fact pass's error kinds (module_utils/pve_lock.py) that mean another run holds the target: ``locked`` (its run
+# lock) and ``busy`` (that run has been changing the node's lock directory for seconds).
+BUSY_KINDS = ("locked", "busy")
 # recover.yml's order of the steps (the report callback's STEP_ROLES); a step not listed comes last, by name.
 STEP_ORDER = ("preflight", "gpu_processes", "training_code", "training_venv", "compile_cache", "verify")
 # The extra variable a correction run sets; the roles leave what is unsafe unattended to a window.
@@ -84,12 +92,24 @@ def result_message(result):
     return "failed without a message"
 
 
+def failure_of(data):
+    """A failed event's ``{"task", "msg", "kind", "held_by"}``: ``kind`` is the module's error kind (None when it
+    gave none), ``held_by`` the run id of the run whose lock stopped it (None unless the lock was held)."""
+    res = data.get("res") if isinstance(data.get("res"), dict) else {}
+    kind = res.get("error") if isinstance(res.get("error"), str) else None
+    lock = res.get("lock") if isinstance(res.get("lock"), dict) else {}
+    holder = lock.get("holder") if isinstance(lock.get("holder"), dict) else {}
+    held_by = holder.get("run_id") if kind in BUSY_KINDS and isinstance(holder.get("run_id"), str) else None
+    return {"task": data.get("task"), "msg": result_message(res), "kind": kind, "held_by": held_by}
+
+
 def host_events(events):
     """Per host, what ansible-runner's events say: ``{host: {started, unreachable, failed, dark, failures}}``.
 
-    ``unreachable`` and ``failed`` are the first such event's ``{"task", "msg"}`` (failures under ignore_errors do
-    not count); ``dark``/``failures`` come from the play recap. A host appears as soon as a task started on it, so
-    a target that never got a report (a timeout, an unreachable node) is still named.
+    ``unreachable`` is the first such event's ``{"task", "msg"}``, ``failed`` the first failure's (failures under
+    ignore_errors do not count; see :func:`failure_of`); ``dark``/``failures`` come from the play recap. A host
+    appears as soon as a task started on it, so a target that never got a report (a timeout, an unreachable node)
+    is still named.
     """
     hosts = {}
 
@@ -115,7 +135,7 @@ def host_events(events):
         elif kind == "runner_on_unreachable" and found["unreachable"] is None:
             found["unreachable"] = {"task": data.get("task"), "msg": result_message(data.get("res"))}
         elif kind == "runner_on_failed" and not data.get("ignore_errors") and found["failed"] is None:
-            found["failed"] = {"task": data.get("task"), "msg": result_message(data.get("res"))}
+            found["failed"] = failure_of(data)
     return hosts
 
 
@@ -168,24 +188,32 @@ def report_failure(report):
     return one_line(f"{task}: {msg}" if task else msg)
 
 
+def lock_contention(report, events):
+    """Whether the target failed because another run holds it (its report's or its failed event's error kind)."""
+    kind = ((report or {}).get("error") or {}).get("kind") or (events.get("failed") or {}).get("kind")
+    return kind in BUSY_KINDS
+
+
 def summarize_target(name, found, events, *, corrected_run=False, run_status="successful", timeout=None, log=None):
     """A target's status, reason and steps from its report (``found``: ``{path, report}`` or None) and events.
 
     Unreachable (the connection to it or its node failed) comes first, then a failure (the report's error, else
-    the failed event), then drift; a target with neither a report nor a failure is failed with the run's reason.
+    the failed event; ``busy`` when another run's lock caused it), then drift; a target with neither a report nor
+    a failure is failed with the run's reason.
     """
     events = events or {}
     report = (found or {}).get("report")
     steps = {step: summarize_step(entry, corrected_run) for step, entry in report_steps(report or {}).items()}
     drifting = [step for step, entry in steps.items() if entry["drift"]]
+    failed = events.get("failed") or {}
     if events.get("unreachable") or events.get("dark"):
         unreachable = events.get("unreachable") or {}
         status, reason = "unreachable", unreachable.get("msg") or "unreachable (the play recap counts it)"
     elif report is not None and report.get("status") == "failed":
-        status, reason = "failed", report_failure(report)
-    elif events.get("failed") or events.get("failures"):
-        failed = events.get("failed") or {}
-        status = "failed"
+        # The lock's own sentence names the other run (run id, owner, since when, its controller).
+        status, reason = "busy" if lock_contention(report, events) else "failed", report_failure(report)
+    elif failed or events.get("failures"):
+        status = "busy" if lock_contention(None, events) else "failed"
         reason = one_line(f"{failed.get('task')}: {failed.get('msg')}") if failed else "failed (the play recap)"
     elif report is None:
         status = "failed"
@@ -216,6 +244,8 @@ def summarize_target(name, found, events, *, corrected_run=False, run_status="su
         "run_id": report.get("run_id"),
         "node": report.get("node"),
         "vmid": report.get("vmid"),
+        # The run that holds the target, when the event carried its lock (a report has only the sentence).
+        "held_by": failed.get("held_by") if status == "busy" else None,
         "steps": steps,
         "corrected": {step: entry["changes"] for step, entry in steps.items() if entry["corrected"]},
         "needs_window": {step: entry["needs_window"] for step, entry in steps.items() if entry["needs_window"]},
@@ -269,9 +299,9 @@ def count_statuses(targets):
 
 
 def exit_code(targets, errors=()):
-    """0 all in spec, 2 drift and nothing failed, 1 a failure, an unreachable target, a run error or no target."""
+    """0 all in spec, 2 drift and nothing failed, 1 a failed, busy or unreachable target, a run error or no target."""
     statuses = {target["status"] for target in targets.values()}
-    if errors or not targets or statuses & {"failed", "unreachable"}:
+    if errors or not targets or statuses & set(FAILURES):
         return EXIT_FAILED
     return EXIT_DRIFT if "drift" in statuses else EXIT_IN_SPEC
 
@@ -287,7 +317,7 @@ def run_errors(run, targets):
         return [run["error"]]
     if run["status"] in RUN_ENDED:
         return [RUN_ENDED[run["status"]].format(timeout=run.get("timeout") or 0) + f" ({run['phase']} run)"]
-    if run["rc"] not in (0, None) and not any(t["status"] in ("failed", "unreachable") for t in targets.values()):
+    if run["rc"] not in (0, None) and not any(t["status"] in FAILURES for t in targets.values()):
         return [f"the {run['phase']} run's ansible-playbook exited {run['rc']} ({run['status']}); see {run['log']}"]
     if not targets:
         return [
@@ -344,8 +374,8 @@ def render_textfile(summary):
          per_step(lambda e: e["corrected"])),
         ("target_up", "1 when the run reached the target and got its report; 0 when unreachable or no report.",
          [({"target": t}, v["status"] != "unreachable" and v["report"] is not None) for t, v in targets]),
-        ("target_failed", "1 when the run failed on the target or could not reach it.",
-         [({"target": t}, v["status"] in ("failed", "unreachable")) for t, v in targets]),
+        ("target_failed", "1 when the run failed on the target (another run held it, too) or could not reach it.",
+         [({"target": t}, v["status"] in FAILURES) for t, v in targets]),
         ("last_run_timestamp_seconds", "Unix time the drift run that checked the target finished.",
          [({"target": t}, finished) for t, _ in targets]),
         ("run_duration_seconds", "Seconds the ansible-playbook runs that checked (and corrected) the target took.",

@@ -175,6 +175,10 @@ class CallbackModule(CallbackBase):
         host["tasks"].append(record)
         if status in ("failed", "unreachable") and host["error"] is None:
             host["error"] = {"step": role, "task": task.get_name(), "msg": data.get("msg")}
+            if isinstance(data.get("error"), str):
+                # The module's error kind (pve_errors), e.g. "locked": the drift runner tells another run's lock
+                # from a broken target by it.
+                host["error"]["kind"] = data["error"]
         if action == "target_facts" and "pve_gpu_recover" in facts:
             host["before"] = facts["pve_gpu_recover"]
             self.run_id = self.run_id or host["before"].get("run_id")

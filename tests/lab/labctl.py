@@ -14,11 +14,18 @@
 Everything lives under LAB_DIR (default /var/lib/pve-gpu-recover-lab); the rootfs cache under CACHE_DIR (default
 /var/cache/pve-gpu-recover-lab) survives ``destroy`` so a second ``create`` takes seconds. Run as root.
 
-    labctl.py create            build (or repair) the lab; idempotent
-    labctl.py destroy           stop and remove everything but the rootfs cache; checks nothing is left behind
+Several nodes can run side by side (tests/lab/fleet.py builds them): the environment names the node,
+PVE_GPU_LAB_NODE (default pve-lab), PVE_GPU_LAB_SSH_PORT (required for any other node), PVE_GPU_LAB_DIR (default
+/var/lib/pve-gpu-recover-lab-<node> for one), and ``create --ct`` its CTs (vmids unique on the machine). Each command
+acts on that node only; one machine-wide lock keeps two labctl from changing LXC and cgroups at once.
+
+    labctl.py create [--ct VMID:GPUS ...] [--gpus N]
+                                build (or repair) the node; idempotent
+    labctl.py destroy           stop and remove the node but the rootfs cache; checks nothing of it is left behind
     labctl.py status            what runs
     labctl.py inventory         the Ansible inventory of the lab (YAML)
     labctl.py stop-ct VMID / start-ct VMID
+    labctl.py stop-node / start-node    the node's sshd and its sessions down (unreachable) / up again
     labctl.py fault VIEW MODE [--gpu N]   break it: driver_mismatch, driver_not_loaded, no_nvml, gpu_lost,
                                           inforom, no_permission, no_devices
     labctl.py repair            undo every fault
@@ -40,6 +47,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,10 +57,48 @@ STANDINS = os.path.join(HERE, "standins")
 sys.path.insert(0, STANDINS)
 import gpulab  # noqa: E402  (the stand-ins' shared state library lives beside this script)
 
-LAB_DIR = os.environ.get("PVE_GPU_LAB_DIR", "/var/lib/pve-gpu-recover-lab")
+DEFAULT_NODE = "pve-lab"
+DEFAULT_LAB_DIR = "/var/lib/pve-gpu-recover-lab"
+# One lock for every node on this machine: vmids, cgroups and the freezer are the machine's, whichever node changes
+# them (the default lab's lock path, so a labctl of an older checkout waits for this one too).
+MACHINE_LOCK = f"{DEFAULT_LAB_DIR}.lock"
+NODE_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
+
+
+def node_settings(environ):
+    """The node this labctl builds, from the environment: the default lab (pve-lab on 2222) or another node.
+
+    Names that are global on the machine are derived from the node name, so nodes coexist: the lab directory, the
+    frozen cgroup, the GPU UUIDs and serials, and the node's /run/lock (a directory of its own, mounted over
+    /run/lock in its namespace, as each real node has its own). The default node keeps every name it always had
+    (the molecule scenarios read its paths and its lock directory on the machine's /run/lock).
+    """
+    node = environ.get("PVE_GPU_LAB_NODE", DEFAULT_NODE)
+    if not NODE_NAME_PATTERN.fullmatch(node):
+        raise ValueError(f"PVE_GPU_LAB_NODE must be a host name of lower-case letters, digits and '-', got {node!r}")
+    default = node == DEFAULT_NODE
+    port = environ.get("PVE_GPU_LAB_SSH_PORT", "2222" if default else None)
+    if port is None:
+        raise ValueError(f"node {node} needs its own PVE_GPU_LAB_SSH_PORT (2222 is the default lab's)")
+    return {
+        "node": node,
+        "lab_dir": environ.get("PVE_GPU_LAB_DIR", DEFAULT_LAB_DIR if default else f"{DEFAULT_LAB_DIR}-{node}"),
+        "ssh_port": int(port),
+        "frozen_cgroup": "pgr-frozen" if default else f"pgr-frozen-{node}",
+        # None: the GPUs the default lab always had; a name: GPUs (UUIDs, serials) of that node only.
+        "gpu_seed": None if default else node,
+        "private_run_lock": not default,
+    }
+
+
+try:
+    NODE = node_settings(os.environ)
+except ValueError as error:
+    sys.exit(f"labctl: {error}")
+LAB_DIR = NODE["lab_dir"]
 CACHE_DIR = os.environ.get("PVE_GPU_LAB_CACHE", "/var/cache/pve-gpu-recover-lab")
-SSH_PORT = int(os.environ.get("PVE_GPU_LAB_SSH_PORT", "2222"))
-NODE_NAME = "pve-lab"
+SSH_PORT = NODE["ssh_port"]
+NODE_NAME = NODE["node"]
 DRIVER_VERSION = "580.159.04"
 MISMATCHED_LIBRARY = "580.95.05"
 SUITE = "bookworm"
@@ -94,9 +140,10 @@ def write(file, content, mode=0o644):
 
 @contextlib.contextmanager
 def lab_lock():
-    """One labctl at a time changes the lab (two molecule runs at once would clash on cgroup lxc/200)."""
-    os.makedirs(os.path.dirname(LAB_DIR), exist_ok=True)
-    with open(f"{LAB_DIR}.lock", "w") as handle:
+    """One labctl at a time on this machine, whatever its node (two molecule runs at once would clash on cgroup
+    lxc/200; two nodes' creates on the rootfs cache and the cgroup parents)."""
+    os.makedirs(os.path.dirname(MACHINE_LOCK), exist_ok=True)
+    with open(MACHINE_LOCK, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
 
@@ -143,14 +190,23 @@ def ct_views(cts):
     return {f"ct{vmid}": gpus for vmid, gpus in cts.items()}
 
 
-def install_standins(cts):
+def node_gpu_count(cts, gpus=None):
+    """The node's GPU count: ``gpus`` when given (at least every index the CTs name), else eight or as many as the
+    CTs name."""
+    named = max([0, *(max(g) + 1 for g in cts.values() if g)])
+    if gpus is not None and gpus < named:
+        raise ValueError(f"the CTs name GPU index {named - 1}, but the node has {gpus} GPUs")
+    return gpus if gpus is not None else max(8, named)
+
+
+def install_standins(cts, gpu_count):
     """Copy the stand-ins into the lab and write the node's wrappers and view config."""
     shutil.rmtree(path("standins"), ignore_errors=True)
     shutil.copytree(STANDINS, path("standins"), ignore=shutil.ignore_patterns("__pycache__"))
-    gpu_count = max([8, *(max(g) + 1 for g in cts.values() if g)])
     state = path("gpu")
     if not os.path.exists(os.path.join(state, "config.json")):
-        gpulab.write_config(state, gpu_count=gpu_count, views=ct_views(cts))
+        gpus = gpulab.make_gpus(gpu_count, node=NODE["gpu_seed"])
+        gpulab.write_config(state, views=ct_views(cts), gpus=gpus)
     node_config = {
         "view": "node",
         "state_dir": state,
@@ -368,6 +424,10 @@ def start_node():
     )
     if sshd_pid():
         return
+    with socket.socket() as probe:
+        # Another node's sshd (or anything) on this port would make ours fail with a log line nobody reads.
+        if probe.connect_ex(("127.0.0.1", SSH_PORT)) == 0:
+            sys.exit(f"labctl: port {SSH_PORT} is in use on 127.0.0.1; give node {NODE_NAME} another one")
     os.makedirs("/run/sshd", exist_ok=True)
     script = (
         f"mount -t overlay overlay -o lowerdir={path('node/bin')}:/usr/sbin /usr/sbin && "
@@ -375,6 +435,7 @@ def start_node():
         # root's shell on a Proxmox node reads a stock .bashrc; this machine's may run tools (pyenv init costs
         # 0.9 s per ssh command), which would bill every ssh of the benchmarks for what a node never does.
         "{ [ ! -f /root/.bashrc ] || mount --bind /etc/skel/.bashrc /root/.bashrc; } && "
+        f"{run_lock_script()}"
         f"{node_dev_script()} && "
         f"exec /usr/sbin/sshd -f {ssh}/sshd_config -E {ssh}/sshd.log"  # one 'Accepted' line per connection
     )
@@ -385,6 +446,35 @@ def start_node():
             sys.exit("labctl: sshd of the lab node did not start; see its config in " + ssh)
         time.sleep(0.05)
     write(os.path.join(ssh, "mntns"), os.readlink(f"/proc/{sshd_pid()}/ns/mnt") + "\n")
+
+
+def run_lock_script():
+    """A node of several gets a /run/lock of its own (the recover run locks live there), so no node sees or waits
+    for another's locks; the default lab keeps the machine's (its molecule scenarios read the locks there)."""
+    if not NODE["private_run_lock"]:
+        return ""
+    # The host sees this node's locks in the lab directory.
+    os.makedirs(path("node/run-lock"), exist_ok=True)
+    os.chmod(path("node/run-lock"), 0o1777)  # noqa: S103 (world-writable and sticky like every /run/lock)
+    return f"mkdir -p /run/lock && mount --bind {path('node/run-lock')} /run/lock && "
+
+
+def stop_node():
+    """Stop the node's sshd and end its sessions: the node is unreachable until ``start-node``."""
+    namespace = node_namespace()
+    pid = sshd_pid()
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            if not os.path.exists(f"/proc/{pid}"):
+                break
+            time.sleep(0.05)
+    # The node's sessions (one sshd per connection, kept open by a controller's ControlPersist) outlive the
+    # listener and keep the old namespace, and with it a /proc/driver of a deleted lab: end every process in it.
+    for pid in node_namespace_pids(namespace):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return namespace
 
 
 def node_namespace():
@@ -460,11 +550,20 @@ def parse_cts(specs):
 
 
 def create(args):
-    cts = parse_cts(args.ct)
-    rootfs = rootfs_cache()
     existing = saved_cts()
+    # A node of several has no CTs of its own by default: --ct names them (or the ones it was built with).
+    cts = parse_cts(args.ct) if args.ct or NODE_NAME == DEFAULT_NODE else existing
+    if not cts:
+        sys.exit(f"labctl: node {NODE_NAME} needs its CTs: --ct VMID:GPUS (repeat), e.g. --ct 300:0-3 --ct 301:4-7")
     if existing and existing != cts:
         sys.exit(f"labctl: a lab with CTs {existing} exists; run `labctl.py destroy` before creating {cts}")
+    try:
+        gpu_count = node_gpu_count(cts, args.gpus)
+    except ValueError as error:
+        sys.exit(f"labctl: {error}")
+    if os.path.exists(path("gpu/config.json")) and len(gpulab.read_config(path("gpu"))["gpus"]) != gpu_count:
+        sys.exit(f"labctl: node {NODE_NAME} exists with another GPU count; run `labctl.py destroy` first")
+    rootfs = rootfs_cache()
     for vmid in cts:
         busy = glob.glob(f"/sys/fs/cgroup/*/lxc/{vmid}") + glob.glob(f"/sys/fs/cgroup/lxc/{vmid}")
         if busy and not os.path.exists(path("lxc", str(vmid), "config")):
@@ -472,7 +571,7 @@ def create(args):
     os.makedirs(LAB_DIR, exist_ok=True)
     os.makedirs(path("index"), exist_ok=True)
     write(path("cts.json"), json.dumps({str(k): v for k, v in cts.items()}))
-    install_standins(cts)
+    install_standins(cts, gpu_count)
     for vmid, gpus in cts.items():
         prepare_ct(vmid, gpus, rootfs)
         start_ct(vmid)
@@ -497,6 +596,22 @@ def saved_cts():
         return {}
 
 
+def node_host_lines(node, port, lab_dir, indent=8):
+    """A lab node as an inventory host (YAML lines): root over its sshd on loopback with the lab's key and known
+    hosts. tests/lab/fleet.py writes its nodes with it too."""
+    pad = " " * indent
+    ssh = os.path.join(lab_dir, "ssh")
+    return [
+        f"{pad}{node}:",
+        f"{pad}  ansible_host: 127.0.0.1",
+        f"{pad}  ansible_port: {port}",
+        f"{pad}  ansible_user: root",
+        f"{pad}  ansible_ssh_private_key_file: {ssh}/id_ed25519",
+        f"{pad}  ansible_ssh_common_args: -o UserKnownHostsFile={ssh}/known_hosts",
+        f"{pad}  ansible_python_interpreter: /usr/bin/python3",
+    ]
+
+
 def inventory_yaml(cts):
     lines = [
         "# Written by tests/lab/labctl.py create: the lab's node and containers.",
@@ -504,13 +619,7 @@ def inventory_yaml(cts):
         "  children:",
         "    pve_nodes:",
         "      hosts:",
-        f"        {NODE_NAME}:",
-        "          ansible_host: 127.0.0.1",
-        f"          ansible_port: {SSH_PORT}",
-        "          ansible_user: root",
-        f"          ansible_ssh_private_key_file: {path('ssh/id_ed25519')}",
-        f"          ansible_ssh_common_args: -o UserKnownHostsFile={path('ssh/known_hosts')}",
-        "          ansible_python_interpreter: /usr/bin/python3",
+        *node_host_lines(NODE_NAME, SSH_PORT, LAB_DIR),
         "    gpu_targets:",
         "      hosts:",
     ]
@@ -526,47 +635,51 @@ def kill_holders():
             os.kill(pid, signal.SIGKILL)
 
 
+def node_vmids():
+    """The vmids of this node: its saved CTs, else the CTs it has configs for, else (the default lab) 200 and 201.
+    Never another node's: destroy stops and cleans only these."""
+    cts = saved_cts()
+    if cts:
+        return cts
+    found = {int(d): [] for d in os.listdir(path("lxc")) if d.isdigit()} if os.path.isdir(path("lxc")) else {}
+    return found or (dict(DEFAULT_CTS) if NODE_NAME == DEFAULT_NODE else {})
+
+
 def destroy(_args):
-    cts = saved_cts() or dict(DEFAULT_CTS)
-    namespace = node_namespace()
+    cts = node_vmids()
     thaw()
     kill_holders()
-    pid = sshd_pid()
-    if pid:
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(100):
-            if not os.path.exists(f"/proc/{pid}"):
-                break
-            time.sleep(0.05)
-    # The node's sessions (one sshd per connection, kept open by a controller's ControlPersist) outlive the
-    # listener and keep the old namespace, and with it a /proc/driver of a deleted lab: end every process in it.
-    for pid in node_namespace_pids(namespace):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    namespace = stop_node()
     for vmid in cts:
         if os.path.exists(path("lxc", str(vmid), "config")):
             stop_ct(vmid)
     remove_cgroups(cts)
     shutil.rmtree(LAB_DIR, ignore_errors=True)
-    leftovers = leftover_report(namespace)
+    leftovers = leftover_report(namespace, cts)
     if leftovers:
         sys.exit("labctl: destroy left things behind:\n" + "\n".join(leftovers))
-    log("lab destroyed (rootfs cache kept in " + CACHE_DIR + ")")
+    log(f"node {NODE_NAME} destroyed (rootfs cache kept in {CACHE_DIR})")
 
 
-def leftover_report(namespace):
-    """Processes, mounts and cgroups of the lab still present: destroy must leave none."""
+def names_lab_dir(text):
+    """Whether ``text`` names this node's LAB_DIR (not another node's whose directory merely starts the same)."""
+    return re.search(re.escape(LAB_DIR) + r"(?=[/\s]|$)", text) is not None
+
+
+def leftover_report(namespace, vmids):
+    """Processes, mounts and cgroups of this node still present: destroy must leave none (other nodes may run)."""
     found = []
     for proc in glob.glob("/proc/[0-9]*"):
         with contextlib.suppress(OSError):
             with open(os.path.join(proc, "cmdline"), "rb") as handle:
                 cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace")
-            if LAB_DIR in cmdline and "labctl" not in cmdline:
+            if names_lab_dir(cmdline) and "labctl" not in cmdline:
                 found.append(f"process {proc[6:]}: {cmdline.strip()}")
     found += [f"process {pid} in the node's mount namespace" for pid in node_namespace_pids(namespace)]
     with open("/proc/self/mountinfo", encoding="utf-8") as handle:
-        found += [f"mount: {line.strip()}" for line in handle if LAB_DIR in line]
-    found += [f"cgroup: {d}" for d in glob.glob("/sys/fs/cgroup/**/lxc/2[0-9][0-9]", recursive=True)]
+        found += [f"mount: {line.strip()}" for line in handle if names_lab_dir(line)]
+    for vmid in vmids:
+        found += [f"cgroup: {d}" for d in glob.glob(f"/sys/fs/cgroup/**/lxc/{vmid}", recursive=True)]
     # The CTs have no network (lxc.net.0.type = empty) and the node listens on loopback: no interface may appear.
     links = run(["ip", "-o", "link", "show"], capture_output=True, check=False).stdout
     found += [f"interface: {line.split(':')[1].strip()}" for line in links.splitlines() if "veth" in line]
@@ -578,11 +691,13 @@ def leftover_report(namespace):
 def status(_args):
     cts = saved_cts()
     if not cts:
-        print("no lab")
+        print("no lab" if NODE_NAME == DEFAULT_NODE else f"no node {NODE_NAME}")
         return
     for vmid in cts:
         print(f"CT {vmid}: {'running' if ct_running(vmid) else 'stopped'}")
     print(f"node {NODE_NAME}: sshd {'pid ' + str(sshd_pid()) if sshd_pid() else 'not running'} on port {SSH_PORT}")
+    if NODE["private_run_lock"]:
+        print(f"node {NODE_NAME}: /run/lock is {path('node/run-lock')}")
 
 
 def fault(args):
@@ -619,7 +734,7 @@ def repair(_args):
 
 
 FREEZER = "/sys/fs/cgroup/freezer"
-FROZEN_CGROUP = "pgr-frozen"
+FROZEN_CGROUP = NODE["frozen_cgroup"]  # per node: thaw of one node never lets another's frozen process go
 
 
 def freeze(args):
@@ -777,8 +892,13 @@ def main(argv=None):
         action="append",
         help="VMID:GPU-INDEXES in the CT's order, e.g. 200:0-7 (repeat; default: 200:0-7 201:9,8)",
     )
+    p.add_argument("--gpus", type=int, help="GPUs of the node (default: eight, or as many as the CTs name)")
     p.set_defaults(func=create)
     sub.add_parser("destroy").set_defaults(func=destroy)
+    sub.add_parser("stop-node", help="stop the node's sshd and its sessions: unreachable").set_defaults(
+        func=lambda _a: stop_node()
+    )
+    sub.add_parser("start-node", help="start the node's sshd again").set_defaults(func=lambda _a: start_node())
     sub.add_parser("status").set_defaults(func=status)
     sub.add_parser("inventory").set_defaults(func=lambda _a: print(inventory_yaml(saved_cts()), end=""))
     for name, func in (("stop-ct", lambda a: stop_ct(a.vmid)), ("start-ct", lambda a: start_ct(a.vmid))):

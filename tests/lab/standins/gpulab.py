@@ -230,17 +230,21 @@ def _pci_parts(bus_id: str) -> dict:
     return {"pci.domain": f"0x{domain[-4:]}", "pci.bus": f"0x{bus}", "pci.device": f"0x{devfn.split('.')[0]}"}
 
 
-def make_gpu(position: int, **attrs) -> dict:
+def make_gpu(position: int, *, node: str | None = None, **attrs) -> dict:
     """One idle H200 at global `position` (its /dev/nvidia<minor>); `attrs` override by canonical field name.
 
     UUID, serial and bus id are derived from the position only, so every lab build produces the same GPUs.
     Positions 0-7 use the HGX slot bus ids; further GPUs go to PCI domain 1, 2, ... with the same buses.
+    `node` names the node of a lab with several: its GPUs get UUIDs and serials of their own (no two nodes share
+    one, as no two real GPUs do) and the same bus ids (nodes of one model have one PCI layout); None gives the
+    single lab's GPUs.
     """
+    seed = "pve-gpu-lab" if node is None else f"pve-gpu-lab {node}"
     bus_id = f"{position // len(HGX_BUS_IDS):08X}:{HGX_BUS_IDS[position % len(HGX_BUS_IDS)]}:00.0"
-    digest = int(_digest(f"pve-gpu-lab serial {position}", 2), 16)
+    digest = int(_digest(f"{seed} serial {position}", 2), 16)
     gpu = dict(H200_COMMON)
     gpu.update(
-        uuid=gpu_uuid_for(f"pve-gpu-lab h200 {position}"),
+        uuid=gpu_uuid_for(f"{seed} h200 {position}"),
         serial=str(1650000000000 + digest % 10**10),
         minor_number=position,
         **{"pci.bus_id": bus_id, "platform.module_id": position % len(HGX_BUS_IDS) + 1},
@@ -250,8 +254,8 @@ def make_gpu(position: int, **attrs) -> dict:
     return gpu
 
 
-def make_gpus(gpu_count: int = 8) -> list[dict]:
-    return [make_gpu(i) for i in range(gpu_count)]
+def make_gpus(gpu_count: int = 8, *, node: str | None = None) -> list[dict]:
+    return [make_gpu(i, node=node) for i in range(gpu_count)]
 
 
 def fixture_gpu(capture: int = 1, overrides: dict | None = None) -> dict:

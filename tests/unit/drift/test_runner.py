@@ -136,6 +136,78 @@ def test_a_failed_fact_pass_still_names_the_step_it_failed_in(runner, tmp_path):
     assert target["steps"]["preflight"]["status"] == "failed"
 
 
+LOCKED = (
+    "CT 200 on pve1 is locked by run 20261203T075500Z-def456 of ops@ctl (started 2026-12-03T07:55:00Z, 5 min ago, "
+    "controller ctl pid 4242): another recover run is working on it (that run is still working (its controller pid "
+    "4242 lives on this machine)); wait for it to finish or, if you know it is gone, remove "
+    "/run/lock/pve-gpu-recover/ct-200.lock on this node"
+)
+READ_TASK = "preflight : Read what every step needs, holding the run lock"
+
+
+def locked_result(kind="locked"):
+    """target_facts' failed result when another run holds the lock (pve_errors.to_result with the lock's details)."""
+    holder = {"run_id": "20261203T075500Z-def456", "owner": "ops@ctl", "created": 1796367300.0, "ttl": 7200}
+    return {
+        "failed": True,
+        "msg": LOCKED,
+        "error": kind,
+        "lock": {"path": "/run/lock/pve-gpu-recover/ct-200.lock", "holder": holder, "action": "locked"},
+    }
+
+
+def test_a_target_another_run_holds_is_busy_naming_that_run_and_still_fails_the_run(runner, tmp_path):
+    error = {"step": "preflight", "task": READ_TASK, "msg": LOCKED, "kind": "locked"}
+    report = make_report("train200", {}, error=error, failed_step="preflight")
+    events = [
+        event("runner_on_start", "train200", task=READ_TASK),
+        event("runner_on_failed", "train200", task=READ_TASK, res=locked_result()),
+    ]
+    targets = summarize(runner, tmp_path, [report, make_report("ok201", fact_pass())], events)
+    target = targets["train200"]
+    assert (target["status"], target["reason"]) == ("busy", f"{READ_TASK}: {LOCKED}")
+    assert "run 20261203T075500Z-def456 of ops@ctl" in target["reason"]
+    assert target["held_by"] == "20261203T075500Z-def456"
+    assert target["report"] is not None
+    assert targets["ok201"]["held_by"] is None
+    # Busy is a failure: exit 1, counted under its own status, target_failed 1 (but reached: target_up 1).
+    assert runner.exit_code(targets) == 1
+    assert runner.count_statuses(targets) == {"in_spec": 1, "drift": 0, "failed": 0, "busy": 1, "unreachable": 0}
+    families = parse_exposition(runner.render_textfile(summary_of(runner, targets)))
+    failed = {s[0]["target"]: s[1] for s in families["pve_gpu_recover_target_failed"]["samples"]}
+    up = {s[0]["target"]: s[1] for s in families["pve_gpu_recover_target_up"]["samples"]}
+    assert (failed, up) == ({"train200": 1, "ok201": 0}, {"train200": 1, "ok201": 1})
+    lines = runner.human_lines(summary_of(runner, targets) | {"status": "failed", "errors": []})
+    assert next(line for line in lines if line.startswith("train200:")).startswith(
+        f"train200: busy: {READ_TASK}: CT 200 on pve1 is locked by run"
+    )
+
+
+@pytest.mark.parametrize("kind", ["locked", "busy"])
+def test_the_report_alone_says_busy_from_the_error_kind(runner, tmp_path, kind):
+    error = {"step": "preflight", "task": READ_TASK, "msg": LOCKED, "kind": kind}
+    report = make_report("train200", {}, error=error, failed_step="preflight")
+    target = summarize(runner, tmp_path, [report])["train200"]
+    assert target["status"] == "busy"
+    assert target["held_by"] is None  # only the event carries the lock's holder
+
+
+def test_the_events_alone_say_busy_when_no_report_was_written(runner, tmp_path):
+    events = [event("runner_on_failed", "train200", task=READ_TASK, res=locked_result())]
+    target = summarize(runner, tmp_path, [], events)["train200"]
+    assert (target["status"], target["held_by"]) == ("busy", "20261203T075500Z-def456")
+    assert target["reason"] == f"{READ_TASK}: {LOCKED}"
+
+
+def test_any_other_error_kind_stays_failed_and_unreachable_wins_over_busy(runner, tmp_path):
+    error = {"step": "preflight", "task": READ_TASK, "msg": "the lock directory is unsafe", "kind": "unsafe"}
+    report = make_report("train200", {}, error=error, failed_step="preflight")
+    assert summarize(runner, tmp_path / "a", [report])["train200"]["status"] == "failed"
+    locked = make_report("train200", {}, error=dict(error, kind="locked"), failed_step="preflight")
+    events = [event("runner_on_unreachable", "train200", task=READ_TASK, res={"msg": UNREACHABLE})]
+    assert summarize(runner, tmp_path / "b", [locked], events)["train200"]["status"] == "unreachable"
+
+
 def test_an_unreachable_target_is_named_from_the_events_alone(runner, tmp_path):
     events = [
         event("runner_on_start", "train200", task="Read what every step needs, holding the run lock"),
@@ -367,7 +439,7 @@ def test_the_textfile_has_every_family_with_help_and_type_and_escapes_label_valu
     assert families[prefix + "runner_exit_code"]["samples"] == [({}, 1.0)]
     assert families[prefix + "runner_last_run_timestamp_seconds"]["samples"] == [({}, 1796371200.5)]
     counts = {s[0]["status"]: s[1] for s in families[prefix + "targets"]["samples"]}
-    assert counts == {"in_spec": 0, "drift": 2, "failed": 0, "unreachable": 1}
+    assert counts == {"in_spec": 0, "drift": 2, "failed": 0, "busy": 0, "unreachable": 1}
     assert sorted(families) == sorted(
         prefix + name
         for name in (
@@ -637,7 +709,7 @@ def test_main_checks_corrects_the_drifting_targets_only_and_writes_summary_and_t
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["mode"], summary["status"], summary["exit_code"]) == ("correct", "drift", 2)
-    assert summary["counts"] == {"in_spec": 1, "drift": 1, "failed": 0, "unreachable": 0}
+    assert summary["counts"] == {"in_spec": 1, "drift": 1, "failed": 0, "busy": 0, "unreachable": 0}
     assert summary["run_ids"] == [RUN_ID, RUN_ID]
     assert [run["phase"] for run in summary["runs"]] == ["check", "correct"]
     run_dir = Path(summary["run_dir"])

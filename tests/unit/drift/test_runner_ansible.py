@@ -22,12 +22,19 @@ FILES = {
         gathering = explicit
         retry_files_enabled = false
         """,
-    # The fact pass: publishes the facts the inventory gives the host.
+    # The fact pass: publishes the facts the inventory gives the host, or fails as the real one does when another
+    # run holds the target's lock (error kind "locked", the lock's details).
     "library/target_facts.py": """\
         from ansible.module_utils.basic import AnsibleModule
 
         def main():
-            module = AnsibleModule({"facts": {"type": "dict", "required": True}}, supports_check_mode=True)
+            module = AnsibleModule(
+                {"facts": {"type": "dict", "required": True}, "locked_by": {"type": "str"}}, supports_check_mode=True
+            )
+            holder = module.params["locked_by"]
+            if holder:
+                lock = {"path": "/run/lock/pve-gpu-recover/ct-204.lock", "holder": {"run_id": holder}}
+                module.fail_json(msg=f"CT 204 on pve1 is locked by run {holder} of ops@ctl", error="locked", lock=lock)
             module.exit_json(changed=False, ansible_facts={"pve_gpu_recover": module.params["facts"]})
 
         main()
@@ -52,6 +59,7 @@ FILES = {
         - name: Read what every step needs
           target_facts:
             facts: "{{ fake_facts }}"
+            locked_by: "{{ locked_by | default(omit) }}"
         - name: Assert no step found a problem
           ansible.builtin.assert:
             that: ansible_facts.pve_gpu_recover.problems | length == 0
@@ -132,6 +140,7 @@ def make_project(tmp_path):
         # Nothing listens on port 9: refused at once.
         "down202": {"ansible_host": "127.0.0.1", "ansible_port": 9, "fake_facts": facts()},
         "broken203": dict(local, fail_early=True, fake_facts=facts()),
+        "busy204": dict(local, locked_by="run-other", fake_facts=facts()),
     }
     inventory = tmp_path / "hosts.yml"
     inventory.write_text(json.dumps({"all": {"children": {"gpu_targets": {"hosts": hosts}}}}))
@@ -153,10 +162,18 @@ def test_check_then_correct_through_ansible_runner(tmp_path):
         "drift201": "drift",
         "down202": "unreachable",
         "broken203": "failed",
+        "busy204": "busy",
     }
     assert "Connection refused" in targets["down202"]["reason"]
     assert targets["broken203"]["reason"] == "Fail before any step (a broken host): no pve_node for this host"
     assert targets["broken203"]["report"] is None
+    # Another run's lock: named from the report's error kind and the failed event's lock holder.
+    busy = targets["busy204"]
+    assert (busy["reason"], busy["held_by"]) == (
+        "preflight : Read what every step needs: CT 204 on pve1 is locked by run run-other of ops@ctl",
+        "run-other",
+    )
+    assert json.loads((tmp_path / busy["report"]).read_text())["error"]["kind"] == "locked"
     drift = targets["drift201"]
     assert drift["check"]["drift"] == ["gpu_processes", "training_venv"]
     assert drift["corrected"] == {"gpu_processes": ["end pid 516 (python3) on GPU 0, 20000 MiB"]}
@@ -174,4 +191,6 @@ def test_check_then_correct_through_ansible_runner(tmp_path):
     assert 'pve_gpu_recover_needs_window{target="drift201",step="training_venv"} 1' in metrics
     assert 'pve_gpu_recover_target_up{target="down202"} 0' in metrics
     assert 'pve_gpu_recover_target_failed{target="broken203"} 1' in metrics
+    assert 'pve_gpu_recover_target_failed{target="busy204"} 1' in metrics
+    assert 'pve_gpu_recover_targets{status="busy"} 1' in metrics
     assert "PLAY RECAP" in (tmp_path / summary["runs"][0]["log"]).read_text()

@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Benchmark (not a test): a converged recover.yml and the check-mode drift run over fleets of 1, 4 and 16 CTs.
+
+    /usr/bin/python3 tests/lab/fleet.py create --nodes 2 --cts-per-node 8
+    .venv/bin/python bench/fleet.py --runs 3 --delays 0,0.3,1.0 --sizes 1,4,16 --forks 16 \\
+        --out docs/benchmarks/fleet-YYYY-MM-DD.json
+
+For each pct cost in ``--delays`` (``fleet.py pct-delay``: every node's ``pct`` sleeps that long per call, like a
+real node's Perl ``pct``) and each size N in ``--sizes`` (the first N CTs of the fleet, round-robin over its nodes:
+``fleet.py inventory --size N``), it runs, interleaved in one loop (the order rotates each round, after one
+warm-up run of each that is not counted):
+
+* ``recover``: ``ansible-playbook recover.yml --forks F`` on the converged fleet;
+* ``drift``: ``drift/runner.py --forks F``, recover.yml ``--check --diff`` through ansible-runner, as the timer runs it.
+
+Each run starts cold (a fresh ssh ControlPath directory). Per run it measures the wall time, new ssh connections
+(the ``Accepted`` lines of every node's sshd log), ssh client invocations (bench/ssh-counting), ``pct exec`` calls
+(every node's pct call log), module executions (from the run's reports: the steps' remote tasks that ran) and the
+controller's CPU seconds (user + system of the run and every descendant it waited for: ``getrusage
+(RUSAGE_CHILDREN)`` before and after). Every run must find the fleet converged (recover: each target's report ``ok``
+with nothing pending; drift: exit 0, every target in spec), or the benchmark stops: figures of a run that did work
+would mean something else. It prints a markdown table of the medians with each figure's ratio to the smallest size,
+and writes every run as JSON with ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FLEET = ["/usr/bin/python3", str(ROOT / "tests/lab/fleet.py")]
+FLEET_DIR = Path(os.environ.get("PVE_GPU_FLEET_DIR", "/var/lib/pve-gpu-recover-fleet"))
+BIN = Path(sys.executable).parent
+KINDS = ("recover", "drift")
+METRICS = ("seconds", "cpu_seconds", "ssh_connections", "ssh_invocations", "pct_exec", "module_executions")
+RUN_TIMEOUT = 900  # seconds: a 16-CT run at a 1 s pct takes well under a minute
+
+
+def count_lines(path, needle=None):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return sum(1 for line in handle if needle is None or needle in line)
+    except FileNotFoundError:
+        return 0
+
+
+def pct_execs(lab_dir):
+    try:
+        with open(Path(lab_dir) / "pct-calls.log", encoding="utf-8") as handle:
+            return sum(1 for line in handle if json.loads(line)["argv"][:1] == ["exec"])
+    except FileNotFoundError:
+        return 0
+
+
+def node_counters(nodes):
+    """What every node has counted so far: sshd connections and pct exec calls, summed over the fleet."""
+    return {
+        "ssh_connections": sum(count_lines(Path(n["lab_dir"]) / "ssh/sshd.log", "Accepted") for n in nodes),
+        "pct_exec": sum(pct_execs(n["lab_dir"]) for n in nodes),
+    }
+
+
+def cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def module_executions(reports):
+    """Remote tasks that ran (not skipped), from the recover_report reports: one per converged target."""
+    return sum(
+        1 for report in reports for task in report.get("tasks", []) if task["remote"] and task["status"] != "skipped"
+    )
+
+
+def command_for(kind, inventory, forks, workdir, reports):
+    if kind == "recover":
+        return [str(BIN / "ansible-playbook"), "-i", str(inventory), "--forks", str(forks), str(ROOT / "recover.yml")]
+    return [
+        sys.executable,
+        str(ROOT / "drift/runner.py"),
+        *("--inventory", str(inventory), "--forks", str(forks), "--timeout", str(RUN_TIMEOUT)),
+        *("--summary", str(workdir / "summary.json"), "--reports-dir", str(reports), "--keep-runs", "1"),
+    ]
+
+
+def converged_reports(kind, size, done, workdir, reports):
+    """The run's reports, after checking that it found every target converged (else the benchmark stops)."""
+    tail = f"\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    if kind == "recover":
+        found = [json.loads(p.read_text()) for p in sorted(reports.glob("*/*.json"))]
+        busy = [r["target"] for r in found if r["status"] != "ok" or (r.get("before") or {}).get("pending")]
+        if done.returncode != 0 or len(found) != size or busy:
+            sys.exit(f"bench: recover.yml on {size} CTs did not find them converged (exit {done.returncode}, "
+                     f"{len(found)} reports, not converged: {busy}){tail}")  # fmt: skip
+        return found
+    summary = json.loads((workdir / "summary.json").read_text()) if (workdir / "summary.json").exists() else {}
+    targets = summary.get("targets") or {}
+    if done.returncode != 0 or len(targets) != size:
+        sys.exit(f"bench: the drift run on {size} CTs was not in spec (exit {done.returncode}, "
+                 f"{summary.get('counts')}){tail}")  # fmt: skip
+    return [json.loads(Path(t["report"]).read_text()) for t in targets.values()]
+
+
+def run_once(kind, size, inventory, *, forks, nodes, workdir):
+    """One cold run of ``kind`` on the first ``size`` CTs: wall and CPU seconds and what it cost in round trips."""
+    ssh_log = workdir / "ssh.log"
+    ssh_log.write_text("")
+    reports = workdir / "reports"
+    shutil.rmtree(reports, ignore_errors=True)
+    (workdir / "summary.json").unlink(missing_ok=True)
+    control = tempfile.mkdtemp(prefix="cp-", dir=workdir)
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
+        ANSIBLE_SSH_EXECUTABLE=str(ROOT / "bench/ssh-counting"),
+        ANSIBLE_SSH_CONTROL_PATH_DIR=control,
+        PVE_GPU_RECOVER_REPORT_DIR=str(reports),  # recover.yml's; the drift runner sets its own under --reports-dir
+        BENCH_SSH_LOG=str(ssh_log),
+    )
+    before = node_counters(nodes)
+    cpu = cpu_seconds()
+    started = time.monotonic()
+    done = subprocess.run(
+        command_for(kind, inventory, forks, workdir, reports),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=RUN_TIMEOUT + 60,
+    )
+    seconds = time.monotonic() - started
+    cpu = cpu_seconds() - cpu
+    after = node_counters(nodes)
+    # End the run's ssh masters now, so no connection is reused and no close is billed to the next run.
+    for socket in Path(control).iterdir():
+        subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={socket}", "x"], capture_output=True, check=False)
+    found = converged_reports(kind, size, done, workdir, reports)
+    return {
+        "seconds": round(seconds, 3),
+        "cpu_seconds": round(cpu, 3),
+        "ssh_connections": after["ssh_connections"] - before["ssh_connections"],
+        "ssh_invocations": count_lines(ssh_log),
+        "pct_exec": after["pct_exec"] - before["pct_exec"],
+        "module_executions": module_executions(found),
+    }
+
+
+def summarize(runs, sizes):
+    """Medians per kind and size, and each median's ratio to the smallest size's."""
+    medians, ratios = {}, {}
+    base = min(sizes)
+    for kind in KINDS:
+        medians[kind] = {
+            str(size): {key: statistics.median(r[key] for r in runs[kind][str(size)]) for key in METRICS}
+            for size in sizes
+        }
+        first = medians[kind][str(base)]
+        ratios[kind] = {
+            str(size): {
+                key: round(medians[kind][str(size)][key] / first[key], 2) if first[key] else None for key in METRICS
+            }
+            for size in sizes
+        }
+    return {"medians": medians, f"ratios_to_{base}": ratios}
+
+
+def ratio_text(value, ratio):
+    shown = f"{value:.2f}" if isinstance(value, float) and not value.is_integer() else f"{value:g}"
+    return shown if ratio is None else f"{shown} ({ratio:.2f}x)"
+
+
+def markdown(results):
+    """The medians as one markdown table, each figure with its ratio to the smallest size."""
+    base = min(results["sizes"])
+    lines = [
+        f"Medians of {results['runs_per_figure']} runs, forks {results['forks']}; in parentheses: the ratio to "
+        f"{base} CT{'s' if base > 1 else ''}.",
+        "",
+        "| pct cost | run | CTs | wall s | controller CPU s | new ssh connections | `pct exec` | module executions |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for delay, data in results["delays"].items():
+        for kind in KINDS:
+            for size in results["sizes"]:
+                m = data["medians"][kind][str(size)]
+                r = data[f"ratios_to_{base}"][kind][str(size)]
+                cells = [ratio_text(m[key], r[key]) for key in METRICS if key != "ssh_invocations"]
+                lines.append(f"| {delay} s | {kind} | {size} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--delays", default="0,0.3,1.0")
+    parser.add_argument("--sizes", default="1,4,16")
+    parser.add_argument("--forks", type=int, default=16)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    try:
+        nodes = json.loads((FLEET_DIR / "fleet.json").read_text())["nodes"]
+    except FileNotFoundError:
+        sys.exit("bench: no fleet; run `/usr/bin/python3 tests/lab/fleet.py create --nodes 2 --cts-per-node 8` first")
+    results = {
+        "date": time.strftime("%Y-%m-%d"),
+        "runs_per_figure": args.runs,
+        "forks": args.forks,
+        "sizes": sizes,
+        "fleet": [{"node": n["node"], "cts": sorted(int(v) for v in n["cts"])} for n in nodes],
+        "machine": {"cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()},
+        "delays": {},
+    }
+    pairs = [(kind, size) for size in sizes for kind in KINDS]
+    try:
+        with tempfile.TemporaryDirectory(prefix="pgr-fleet-bench-") as tmp:
+            workdir = Path(tmp)
+            inventories = {}
+            for size in sizes:
+                inventories[size] = workdir / f"inventory-{size}.yml"
+                subprocess.run([*FLEET, "inventory", "--size", str(size), "--out", str(inventories[size])], check=True)
+            for delay in [float(d) for d in args.delays.split(",")]:
+                subprocess.run([*FLEET, "pct-delay", str(delay)], check=True)
+                runs = {kind: {str(size): [] for size in sizes} for kind in KINDS}
+                for kind, size in pairs:  # warm-up: file caches, python bytecode; not counted
+                    run_once(kind, size, inventories[size], forks=args.forks, nodes=nodes, workdir=workdir)
+                for i in range(args.runs):
+                    shift = i % len(pairs)
+                    for kind, size in pairs[shift:] + pairs[:shift]:  # rotate so no figure always runs first
+                        run = run_once(kind, size, inventories[size], forks=args.forks, nodes=nodes, workdir=workdir)
+                        runs[kind][str(size)].append(run)
+                results["delays"][f"{delay:g}"] = dict(summarize(runs, sizes), runs=runs)
+                print(f"pct delay {delay:g} s done", file=sys.stderr, flush=True)
+    finally:
+        subprocess.run([*FLEET, "pct-delay", "0"], check=False)
+    results["machine"]["load_average_at_end"] = os.getloadavg()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"written: {args.out}", file=sys.stderr)
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
