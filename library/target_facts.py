@@ -92,10 +92,9 @@ options:
     default: true
   check_run:
     description:
-      - Whether the run is a C(--check) run. The fact pass's task runs with C(check_mode: false) (it must take
-        the lock and read real facts), so the module cannot tell a check run from its own check mode; the steps
-        plan with this instead (verify does not import torch after a check run's planned changes, which were
-        not made).
+      - Whether the run is a C(--check) run. The fact pass's task runs with check mode off (it must take the lock
+        and read real facts), so the module cannot tell a check run from its own check mode; the steps plan with
+        this instead (verify does not import torch after a check run's planned changes, which were not made).
       - Either this or the module's own check mode makes the pass plan for a check run.
     type: bool
     default: false

@@ -282,13 +282,12 @@ def test_fail_on_problems_false_returns_the_facts_without_failing(tmp_path, monk
 
 
 @pytest.mark.parametrize(
-    ("check_mode", "check_run", "planned_as_check"),
+    "modes",
     [(False, False, False), (False, True, True), (True, False, True)],
     ids=["real-run", "check-run-task-forced-real", "module-check-mode"],
 )
-def test_a_check_run_is_planned_as_one_although_the_task_runs_for_real(
-    check_mode, check_run, planned_as_check, tmp_path, monkeypatch, capsys
-):
+def test_a_check_run_is_planned_as_one_although_the_task_runs_for_real(modes, tmp_path, monkeypatch, capsys):
+    check_mode, check_run, planned_as_check = modes
     # The fact pass task runs with check_mode false (it takes the lock); check_run tells it the run is a --check,
     # so that verify does not import torch after changes a check run only planned (seen on the H200: it failed
     # on a stray holder's memory that gpu_processes had only planned to free).
