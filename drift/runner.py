@@ -152,8 +152,21 @@ def report_steps(report):
     return {name: steps[name] for name in names if not before or isinstance(before.get(name), dict)}
 
 
+def diff_lines(diff):
+    """``{"before": "a\\nb\\n", "after": ""}`` -> ``{"before": ["a", "b"], "after": []}``; ``{}`` for no diff."""
+    if not isinstance(diff, dict):
+        return {}
+    # Lines kept as they are (git's status columns mean something), only cut to one_line's length.
+    return {
+        side: [line.rstrip()[:500] for line in str(diff.get(side) or "").splitlines()] for side in ("before", "after")
+    }
+
+
 def summarize_step(entry, corrected_run=False):
-    """One step of one target: ``{drift, status, changes, problems, needs_window, corrected}``.
+    """One step of one target: ``{drift, status, changes, diff, problems, needs_window, corrected}``.
+
+    ``diff`` is the step's ``--diff`` as ``{"before": [...], "after": [...]}`` lines, so the summary names the
+    exact item that drifted (the changed file, the extra package, the holder's pid), not only the step's verdict.
 
     In a check run a step drifts when the fact pass found work (``pending``), its module said it would change
     something, or something needs a window. In a correction run (``corrected_run``) it was corrected when its
@@ -171,6 +184,7 @@ def summarize_step(entry, corrected_run=False):
         "drift": drift,
         "status": entry.get("status"),
         "changes": [str(line) for line in entry.get("changes") or []],
+        "diff": diff_lines(entry.get("diff")),
         "problems": [str(line) for line in entry.get("problems") or []],
         "needs_window": needs_window,
         "corrected": bool(corrected_run and changed),

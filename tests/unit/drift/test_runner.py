@@ -49,6 +49,7 @@ def test_a_converged_target_is_in_spec_and_a_step_that_is_off_is_left_out(runner
         "drift": False,
         "status": "skipped",
         "changes": [],
+        "diff": {"before": [], "after": []},
         "problems": [],
         "needs_window": [],
         "corrected": False,
@@ -85,6 +86,16 @@ def test_each_kind_of_drift_names_its_step_and_what_a_run_would_change(runner, t
     assert runner.exit_code(targets) == 2
 
 
+def test_the_diff_names_the_exact_item_line_by_line(runner):
+    diff = {"before": "HEAD 9e8d7c6\n M model.py\n?? scratch notes.txt\n", "after": "HEAD 4f3c2a1\n"}
+    step = runner.summarize_step(step_facts(["save 1 modified file"], diff=diff))
+    assert step["diff"] == {
+        "before": ["HEAD 9e8d7c6", " M model.py", "?? scratch notes.txt"],
+        "after": ["HEAD 4f3c2a1"],
+    }
+    assert runner.summarize_step(step_facts(diff=None))["diff"] == {}
+
+
 def test_what_a_correction_would_leave_to_a_window_is_drift_too(runner, tmp_path):
     venv = step_facts(
         ["torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)"],
@@ -103,6 +114,9 @@ def test_a_hardware_run_report_reads_as_drift(runner, tmp_path):
     target = summarize(runner, tmp_path, [check])["localhost"]
     assert target["status"] == "drift"
     assert target["steps"]["gpu_processes"]["changes"][0].startswith("end pid 1193 (python3) on GPU 0")
+    # The exact items, as --diff shows them: the holders' pids.
+    assert target["steps"]["gpu_processes"]["diff"]["before"][0].startswith("pid 1193 (python3) on GPU 0")
+    assert target["steps"]["gpu_processes"]["diff"]["after"] == []
     assert not target["steps"]["preflight"]["drift"]
 
 
