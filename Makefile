@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 LOCK := requirements/dev.lock
 STAMP := $(VENV)/.installed-$(shell sha256sum $(LOCK) | cut -c1-12)
 LABCTL := /usr/bin/python3 tests/lab/labctl.py
-SYSTEM_PACKAGES := lxc debootstrap openssh-server psmisc iproute2 python3 python3-venv git coreutils
+SYSTEM_PACKAGES := lxc debootstrap openssh-server psmisc iproute2 python3 python3-venv git coreutils systemd
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
@@ -48,7 +48,7 @@ lint: setup  ## ruff and ansible-lint (production profile)
 	$(BIN)/ruff format --check .
 	$(BIN)/ansible-lint
 
-unit: setup  ## pytest unit tests of library/, module_utils/ and the lab stand-ins (seconds, no lab)
+unit: setup system-deps  ## pytest unit tests of library/, module_utils/ and the lab stand-ins (seconds, no lab)
 	$(BIN)/python -m pytest tests/unit -q
 
 molecule: setup system-deps  ## molecule scenarios against the lab (molecule builds and removes it)
