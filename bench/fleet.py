@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from converged import count_lines  # bench/converged.py, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = ["/usr/bin/python3", str(ROOT / "tests/lab/fleet.py")]
 FLEET_DIR = Path(os.environ.get("PVE_GPU_FLEET_DIR", "/var/lib/pve-gpu-recover-fleet"))
@@ -46,14 +48,6 @@ BIN = Path(sys.executable).parent
 KINDS = ("recover", "drift")
 METRICS = ("seconds", "cpu_seconds", "ssh_connections", "ssh_invocations", "pct_exec", "module_executions")
 RUN_TIMEOUT = 900  # seconds: a 16-CT run at a 1 s pct takes well under a minute
-
-
-def count_lines(path, needle=None):
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return sum(1 for line in handle if needle is None or needle in line)
-    except FileNotFoundError:
-        return 0
 
 
 def pct_execs(lab_dir):

@@ -6,13 +6,7 @@
 #   OUT=/some/dir bench/hardware_cache.sh        # with .whl/ carried along
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-export OUT=${OUT:-/tmp/pgr-hardware}
-mkdir -p "$OUT"
-if ! command -v ansible-playbook >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-fi
-export ANSIBLE_CONFIG=$PWD/ansible.cfg ANSIBLE_NOCOLOR=1 PVE_GPU_RECOVER_REPORT_DIR=$OUT/reports
+. bench/hardware_env.sh
 VENV=$(python3 -c 'import sys; print(sys.prefix)')
 CACHE=/tmp/pgr-inductor
 log="$OUT/cache-runs.log"

@@ -7,13 +7,7 @@
 # Safety: the real run happens only when --check planned exactly these jobs' processes.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-export OUT=${OUT:-/tmp/pgr-hardware}
-mkdir -p "$OUT"
-if ! command -v ansible-playbook >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-fi
-export ANSIBLE_CONFIG=$PWD/ansible.cfg ANSIBLE_NOCOLOR=1 PVE_GPU_RECOVER_REPORT_DIR=$OUT/reports
+. bench/hardware_env.sh
 RECOVER=(ansible-playbook -i inventory/localhost recover.yml -e preflight_min_free_gib=1
          -e "preflight_expected_gpu_count=$(nvidia-smi -L | wc -l)")
 log="$OUT/jobs-runs.log"

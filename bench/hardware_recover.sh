@@ -10,13 +10,7 @@
 # venv in spec.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-export OUT=${OUT:-/tmp/pgr-hardware}
-mkdir -p "$OUT"
-if ! command -v ansible-playbook >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-fi
-export ANSIBLE_CONFIG=$PWD/ansible.cfg ANSIBLE_NOCOLOR=1 PVE_GPU_RECOVER_REPORT_DIR=$OUT/reports
+. bench/hardware_env.sh
 VENV=$(python3 -c 'import sys; print(sys.prefix)')
 GPUS=$(nvidia-smi -L | wc -l)
 REPO=/tmp/pgr-train CACHE=/tmp/pgr-inductor

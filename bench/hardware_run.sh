@@ -6,17 +6,10 @@
 # holders this script started (the machine may run agents of its own).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-export OUT=${OUT:-/tmp/pgr-hardware}
-mkdir -p "$OUT"
+. bench/hardware_env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ! command -v ansible-playbook >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-fi
-export ANSIBLE_CONFIG=$PWD/ansible.cfg ANSIBLE_NOCOLOR=1
 RECOVER=(ansible-playbook -i inventory/localhost recover.yml -e preflight_min_free_gib=1
          -e "preflight_expected_gpu_count=$(nvidia-smi -L | wc -l)")
-export PVE_GPU_RECOVER_REPORT_DIR=$OUT/reports
 FIELDS=$(python3 -c 'import sys; sys.path.insert(0, "tests"); import conftest; from ansible.module_utils.nvidia_smi import GPU_FIELDS; print(",".join(f[0] for f in GPU_FIELDS))')
 
 step() { echo; echo "== $* ($(date -u +%H:%M:%S.%N | cut -c1-12))"; }
