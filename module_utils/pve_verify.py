@@ -903,6 +903,10 @@ def memory_deferral(context):
         return "the gpu_processes step ends the processes holding it in this run; it waits until the memory is free"
     if isinstance(facts, dict) and facts.get("problems"):
         return "left to the gpu_processes step, whose problems name the holders"
+    # Unattended, the guarded training job keeps its GPUs' memory by design: the GPU step names it as needing a
+    # window, and the run must not fail for it (its holders are all accounted for there).
+    if isinstance(facts, dict) and facts.get("needs_window"):
+        return "held by the training job gpu_processes_guard names, left running until a window (see gpu_processes)"
     return None
 
 

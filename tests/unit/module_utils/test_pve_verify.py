@@ -338,6 +338,11 @@ def test_memory_in_use_is_a_problem_when_no_step_of_this_run_frees_it():
     [
         ({"pending": True, "problems": []}, "the gpu_processes step ends the processes holding it in this run"),
         ({"pending": False, "problems": ["pid 777 belongs to CT 201"]}, "whose problems name the holders"),
+        # Unattended with the training job guarded (found by the recover scenario: the correction run failed here).
+        (
+            {"pending": False, "problems": [], "needs_window": ["pid 23639 (train-job) ... is left running"]},
+            "held by the training job gpu_processes_guard names",
+        ),
     ],
 )
 def test_memory_the_gpu_step_frees_or_already_names_is_deferred(gpu_step, why):
