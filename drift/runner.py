@@ -53,6 +53,8 @@ FAILURES = ("failed", "busy", "unreachable")
 # The fact pass's error kinds (module_utils/pve_lock.py) that mean another run holds the target: ``locked`` (its run
 # lock) and ``busy`` (that run has been changing the node's lock directory for seconds).
 BUSY_KINDS = ("locked", "busy")
+# The tasks whose error kinds mean the run lock: a later step's own "busy" (a compile cache in use) is a failure.
+LOCK_ACTIONS = ("target_facts", "target_lock")
 # recover.yml's order of the steps (the report callback's STEP_ROLES); a step not listed comes last, by name.
 STEP_ORDER = ("preflight", "gpu_processes", "training_code", "training_venv", "compile_cache", "verify")
 # The extra variable a correction run sets; the roles leave what is unsafe unattended to a window.
@@ -99,8 +101,9 @@ def failure_of(data):
     kind = res.get("error") if isinstance(res.get("error"), str) else None
     lock = res.get("lock") if isinstance(res.get("lock"), dict) else {}
     holder = lock.get("holder") if isinstance(lock.get("holder"), dict) else {}
+    action = str(data.get("task_action") or "").rsplit(".", 1)[-1] or None
     held_by = holder.get("run_id") if kind in BUSY_KINDS and isinstance(holder.get("run_id"), str) else None
-    return {"task": data.get("task"), "msg": result_message(res), "kind": kind, "held_by": held_by}
+    return {"task": data.get("task"), "msg": result_message(res), "kind": kind, "action": action, "held_by": held_by}
 
 
 def host_events(events):
@@ -203,9 +206,10 @@ def report_failure(report):
 
 
 def lock_contention(report, events):
-    """Whether the target failed because another run holds it (its report's or its failed event's error kind)."""
-    kind = ((report or {}).get("error") or {}).get("kind") or (events.get("failed") or {}).get("kind")
-    return kind in BUSY_KINDS
+    """Whether the target failed because another run holds it: the report's or the failed event's error kind is
+    the lock's, raised by the fact pass or the lock module (a compile cache in use is also ``busy``, but a failure)."""
+    error = (report or {}).get("error") or events.get("failed") or {}
+    return error.get("kind") in BUSY_KINDS and error.get("action") in LOCK_ACTIONS
 
 
 def summarize_target(name, found, events, *, corrected_run=False, run_status="successful", timeout=None, log=None):

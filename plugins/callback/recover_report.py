@@ -174,7 +174,7 @@ class CallbackModule(CallbackBase):
         }
         host["tasks"].append(record)
         if status in ("failed", "unreachable") and host["error"] is None:
-            host["error"] = {"step": role, "task": task.get_name(), "msg": data.get("msg")}
+            host["error"] = {"step": role, "task": task.get_name(), "action": action, "msg": data.get("msg")}
             if isinstance(data.get("error"), str):
                 # The module's error kind (pve_errors), e.g. "locked": the drift runner tells another run's lock
                 # from a broken target by it.

@@ -171,11 +171,11 @@ def locked_result(kind="locked"):
 
 
 def test_a_target_another_run_holds_is_busy_naming_that_run_and_still_fails_the_run(runner, tmp_path):
-    error = {"step": "preflight", "task": READ_TASK, "msg": LOCKED, "kind": "locked"}
+    error = {"step": "preflight", "task": READ_TASK, "action": "target_facts", "msg": LOCKED, "kind": "locked"}
     report = make_report("train200", {}, error=error, failed_step="preflight")
     events = [
         event("runner_on_start", "train200", task=READ_TASK),
-        event("runner_on_failed", "train200", task=READ_TASK, res=locked_result()),
+        event("runner_on_failed", "train200", task=READ_TASK, task_action="target_facts", res=locked_result()),
     ]
     targets = summarize(runner, tmp_path, [report, make_report("ok201", fact_pass())], events)
     target = targets["train200"]
@@ -199,15 +199,28 @@ def test_a_target_another_run_holds_is_busy_naming_that_run_and_still_fails_the_
 
 @pytest.mark.parametrize("kind", ["locked", "busy"])
 def test_the_report_alone_says_busy_from_the_error_kind(runner, tmp_path, kind):
-    error = {"step": "preflight", "task": READ_TASK, "msg": LOCKED, "kind": kind}
+    error = {"step": "preflight", "task": READ_TASK, "action": "target_facts", "msg": LOCKED, "kind": kind}
     report = make_report("train200", {}, error=error, failed_step="preflight")
     target = summarize(runner, tmp_path, [report])["train200"]
     assert target["status"] == "busy"
     assert target["held_by"] is None  # only the event carries the lock's holder
 
 
+def test_a_compile_cache_in_use_is_a_failure_not_another_runs_lock(runner, tmp_path):
+    # compile_cache's ActError kind is "busy" too (a live process uses a cache to purge): the target was checked
+    # and something on it is wrong, so it is failed, whether the report or only the event says so.
+    in_use = "nothing was purged: a live process uses a cache to purge: pid 4242 (python3)"
+    error = {"step": "caches", "task": "Purge stale compile caches", "action": "compile_cache", "msg": in_use}
+    report = make_report("train200", {}, error=dict(error, kind="busy"), failed_step="caches")
+    assert summarize(runner, tmp_path / "a", [report])["train200"]["status"] == "failed"
+    res = {"failed": True, "msg": in_use, "error": "busy"}
+    events = [event("runner_on_failed", "train200", task=error["task"], task_action="compile_cache", res=res)]
+    target = summarize(runner, tmp_path / "b", [], events)["train200"]
+    assert (target["status"], target["reason"]) == ("failed", f"Purge stale compile caches: {in_use}")
+
+
 def test_the_events_alone_say_busy_when_no_report_was_written(runner, tmp_path):
-    events = [event("runner_on_failed", "train200", task=READ_TASK, res=locked_result())]
+    events = [event("runner_on_failed", "train200", task=READ_TASK, task_action="target_facts", res=locked_result())]
     target = summarize(runner, tmp_path, [], events)["train200"]
     assert (target["status"], target["held_by"]) == ("busy", "20261203T075500Z-def456")
     assert target["reason"] == f"{READ_TASK}: {LOCKED}"

@@ -132,6 +132,7 @@ def test_a_failed_run_still_writes_its_report_and_prints_its_path(tmp_path):
     assert report["error"] == {
         "step": "gpu_processes",
         "task": "gpu_processes : Fail like a step that ended processes and then found the memory still held",
+        "action": "fail",
         "msg": "GPU 0 still holds 300 MiB",
     }
     assert report["steps"]["preflight"]["status"] == "ok"
