@@ -262,6 +262,14 @@ needs_window:
     - "CT 200 on pve1: pid 516 (python3, pid 41 inside) on GPU 0, 20998 MiB, running 'python3 train.py', is left
       running: its parent pid 500 (torchrun, pid 12 inside: 'torchrun train.py') matches gpu_processes_guard
       {match: 'torchrun'}; ending it needs a window (run recover.yml without recover_unattended)"
+kept_gpus:
+  description:
+    - The indexes of the GPUs the holders in I(needs_window) use. Their memory stays held after the step (the memory
+      wait leaves them out); the verify step asserts the memory of the others. Empty when attended.
+  returned: always
+  type: list
+  elements: int
+  sample: [0, 1]
 seconds_to_free:
   description: Seconds from the first signal until every GPU of the target was verified free (0 when nothing was ended).
   returned: always

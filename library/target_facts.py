@@ -151,8 +151,9 @@ ansible_facts:
           numbers them), C(gpu_uuids), C(devices), C(node_driver_version), C(target_driver_version),
           C(nvml_library_versions), C(space), C(python_version), C(hostname) and C(nvidia_smi_error).
         - C(gpu_processes) adds C(processes) (what a run would end), C(protected) (left alone) and C(blockers)
-          (other owners' or protected processes holding memory on the target's GPUs, with the reason), and
-          C(guarded) (the holders C(gpu_processes_guard) names, told attended too).
+          (other owners' or protected processes holding memory on the target's GPUs, with the reason),
+          C(guarded) (the holders C(gpu_processes_guard) names, told attended too) and C(kept_gpus) (the GPUs the
+          holders in C(needs_window) use, whose memory the verify step leaves out).
         - C(gpu_processes), C(training_venv) and C(compile_cache) add C(needs_window) (always; one sentence per
           piece of work an unattended run, C(recover_unattended), leaves for a maintenance window - a guarded
           job's processes, a venv or a cache a live process uses; empty when attended). That work is in neither
@@ -171,8 +172,8 @@ ansible_facts:
         problems: []
         seconds: 0.21
         preflight: {problems: [], changes: [], pending: false, gpu_uuids: [GPU-bf580366-c11c-e730-752a-e9ca8716b7fa]}
-        gpu_processes: {processes: [], protected: [], blockers: [], guarded: [], needs_window: [], changes: [],
-                        problems: [], pending: false}
+        gpu_processes: {processes: [], protected: [], blockers: [], guarded: [], needs_window: [], kept_gpus: [],
+                        changes: [], problems: [], pending: false}
 error:
   description:
     - On failure, what kind of failure it was, stable for code (e.g. C(stopped), C(missing), C(timeout), C(locked)).

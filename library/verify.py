@@ -74,6 +74,14 @@ options:
       - C(memory.used) of every GPU must be at most this many MiB (an idle H200 shows 0).
     type: int
     default: 0
+  memory_kept_gpus:
+    description:
+      - The indexes of GPUs whose memory is left out of I(max_memory_used_mib) - those an unattended run leaves to the
+        guarded training job (the fact pass's C(gpu_processes.kept_gpus), named in its C(needs_window)).
+      - The role passes them; empty asserts every GPU.
+    type: list
+    elements: int
+    default: []
   driver_version:
     description:
       - The driver NVML reports (C(580.159.04)). Empty asserts nothing.
@@ -300,7 +308,12 @@ from ansible.module_utils.pve_verify import (
     torch_failure,
 )
 
-ARGUMENT_SPEC = {**TARGET_ARGUMENT_SPEC, **SPEC, "torch_timeout": {"type": "int", "default": 180}}
+ARGUMENT_SPEC = {
+    **TARGET_ARGUMENT_SPEC,
+    **SPEC,
+    "torch_timeout": {"type": "int", "default": 180},
+    "memory_kept_gpus": {"type": "list", "elements": "int", "default": []},
+}
 
 
 def check_options(params):
@@ -336,15 +349,18 @@ def read_torch(target, venv, timeout):
     return dict(answer, python=argv[0])
 
 
-def assert_all(spec, gpus, torch, label):
-    """``(checks, expected)``: every assertion on nvidia-smi's GPUs and (unless None) the torch facts; pure."""
+def assert_all(spec, gpus, torch, label, memory_kept=()):
+    """``(checks, expected)``: every assertion on nvidia-smi's GPUs and (unless None) the torch facts; pure.
+
+    ``memory_kept``: the GPUs (indexes) whose memory the guarded training job keeps (left out of the memory check).
+    """
     if spec["gpu_count"] is None and torch and torch.get("devices"):
         count, source = expected_gpus(spec, torch["devices"])
     elif spec["gpu_count"] is None:
         count, source = len(gpus), "the GPUs nvidia-smi lists"
     else:
         count, source = expected_gpus(spec, [])
-    checks = gpu_checks(spec, gpus, label=label, expected_count=count, count_source=source)
+    checks = gpu_checks(spec, gpus, label=label, expected_count=count, count_source=source, memory_kept=memory_kept)
     if torch is not None:
         driver = gpus[0].get("driver_version") if gpus else None
         checks += torch_checks(spec, torch, label=label, expected_count=count, count_source=source, driver=driver)
@@ -374,7 +390,7 @@ def main():
         smi = NvidiaSmi(target.run, timeout=p["timeout"])
         gpus = smi.gpus()  # before torch: the memory it reads is the jobs', not the script's
         torch = read_torch(target, spec["venv"], p["torch_timeout"]) if spec["import_torch"] != "never" else None
-        checks, expected = assert_all(spec, gpus, torch, target.label)
+        checks, expected = assert_all(spec, gpus, torch, target.label, p["memory_kept_gpus"])
     except RecoverError as error:
         # The target's own errors name it already ("CT 200 on pve1 is not running"); the others get its label.
         named = target is None or str(error).startswith(target.label)

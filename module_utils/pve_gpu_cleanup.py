@@ -210,6 +210,7 @@ def evaluate_step(spec, answer, node, context):
         + [dict(as_result(e), reason=service_reason(unit, e, target["vmid"])) for e, unit in services],
         "guarded": [as_guarded(e, why) for e, why in guarded],
         "needs_window": [window_message(target["label"], e, why) for e, why in kept],
+        "kept_gpus": kept_gpus(kept),
         "changes": plan_changes(ending, restarters),
         "problems": problems,
         "diff": diff_cleanup(ending, restarters),
@@ -508,9 +509,14 @@ def plan_guard(to_end, holders, ancestors, *, owner, guard, guard_pids, unattend
     return [e for e in to_end if e["info"].pid not in kept], guarded, ordered
 
 
+def kept_gpus(kept):
+    """The indexes of the GPUs a holder left running (unattended, guarded) uses: they stay busy after the step."""
+    return sorted({index for entry, _ in kept for index in entry["gpus"]})
+
+
 def wait_uuids(gpus, kept):
     """The UUIDs of the target's GPUs that must be free after the step: all but those a kept holder uses."""
-    busy = {index for entry, _ in kept for index in entry["gpus"]}
+    busy = set(kept_gpus(kept))
     return {g["uuid"] for g in gpus if g["index"] not in busy}
 
 
@@ -945,6 +951,7 @@ def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None)
         "protected": [as_result(e) for e in found["protected_idle"]],
         "guarded": [as_guarded(e, why) for e, why in found["guarded"]],
         "needs_window": [window_message(target.label, e, why) for e, why in found["kept"]],
+        "kept_gpus": kept_gpus(found["kept"]),
         "killed": [],
         "memory": gpus,
         "polls": 0,

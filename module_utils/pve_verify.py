@@ -233,23 +233,30 @@ def gpu_name_check(gpus, expected, label):
     )
 
 
-def memory_check(gpus, limit, label):
+def memory_check(gpus, limit, label, kept=()):
+    """The memory every GPU uses against ``limit``; the GPUs in ``kept`` (indexes) are left out: an unattended run
+    leaves the guarded training job on them (gpu_processes' ``kept_gpus``)."""
     findings = []
+    kept = set(kept)
     for g in gpus:
         used = g.get("memory_used_mib")
+        if g.get("index") in kept:
+            continue
         if used is None:
             raw = (g.get("unreadable") or {}).get("memory_used_mib", "[N/A]")
             findings.append(f"{gpu_label(g)} reports memory.used as {shown(raw)}")
         elif used > limit:
             findings.append(f"{gpu_label(g)} uses {used} MiB")
     found = {str(g.get("index")): g.get("memory_used_mib") for g in gpus}
+    left_out = ", ".join(f"GPU {i}" for i in sorted(kept))
+    except_kept = f" except {left_out}, which the guarded training job keeps until a window" if kept else ""
     if not findings:
         return make_check(
             "memory",
             True,
             expected=limit,
             found=found,
-            detail=f"{label}: every GPU uses at most {limit} MiB",
+            detail=f"{label}: every GPU uses at most {limit} MiB{except_kept}",
         )
     return make_check(
         "memory",
@@ -278,10 +285,11 @@ def driver_check(gpus, expected, label):
     )
 
 
-def gpu_checks(spec, gpus, *, label, expected_count, count_source, memory_deferred=None):
+def gpu_checks(spec, gpus, *, label, expected_count, count_source, memory_deferred=None, memory_kept=()):
     """The assertions on nvidia-smi's facts (the fact pass: preflight's ``gpus``; the module: its own read).
 
-    ``memory_deferred`` is why the memory check is left to a step with work in this run (None: check it now).
+    ``memory_deferred`` is why the memory check is left to a step with work in this run (None: check it now);
+    ``memory_kept`` the GPUs (indexes) whose memory an unattended run leaves to the guarded training job.
     """
     checks = [gpu_count_check(gpus, expected_count, count_source, label)]
     if spec["gpu_name"]:
@@ -289,7 +297,7 @@ def gpu_checks(spec, gpus, *, label, expected_count, count_source, memory_deferr
     if memory_deferred:
         checks.append(deferred_check("memory", spec["max_memory_used_mib"], f"{label}: memory: {memory_deferred}"))
     else:
-        checks.append(memory_check(gpus, spec["max_memory_used_mib"], label))
+        checks.append(memory_check(gpus, spec["max_memory_used_mib"], label, memory_kept))
     if spec["driver_version"]:
         checks.append(driver_check(gpus, spec["driver_version"], label))
     return checks + health_checks(health_levels(spec), gpus, label)
@@ -903,11 +911,15 @@ def memory_deferral(context):
         return "the gpu_processes step ends the processes holding it in this run; it waits until the memory is free"
     if isinstance(facts, dict) and facts.get("problems"):
         return "left to the gpu_processes step, whose problems name the holders"
-    # Unattended, the guarded training job keeps its GPUs' memory by design: the GPU step names it as needing a
-    # window, and the run must not fail for it (its holders are all accounted for there).
-    if isinstance(facts, dict) and facts.get("needs_window"):
-        return "held by the training job gpu_processes_guard names, left running until a window (see gpu_processes)"
     return None
+
+
+def memory_kept(context):
+    """The GPUs whose memory an unattended run leaves to the guarded training job (gpu_processes' ``kept_gpus``):
+    the job runs as expected, its GPUs are named in ``needs_window``, and the run must not fail for them."""
+    facts = context["steps"].get("gpu_processes")
+    kept = facts.get("kept_gpus") if isinstance(facts, dict) else None
+    return [i for i in kept if isinstance(i, int)] if isinstance(kept, list) else []
 
 
 def outcome(checks):
@@ -939,7 +951,13 @@ def evaluate_step(spec, answer, node, context):
     gpus = [g for g in preflight.get("gpus") or [] if isinstance(g, dict)]
     count, source = expected_gpus(spec, [d.get("path") for d in preflight.get("devices") or [] if isinstance(d, dict)])
     checks = gpu_checks(
-        spec, gpus, label=label, expected_count=count, count_source=source, memory_deferred=memory_deferral(context)
+        spec,
+        gpus,
+        label=label,
+        expected_count=count,
+        count_source=source,
+        memory_deferred=memory_deferral(context),
+        memory_kept=memory_kept(context),
     )
     torch_checks_, torch = torch_file_checks(spec, answer, context, label)
     checks += torch_checks_

@@ -108,6 +108,17 @@ def test_every_failed_assertion_is_in_one_failure_with_its_cause(check_mode, mon
     assert result["torch"]["version"] == "2.11.0+cu130"
 
 
+def test_the_gpus_the_guarded_job_keeps_are_left_out_of_the_memory_check_and_only_those(monkeypatch, capsys):
+    # An unattended run left the guarded training job on GPU 4 (the role passes gpu_processes' kept_gpus).
+    stdout = eight(4, **{"memory.used": "20480 MiB"})
+    kept = run(dict(KNOWN_GOOD, memory_kept_gpus=[4]), FakeRunner(*calls(stdout)), monkeypatch, capsys)
+    assert kept.get("failed", False) is False, kept.get("msg")
+    memory = next(c for c in kept["checks"] if c["name"] == "memory")
+    assert memory["ok"] is True and "except GPU 4, which the guarded training job keeps" in memory["detail"]
+    other = run(dict(KNOWN_GOOD, memory_kept_gpus=[3]), FakeRunner(*calls(stdout)), monkeypatch, capsys)
+    assert other["failed"] is True and "uses 20480 MiB, expected at most 0 MiB" in other["msg"]
+
+
 def test_a_warn_level_finding_warns_and_passes(monkeypatch, capsys):
     stdout = eight(2, **{"pcie.link.width.current": "8"})
     result = run(KNOWN_GOOD, FakeRunner(*calls(stdout)), monkeypatch, capsys)

@@ -106,6 +106,7 @@ def test_unattended_leaves_the_holders_the_guard_matches_running_and_ends_only_t
     assert found["guarded"][0]["command"] == "python3 train.py"
     assert found["needs_window"][0] == TRAIN_SENTENCE
     assert len(found["needs_window"]) == 2
+    assert found["kept_gpus"] == [0]  # the verify step leaves GPU 0's memory to the guarded job, asserts GPU 1's
     # GPU 0 stays busy with the guarded job: no "memory no process holds" problem; the stray is ended.
     assert (found["problems"], found["pending"]) == ([], True)
     json.dumps(found)
@@ -178,7 +179,7 @@ def test_attended_the_guard_changes_nothing_but_the_facts_still_name_what_it_mat
     assert pids(found["processes"]) == [516, 517, 600]
     assert pids(found["launchers"]) == [490, 500]
     assert pids(found["guarded"]) == [516, 517]
-    assert (found["needs_window"], found["pending"]) == ([], True)
+    assert (found["needs_window"], found["kept_gpus"], found["pending"]) == ([], [], True)
     # Without a guard nothing is guarded, in either mode.
     assert facts([], unattended=True)["guarded"] == facts([], unattended=True)["needs_window"] == []
 

@@ -338,11 +338,6 @@ def test_memory_in_use_is_a_problem_when_no_step_of_this_run_frees_it():
     [
         ({"pending": True, "problems": []}, "the gpu_processes step ends the processes holding it in this run"),
         ({"pending": False, "problems": ["pid 777 belongs to CT 201"]}, "whose problems name the holders"),
-        # Unattended with the training job guarded (found by the recover scenario: the correction run failed here).
-        (
-            {"pending": False, "problems": [], "needs_window": ["pid 23639 (train-job) ... is left running"]},
-            "held by the training job gpu_processes_guard names",
-        ),
     ],
 )
 def test_memory_the_gpu_step_frees_or_already_names_is_deferred(gpu_step, why):
@@ -351,6 +346,22 @@ def test_memory_the_gpu_step_frees_or_already_names_is_deferred(gpu_step, why):
     memory = check(facts, "memory")
     assert memory["ok"] is None and why in memory["detail"]
     assert (facts["problems"], facts["deferred"]) == ([], ["memory"])
+
+
+# Unattended with the training job guarded (found by the recover scenario: the correction run failed here): the
+# GPUs the job keeps are left out, the others are still asserted.
+def test_memory_of_the_gpus_the_guarded_job_keeps_is_left_out_and_the_others_are_asserted():
+    window = {"pending": False, "problems": [], "needs_window": ["pid 23639 (train-job) ... left running"]}
+    stdout = eight(4, **{"memory.used": "20480 MiB"})
+    facts = evaluate(ctx=context(preflight_facts(stdout), gpu_processes=dict(window, kept_gpus=[4])))
+    memory = check(facts, "memory")
+    assert memory["ok"] is True and memory["detail"].endswith(
+        "every GPU uses at most 0 MiB except GPU 4, which the guarded training job keeps until a window"
+    )
+    assert facts["problems"] == []
+    facts = evaluate(ctx=context(preflight_facts(stdout), gpu_processes=dict(window, kept_gpus=[3])))
+    assert check(facts, "memory")["ok"] is False
+    assert "GPU 4 (" in facts["problems"][0] and "uses 20480 MiB" in facts["problems"][0]
 
 
 def test_memory_that_cannot_be_read_is_a_finding():
