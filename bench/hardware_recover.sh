@@ -5,7 +5,7 @@
 # (the python3 there) against a lock made from its own freeze (in spec, so it is only ever read); verify asserts
 # that machine's known-good facts (N x NVIDIA H200, torch 2.11.0+cu130, CUDA 13.0).
 #   OUT=/some/dir bench/hardware_recover.sh        # with .whl/ (ansible-core and its needs, cp312) carried along
-# Safety: the real run happens only when --check planned to end exactly the holder this script started, changed
+# Safety: the real run happens only when --check exited 0, planned to end exactly the holder this script started, changed
 # nothing it snapshots (holder alive, repo HEAD and diff, cache listing and stamp, venv freeze), and found the
 # venv in spec.
 set -u -o pipefail
@@ -36,6 +36,7 @@ rm -f /tmp/stray.out
 (setsid python3 bench/cuda_holder.py --gib 8 > /tmp/stray.out 2>&1 &)
 for _ in $(seq 600); do grep -q held /tmp/stray.out 2>/dev/null && break; sleep 0.1; done
 HOLDER=$(awk '/held/ {print $2}' /tmp/stray.out)
+[ -n "$HOLDER" ] || { echo "the stray CUDA holder did not start: $(cat /tmp/stray.out)" >&2; exit 1; }
 
 SETTINGS=$(python3 -c 'import json, sys; venv, repo, pinned, cache, warmup, lock, gpus = sys.argv[1:]; print(json.dumps({
     "preflight_min_free_gib": 1, "preflight_space_path": "/tmp", "preflight_expected_gpu_count": int(gpus),
@@ -72,13 +73,14 @@ latest_report() { python3 -c 'import json, glob, os; print(json.dumps(json.load(
   nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv; } >> "$log" 2>&1
 
 before=$(snapshot)
-run "1 drift of every kind, --check --diff" recover.yml --check --diff
+check_rc=0
+run "1 drift of every kind, --check --diff" recover.yml --check --diff || check_rc=$?
 after=$(snapshot)
 planned=$(latest_report | python3 -c 'import json, sys; r = json.load(sys.stdin); print(" ".join(str(p["pid"]) for p in r["steps"]["gpu_processes"].get("processes", [])))')
 venv_status=$(latest_report | python3 -c 'import json, sys; print(json.load(sys.stdin)["steps"]["training_venv"]["status"])')
 { echo "== snapshot before --check:"; echo "$before"; echo "== snapshot after --check:"; echo "$after"
-  echo "== check mode planned to end: [$planned] (holder $HOLDER); venv step: $venv_status"; } >> "$log"
-if [ "$before" = "$after" ] && [ "$planned" = "$HOLDER" ] && [ "$venv_status" != "changed" ]; then
+  echo "== check mode planned to end: [$planned] (holder $HOLDER); venv step: $venv_status; exit $check_rc"; } >> "$log"
+if [ "$check_rc" = 0 ] && [ "$before" = "$after" ] && [ "$planned" = "$HOLDER" ] && [ "$venv_status" != "changed" ]; then
     echo "== --check changed nothing and planned only the holder: real run" >> "$log"
     run "2 real run" recover.yml --diff -e gpu_processes_grace=3
     { echo "== after the real run:"; snapshot; ls /var/backups/pve-gpu-recover/training_code/*/ 2>&1
@@ -86,12 +88,15 @@ if [ "$before" = "$after" ] && [ "$planned" = "$HOLDER" ] && [ "$venv_status" !=
     for i in 3 4 5; do run "$i converged, real run" recover.yml; done
     for i in 6 7 8; do run "$i converged, --check --diff (the drift check)" recover.yml --check --diff; done
     for i in 9 10 11; do run "$i playbooks/verify.yml (imports torch)" playbooks/verify.yml; done
-    run "12 playbooks/verify.yml expecting the cu128 build (must fail)" playbooks/verify.yml \
+    must_fail() {  # a wrong expectation that passes is a verify that cannot fail
+        run "$@" && echo "== UNEXPECTED: $1 passed" >> "$log" || true
+    }
+    must_fail "12 playbooks/verify.yml expecting the cu128 build (must fail)" playbooks/verify.yml \
         -e verify_torch_version=2.11.0+cu128 -e verify_cuda_version=12.8
-    run "13 playbooks/verify.yml expecting 8 GPUs (must fail)" playbooks/verify.yml -e verify_gpu_count=8
+    must_fail "13 playbooks/verify.yml expecting 8 GPUs (must fail)" playbooks/verify.yml -e verify_gpu_count=8
     { echo "== after verify.yml:"; snapshot; } >> "$log" 2>&1
 else
-    echo "== --check changed something or planned more than the holder: no real run" >> "$log"
+    echo "== --check failed, changed something or planned more than the holder: no real run" >> "$log"
 fi
 kill -9 "$HOLDER" 2>/dev/null
 python3 - "$OUT" <<'PY'
@@ -101,5 +106,5 @@ reports = [json.load(open(p)) for p in sorted(glob.glob(out + "/reports/localhos
 json.dump(reports, open(out + "/recover-reports.json", "w"), indent=1)
 PY
 rm -rf "$OUT/reports"
-grep -E "^== .*(exit|wall)|PLAY RECAP|changed=" "$log" | tail -60
+grep -E "^== .*(exit|wall|UNEXPECTED)|PLAY RECAP|changed=" "$log" | tail -60
 echo done

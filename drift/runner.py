@@ -53,6 +53,8 @@ FAILURES = ("failed", "busy", "unreachable")
 # The fact pass's error kinds (module_utils/pve_lock.py) that mean another run holds the target: ``locked`` (its run
 # lock) and ``busy`` (that run has been changing the node's lock directory for seconds).
 BUSY_KINDS = ("locked", "busy")
+# A step's diff in the summary: at most this many lines per side (only the lines that differ when it is longer).
+DIFF_LINES = 50
 # The tasks whose error kinds mean the run lock: a later step's own "busy" (a compile cache in use) is a failure.
 LOCK_ACTIONS = ("target_facts", "target_lock")
 # recover.yml's order of the steps (the report callback's STEP_ROLES); a step not listed comes last, by name.
@@ -155,14 +157,35 @@ def report_steps(report):
     return {name: steps[name] for name in names if not before or isinstance(before.get(name), dict)}
 
 
-def diff_lines(diff):
-    """``{"before": "a\\nb\\n", "after": ""}`` -> ``{"before": ["a", "b"], "after": []}``; ``{}`` for no diff."""
+def diff_lines(diff, limit=None):
+    """``{"before": "a\\nb\\n", "after": ""}`` -> ``{"before": ["a", "b"], "after": []}``; ``{}`` for no diff.
+
+    A long diff (a venv's whole freeze on each side) keeps only the lines that differ between the sides, each side
+    cut to ``limit`` lines (DIFF_LINES) with a last line that says how many were left out: the summary names the
+    items, the report keeps the whole diff.
+    """
     if not isinstance(diff, dict):
         return {}
+    limit = DIFF_LINES if limit is None else limit
     # Lines kept as they are (git's status columns mean something), only cut to one_line's length.
-    return {
+    sides = {
         side: [line.rstrip()[:500] for line in str(diff.get(side) or "").splitlines()] for side in ("before", "after")
     }
+    if len(sides["before"]) + len(sides["after"]) <= limit:
+        return sides
+    before, after = set(sides["before"]), set(sides["after"])
+    sides = {
+        "before": [x for x in sides["before"] if x not in after],
+        "after": [x for x in sides["after"] if x not in before],
+    }
+    return {side: cut(lines, limit) for side, lines in sides.items()}
+
+
+def cut(lines, limit):
+    """At most ``limit`` lines: the first ``limit - 1`` and one that counts the rest."""
+    if len(lines) <= limit:
+        return lines
+    return [*lines[: limit - 1], f"... {len(lines) - limit + 1} more lines (the run's report has the whole diff)"]
 
 
 def summarize_step(entry, corrected_run=False):
@@ -187,7 +210,7 @@ def summarize_step(entry, corrected_run=False):
         "drift": drift,
         "status": entry.get("status"),
         "changes": [str(line) for line in entry.get("changes") or []],
-        "diff": diff_lines(entry.get("diff")),
+        "diff": diff_lines(entry.get("diff")) if drift or changed else {},
         "problems": [str(line) for line in entry.get("problems") or []],
         "needs_window": needs_window,
         "corrected": bool(corrected_run and changed),

@@ -49,7 +49,7 @@ def test_a_converged_target_is_in_spec_and_a_step_that_is_off_is_left_out(runner
         "drift": False,
         "status": "skipped",
         "changes": [],
-        "diff": {"before": [], "after": []},
+        "diff": {},
         "problems": [],
         "needs_window": [],
         "corrected": False,
@@ -94,6 +94,24 @@ def test_the_diff_names_the_exact_item_line_by_line(runner):
         "after": ["HEAD 4f3c2a1"],
     }
     assert runner.summarize_step(step_facts(diff=None))["diff"] == {}
+    # A step in spec carries no diff, even when its facts hold one.
+    assert runner.summarize_step(step_facts(diff=diff, pending=False))["diff"] == {}
+
+
+def test_a_long_diff_keeps_the_lines_that_differ_and_says_how_many_it_left_out(runner):
+    freeze = [f"pkg{i:03d}==1.0" for i in range(200)]
+    before = "\n".join([*freeze, "torch==2.11.0+cu130", "sglang==0.5.4"]) + "\n"
+    after = "\n".join([*freeze, "torch==2.11.0+cu128"]) + "\n"
+    step = runner.summarize_step(
+        step_facts(["torch 2.11.0+cu130 -> 2.11.0+cu128"], diff={"before": before, "after": after})
+    )
+    assert step["diff"] == {"before": ["torch==2.11.0+cu130", "sglang==0.5.4"], "after": ["torch==2.11.0+cu128"]}
+    extra = {"before": "\n".join(f"x{i}" for i in range(80)), "after": ""}
+    lines = runner.diff_lines(extra, limit=50)["before"]
+    assert (
+        lines[:49] == [f"x{i}" for i in range(49)]
+        and lines[49] == "... 31 more lines (the run's report has the whole diff)"
+    )
 
 
 def test_what_a_correction_would_leave_to_a_window_is_drift_too(runner, tmp_path):
