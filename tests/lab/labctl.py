@@ -429,12 +429,17 @@ def start_node():
         if probe.connect_ex(("127.0.0.1", SSH_PORT)) == 0:
             sys.exit(f"labctl: port {SSH_PORT} is in use on 127.0.0.1; give node {NODE_NAME} another one")
     os.makedirs("/run/sshd", exist_ok=True)
+    # A stock Debian .bashrc returns at once for a non-interactive shell (ssh "pct exec ..."): the node's does this.
+    write(
+        path("node/bashrc"),
+        "# the lab node's root .bashrc: like Debian's, nothing for non-interactive shells\n[ -z \"$PS1\" ] && return\n",
+    )
     script = (
         f"mount -t overlay overlay -o lowerdir={path('node/bin')}:/usr/sbin /usr/sbin && "
         f"mount --bind {path('node/proc-driver')} /proc/driver && "
         # root's shell on a Proxmox node reads a stock .bashrc; this machine's may run tools (pyenv init costs
         # 0.9 s per ssh command), which would bill every ssh of the benchmarks for what a node never does.
-        "{ [ ! -f /root/.bashrc ] || mount --bind /etc/skel/.bashrc /root/.bashrc; } && "
+        f"{{ [ ! -f /root/.bashrc ] || mount --bind {path('node/bashrc')} /root/.bashrc; }} && "
         f"{run_lock_script()}"
         f"{node_dev_script()} && "
         f"exec /usr/sbin/sshd -f {ssh}/sshd_config -E {ssh}/sshd.log"  # one 'Accepted' line per connection
