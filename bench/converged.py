@@ -6,11 +6,13 @@
     make lab-up && .venv/bin/python bench/converged.py [--runs 7] [--delays 0,0.3,1.0] [--out FILE.json]
 
 For each pct cost in ``--delays`` (seconds every ``pct`` call sleeps first, like a real node's Perl ``pct``:
-``labctl pct-delay``), it runs, interleaved in one loop so the machine's noise hits all three alike:
+``labctl pct-delay``), it runs, interleaved in one loop so the machine's noise hits all four alike:
 
 * ``recover``: ``ansible-playbook recover.yml`` on the converged lab (CT 200);
 * ``manual``: bench/manual_check.sh, six checks with one ``ssh node "pct exec 200 -- ..."`` each;
-* ``peer``: bench/peer_checks.yml, the same six checks as ``ansible.builtin.command: pct exec ...``.
+* ``peer``: bench/peer_checks.yml, the same six checks as ``ansible.builtin.command: pct exec ...``;
+* ``recover_built``: ``recover`` with plugins/action/target_facts.py hidden, so Ansible builds the fact pass's
+  AnsiballZ payload in every run as it does by default (``recover`` restores the one kept by its previous run).
 
 Each run starts cold: a fresh ssh ControlPath directory, so no connection survives from the run before. Per run it
 counts ssh invocations (bench/ssh-counting), new ssh connections (the lab sshd's "Accepted" log lines), ``pct
@@ -34,7 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LAB = Path("/var/lib/pve-gpu-recover-lab")
 LABCTL = ["/usr/bin/python3", str(ROOT / "tests/lab/labctl.py")]
 BIN = Path(sys.executable).parent
-KINDS = ("recover", "manual", "peer")
+# recover_built: recover.yml with the fact pass's AnsiballZ payload built every run, as Ansible does without
+# plugins/action/target_facts.py (the action is hidden), to show what keeping it saves in the same run.
+KINDS = ("recover", "manual", "peer", "recover_built")
 
 
 def count_lines(path, needle=None):
@@ -51,7 +55,11 @@ def pct_execs():
 
 
 def command_for(kind):
-    playbook = {"recover": ROOT / "recover.yml", "peer": ROOT / "bench/peer_checks.yml"}.get(kind)
+    playbook = {
+        "recover": ROOT / "recover.yml",
+        "recover_built": ROOT / "recover.yml",
+        "peer": ROOT / "bench/peer_checks.yml",
+    }.get(kind)
     if playbook is None:
         return ["bash", str(ROOT / "bench/manual_check.sh")]
     return [str(BIN / "ansible-playbook"), "-i", str(ROOT / "inventory/lab/hosts.yml"), str(playbook)]
@@ -76,6 +84,8 @@ def run_once(kind, workdir):
         BENCH_SSH=str(ROOT / "bench/ssh-counting"),
         BENCH_SSH_LOG=str(ssh_log),
     )
+    if kind == "recover_built":
+        env["ANSIBLE_ACTION_PLUGINS"] = str(workdir / "no-action-plugins")
     accepted = count_lines(LAB / "ssh/sshd.log", "Accepted")
     execs = pct_execs()
     started = time.monotonic()
@@ -110,6 +120,7 @@ def summarize(runs):
     ratios = {
         "recover/manual": round(medians["recover"]["seconds"] / medians["manual"]["seconds"], 2),
         "recover/peer": round(medians["recover"]["seconds"] / medians["peer"]["seconds"], 2),
+        "recover_built/manual": round(medians["recover_built"]["seconds"] / medians["manual"]["seconds"], 2),
     }
     profile = {}
     for run in runs["recover"]:
@@ -140,7 +151,8 @@ def main():
                 for kind in KINDS:  # warm-up: file caches, python bytecode; not counted
                     run_once(kind, workdir)
                 for i in range(args.runs):
-                    order = KINDS[i % 3 :] + KINDS[: i % 3]  # rotate so no kind always runs first
+                    shift = i % len(KINDS)
+                    order = KINDS[shift:] + KINDS[:shift]  # rotate so no kind always runs first
                     for kind in order:
                         runs[kind].append(run_once(kind, workdir))
             summary = summarize(runs)
@@ -154,7 +166,8 @@ def main():
                     for k in KINDS
                 )
                 + f"; recover/manual {summary['ratios']['recover/manual']}, "
-                f"recover/peer {summary['ratios']['recover/peer']}",
+                f"recover/peer {summary['ratios']['recover/peer']}, "
+                f"recover_built/manual {summary['ratios']['recover_built/manual']}",
                 flush=True,
             )
     finally:

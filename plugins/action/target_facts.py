@@ -1,0 +1,148 @@
+"""target_facts' action: the module run exactly as Ansible's ``normal`` action runs it, with its AnsiballZ payload
+kept between runs.
+
+Building the payload is the largest controller cost of a converged run (recursive_finder parses every module_utils
+file the module reaches with ``ast``: about 0.45 s of a 2.7 s run, docs/benchmarks.md), and Ansible caches it only
+inside one ansible-playbook process. This action keeps the payload Ansible built in ``pve-gpu-recover-ansiballz``
+beside Ansible's own local temp directories (``local_tmp``), under a key made of everything that goes into it
+(ansible-core's version and location, the controller's Python, the module's bytes and every file of every
+``module_utils`` directory), and puts it back where Ansible looks before it would build it again. A changed file is
+a new key, so a stale payload is never used; the store keeps the newest KEEP keys. Anything unexpected (a store
+that is not the user's own, a read-only home) leaves the action exactly as ``normal``: it only ever saves time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import sys
+import tempfile
+
+import ansible
+from ansible import constants as C
+from ansible.plugins.action.normal import ActionModule as NormalAction
+from ansible.utils.display import Display
+
+display = Display()
+
+STORE_NAME = "pve-gpu-recover-ansiballz"
+KEEP = 4  # payload keys kept: one per version of the code a controller still runs, about 1 MB each
+
+
+def payload_key(module_path, utils_dirs, *, ansible_version=None, python=None):
+    """A hex digest of everything an AnsiballZ payload of ``module_path`` is built from; pure but for reading."""
+    digest = hashlib.sha256()
+    digest.update(f"{ansible_version or ansible.__version__}\0{os.path.dirname(ansible.__file__)}\0".encode())
+    digest.update(f"{python or sys.version}\0".encode())
+    for path in [module_path, *sorted(python_files(utils_dirs))]:
+        digest.update(path.encode() + b"\0")
+        with open(path, "rb") as handle:
+            digest.update(hashlib.sha256(handle.read()).digest())
+    return digest.hexdigest()[:32]
+
+
+def python_files(dirs):
+    """Every ``.py`` file under ``dirs`` (recursively), missing directories skipped."""
+    found = []
+    for top in dirs:
+        for root, subdirs, files in os.walk(top):
+            subdirs[:] = [d for d in subdirs if d != "__pycache__"]
+            found += [os.path.join(root, f) for f in files if f.endswith(".py")]
+    return found
+
+
+def private_dir(path):
+    """``path`` made if missing (mode 0700); whether it is a directory of this user that nobody else can write."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
+def cached_names(directory, fqn):
+    """The payload files Ansible's cache holds for module ``fqn`` (one per compression and extension set)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(n for n in names if n.startswith(f"{fqn}-") and not n.endswith(".lock"))
+
+
+def copy_atomically(source, target):
+    """``source`` to ``target`` through a temporary file in its directory: a reader never sees half a payload."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as out, open(source, "rb") as src:
+            shutil.copyfileobj(src, out)
+        os.replace(temporary, target)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def restore(store, key, local_cache, fqn):
+    """Put the kept payloads of ``key`` where Ansible looks for them; how many were put back."""
+    kept = os.path.join(store, key)
+    names = [n for n in cached_names(kept, fqn) if not os.path.exists(os.path.join(local_cache, n))]
+    if names:
+        os.makedirs(local_cache, mode=0o700, exist_ok=True)
+    for name in names:
+        copy_atomically(os.path.join(kept, name), os.path.join(local_cache, name))
+    return len(names)
+
+
+def keep(store, key, local_cache, fqn, limit=KEEP):
+    """Keep the payloads Ansible built for ``fqn`` under ``key``, then drop all but the ``limit`` newest keys;
+    how many payloads were kept."""
+    kept = os.path.join(store, key)
+    names = [n for n in cached_names(local_cache, fqn) if not os.path.exists(os.path.join(kept, n))]
+    if not names:
+        return 0
+    os.makedirs(kept, mode=0o700, exist_ok=True)
+    for name in names:
+        copy_atomically(os.path.join(local_cache, name), os.path.join(kept, name))
+    os.utime(kept)
+    keys = sorted((os.path.join(store, k) for k in os.listdir(store)), key=os.path.getmtime, reverse=True)
+    for old in keys[limit:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return len(names)
+
+
+class ActionModule(NormalAction):
+    """``normal``, with the module's payload restored before and kept after (module docstring)."""
+
+    def run(self, tmp=None, task_vars=None):
+        place = self._payload_place()
+        if place:
+            try:
+                restore(*place)
+            except OSError as error:
+                display.vvv(f"target_facts: no kept AnsiballZ payload restored: {error}")
+        result = super().run(tmp, task_vars)
+        if place:
+            try:
+                keep(*place)
+            except OSError as error:
+                display.vvv(f"target_facts: the AnsiballZ payload was not kept: {error}")
+        return result
+
+    def _payload_place(self):
+        """``(store, key, local_cache, fqn)``, or None when the payload is not to be kept (see the docstring)."""
+        try:
+            module_path = self._shared_loader_obj.module_loader.find_plugin(self._task.action, mod_type=".py")
+            if not module_path:
+                return None
+            local_tmp = C.DEFAULT_LOCAL_TMP  # Ansible's per-process directory; its cache is <it>/ansiballz_cache
+            store = os.path.join(os.path.dirname(local_tmp), STORE_NAME)
+            if not private_dir(store):
+                return None
+            key = payload_key(module_path, C.DEFAULT_MODULE_UTILS_PATH or [])
+        except (OSError, AttributeError) as error:
+            display.vvv(f"target_facts: AnsiballZ payload not kept: {error}")
+            return None
+        name = os.path.splitext(os.path.basename(module_path))[0]
+        return store, key, os.path.join(local_tmp, "ansiballz_cache"), f"ansible.legacy.{name}"
