@@ -28,7 +28,7 @@ from ansible.utils.display import Display
 display = Display()
 
 STORE_NAME = "pve-gpu-recover-ansiballz"
-KEEP = 4  # payload keys kept: one per version of the code a controller still runs, about 1 MB each
+KEEP = 4  # payload keys kept: one per version of the code a controller still runs, about 0.3 MB each
 
 
 def payload_key(module_path, utils_dirs, *, ansible_version=None, python=None):
