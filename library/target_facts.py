@@ -40,12 +40,14 @@ attributes:
 options:
   run_id:
     description:
-      - Identifies this run (recover.yml makes one per run); the run lock belongs to it.
+      - Identifies this run; the run lock belongs to it.
+      - Unset, the action names the run on the controller (UTC time and 6 random hex digits), one id for every
+        target of one ansible-playbook run, shared by its workers through Ansible's own temp directory.
     type: str
-    required: true
   owner:
     description:
       - Who runs it, shown to anyone who finds the target locked (e.g. C(alice@controller)).
+      - Unset, the action records C($USER@<controller host name>); the module alone records C(unknown).
     type: str
     default: unknown
   controller:
@@ -53,10 +55,13 @@ options:
       - Host name of the controller that runs this play, recorded in the lock. With I(controller_pid), a lock whose
         controller is this very machine (a bare host run locally) and whose pid is gone is taken over at once.
       - A lock of a controller elsewhere holds until its ttl, and a run that finds it says so.
+      - Unset, the action records the controller's host name.
     type: str
   controller_pid:
     description:
-      - Pid of the ansible-playbook process on the controller (recover.yml passes it), recorded in the lock.
+      - Pid of the process that runs the play on the controller, recorded in the lock.
+      - Unset, the action records C(PVE_GPU_RECOVER_CONTROLLER_PID) from the environment, which the
+        C(recover_report) callback sets to the ansible-playbook process (the drift runner sets it to its own).
     type: int
   lock_ttl:
     description:
@@ -106,6 +111,10 @@ seealso:
   - module: gpu_processes
   - module: gpu_info
 notes:
+  - Its action plugin (C(plugins/action/target_facts.py)) runs on the controller first, with no remote call. It
+    fails the task, before any connection, when the inventory names the target wrongly (C(pve_vmid) not a CT id,
+    or set without C(pve_node)); that failure's C(error) is C(inventory). It fills in I(run_id), I(owner),
+    I(controller) and I(controller_pid), and keeps the module's AnsiballZ payload between runs.
   - Run it with C(delegate_to) the CT's node; the facts attach to the CT's inventory host (not the node) unless
     C(delegate_facts) is set.
 """
@@ -114,7 +123,6 @@ EXAMPLES = r"""
 - name: Read what every step needs, in one pct exec, holding the run lock
   target_facts:
     vmid: 200
-    run_id: "{{ recover_run_id }}"
     steps:
       preflight: {expected_gpu_count: 8, min_free_gib: 20}
       gpu_processes: {}
@@ -123,7 +131,6 @@ EXAMPLES = r"""
 - name: Read the facts of a target even when a step found a problem
   target_facts:
     vmid: 200
-    run_id: "{{ recover_run_id }}"
     fail_on_problems: false
   delegate_to: pve1
 
@@ -202,7 +209,16 @@ lock:
   description: On failure because another run holds the lock, the lock file, its holder and C(action=locked).
   returned: failure
   type: dict
+run_id:
+  description: The run's id (I(run_id), or the one the action named), added by the action on success and failure
+    alike, so a report is named by it even when the pass failed.
+  returned: always
+  type: str
+  sample: 20261203T101500Z-3f2a1c
 """
+
+import secrets
+import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.pve_errors import RecoverError
@@ -215,7 +231,7 @@ def main():
     module = AnsibleModule(
         argument_spec={
             **TARGET_ARGUMENT_SPEC,
-            "run_id": {"type": "str", "required": True},
+            "run_id": {"type": "str"},
             "owner": {"type": "str", "default": "unknown"},
             "controller": {"type": "str"},
             "controller_pid": {"type": "int"},
@@ -229,6 +245,8 @@ def main():
         supports_check_mode=True,
     )
     p = module.params
+    # Without its action (the module copied alone) each target names its own run.
+    run_id = p["run_id"] or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
     try:
         specs = validate_specs(p["steps"])
         target = Target.from_params(p)
@@ -237,7 +255,7 @@ def main():
             specs,
             lock={
                 "lock_dir": p["lock_dir"],
-                "run_id": p["run_id"],
+                "run_id": run_id,
                 "owner": p["owner"],
                 "ttl": p["lock_ttl"],
                 "controller": p["controller"],

@@ -32,7 +32,7 @@ from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_gpu_cleanup import ending_pids_of  # pids the GPU step ends before this step runs
 from ansible.module_utils.pve_probe_compile_cache import clean, inside, refusal
 from ansible.module_utils.pve_target import ENV_NAME
-from ansible.module_utils.pve_venv import variant
+from ansible.module_utils.pve_torch_build import cuda_of, variant
 
 NAME = "compile_cache"
 PROBE = pve_probe_compile_cache
@@ -65,7 +65,6 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 GPU_NAME_FIELDS = (("name", "name", "str"),)
 _PLACEHOLDER = re.compile(r"\{[^{}]*\}")
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\$?$")
-_CUDA_VARIANT = re.compile(r"^cu(\d+)(\d)$")
 REBUILT = "for the venv as rebuilt in this run"
 
 
@@ -114,12 +113,6 @@ def _check_warmup(spec):
 
 
 # -- fingerprints ----------------------------------------------------------------------------------------------
-def cuda_of(build_variant):
-    """The CUDA version a build variant names: ``cu128`` -> ``12.8``, ``cu130`` -> ``13.0``; ``cpu`` -> None."""
-    match = _CUDA_VARIANT.match(build_variant or "")
-    return f"{int(match.group(1))}.{match.group(2)}" if match else None
-
-
 def make_fingerprint(torch, cuda, triton, gpus):
     """``("2.11.0+cu128", "12.8", "3.3.0", ["NVIDIA H200", "NVIDIA H200"])`` -> ``{"torch": "2.11.0+cu128",
     "variant": "cu128", "cuda": "12.8", "triton": "3.3.0", "gpus": ["NVIDIA H200"]}``: the GPU models sorted,

@@ -145,10 +145,15 @@ def probe_payload(spec, timeout=60):
     return {"pid_files": files} if files else None
 
 
+# read_node looks only at the node: the fact pass runs it while the probe runs in the target (pve_steps).
+NODE_READ_NEEDS_ANSWER = False
+
+
 def read_node(spec, target, answer, context):
     """Node-side reads: NVML's compute processes (host pids), their /proc entries, the device-file holders, and
     the jobs of the target's own (their parents, the members of the systemd services they run in). With a guard,
-    every parent of the target's holders up to the target's init (a guard may name any of them)."""
+    every parent of the target's holders up to the target's init (a guard may name any of them). ``answer`` is
+    not read (the guard's pid files are matched in evaluate_step)."""
     owner = owner_of(context["target"])
     apps = NvidiaSmi(target.run_on_node, timeout=target.timeout).compute_apps()
     infos = {a["pid"]: read_process(a["pid"]) for a in apps}

@@ -11,6 +11,9 @@ A step is a module in module_utils that exposes (docs/design.md, "Adding a step"
   None leaves the part out of this pass (its ``answer`` is then None);
 * ``read_node(spec, target, answer, context)``: the node-side reads (the module already runs on the node);
   ``answer`` is None when the probe part failed;
+* ``NODE_READ_NEEDS_ANSWER`` (optional, True when absent): False when ``read_node`` does not look at ``answer``.
+  The fact pass then runs it (with ``answer`` None) in a thread while the probe runs in the target, so the node's
+  reads (an ``nvidia-smi`` query, on a real node the slowest of them) cost no time of their own;
 * ``evaluate_step(spec, answer, node, context)``: pure; the step's facts, with at least ``changes`` (one line per
   thing a run would change), ``problems`` (one sentence per thing that makes the step fail), ``diff``
   (``{before, after}``) and ``pending`` (the acting task has work: it runs only then).
@@ -22,6 +25,7 @@ preflight found, the venv that the venv step found).
 
 from __future__ import annotations
 
+import threading
 import time
 
 from ansible.module_utils import pve_lock, pve_preflight
@@ -162,13 +166,53 @@ def failed_step(step, target_label, why):
     return facts
 
 
-def evaluate_steps(specs, target, answers, context, clock=time.monotonic):
+class NodeRead(threading.Thread):
+    """A step's ``read_node`` run in a thread, beside the probe (``NODE_READ_NEEDS_ANSWER`` False)."""
+
+    def __init__(self, step, spec, target, context, clock=time.monotonic):
+        super().__init__(name=f"read_node {step.NAME}", daemon=True)
+        self.step, self.spec, self.target, self.context, self.clock = step, spec, target, context, clock
+        self.node = self.error = None
+        self.seconds = 0.0
+
+    def run(self):
+        started = self.clock()
+        try:
+            self.node = self.step.read_node(self.spec, self.target, None, self.context)
+        except BaseException as error:  # re-raised in the pass's thread by outcome()
+            self.error = error
+        self.seconds = self.clock() - started
+
+    def outcome(self):
+        """The node reads (the thread has ended); what they raised, raised here."""
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.node
+
+
+def start_node_reads(specs, target, context, clock=time.monotonic):
+    """``{step name: NodeRead}``, started, for the steps in ``specs`` whose node reads need no probe answer."""
+    reads = {}
+    for step in steps_in(specs):
+        if not getattr(step, "NODE_READ_NEEDS_ANSWER", True):
+            reads[step.NAME] = NodeRead(step, specs[step.NAME], target, context, clock)
+            reads[step.NAME].start()
+    return reads
+
+
+def evaluate_steps(specs, target, answers, context, *, clock=time.monotonic, node_reads=None):
     """Each step's facts in STEP_NAMES order, from the probe answers (``{part: {"answer"|"error"}}``) and node reads.
 
-    A step whose probe part failed, or whose preflight found problems (nothing else is safe to read then), gets
-    facts that say so instead of raising: the run stops at preflight's assert with every reason at once.
+    ``node_reads`` are the reads :func:`start_node_reads` started beside the probe (waited for here). A step whose
+    probe part failed, or whose preflight found problems (nothing else is safe to read then), gets facts that say
+    so instead of raising: the run stops at preflight's assert with every reason at once.
     """
+    node_reads = node_reads or {}
     for step in steps_in(specs):
+        early = node_reads.get(step.NAME)
+        if early is not None:
+            early.join()  # each command in it has its own deadline
         started = clock()
         spec = specs[step.NAME]
         # A step without a part this time (no probe, or a payload of None) reads nothing inside: its answer is None.
@@ -182,11 +226,12 @@ def evaluate_steps(specs, target, answers, context, clock=time.monotonic):
             facts = failed_step(step, context["target"]["label"], part["error"])
         else:
             try:
-                node = step.read_node(spec, target, part["answer"], context)
+                node = early.outcome() if early else step.read_node(spec, target, part["answer"], context)
                 facts = step.evaluate_step(spec, part["answer"], node, context)
             except RecoverError as error:  # one step's unreadable facts must not hide the others'
                 facts = failed_step(step, context["target"]["label"], str(error))
-        facts["seconds"] = round(clock() - started + part.get("seconds", 0), 3)
+        # The step's own time: its evaluation, its probe part and its node reads (which overlapped the probe).
+        facts["seconds"] = round(clock() - started + part.get("seconds", 0) + (early.seconds if early else 0), 3)
         context["steps"][step.NAME] = facts
     return context["steps"]
 
@@ -209,11 +254,16 @@ def fact_pass(target, specs, *, lock, python="python3", check_mode=False, warn=N
         # Under one key: a top-level `path` makes Ansible add that file's attributes to the failed result.
         error.details = {"lock": error.details} if error.details else {}
         raise
+    context = target_context(target, check_mode)
+    node_reads = {}
     try:
+        # The node reads that need no probe answer run while the probe runs in the target.
+        node_reads = start_node_reads(specs, target, context, clock=clock)
         answers = target.run_probes(probe_parts(specs, target.timeout), python=python)
-        context = target_context(target, check_mode)
-        steps = evaluate_steps(specs, target, answers, context, clock=clock)
+        steps = evaluate_steps(specs, target, answers, context, clock=clock, node_reads=node_reads)
     except BaseException:
+        for read in node_reads.values():
+            read.join()  # nothing of this pass is left running once it has failed
         pve_lock.change_lock("absent", vmid=target.vmid, lock_dir=lock["lock_dir"], run_id=lock["run_id"])
         raise
     problems = [problem for facts in steps.values() for problem in facts["problems"]]

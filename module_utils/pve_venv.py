@@ -30,6 +30,7 @@ from ansible.module_utils import pve_probe_training_venv
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_gpu_cleanup import ending_pids_of, owner_of
 from ansible.module_utils.pve_process import processes_running_from
+from ansible.module_utils.pve_torch_build import variant
 
 NAME = "training_venv"
 PROBE = pve_probe_training_venv
@@ -63,7 +64,6 @@ _OPTION = re.compile(r"^(?P<option>--?[A-Za-z][\w-]*)(?:\s*=\s*|\s+)?(?P<value>.
 _SOURCE_ANNOTATION = re.compile(r"^#\s*from\s+(?P<url>\S+)\s*$")
 _HEADER_PYTHON = re.compile(r"(?:^|\s)(?:--python-version|--python|-p)[=\s]+(?P<version>\d+\.\d+)(?:\.\d+)?\b")
 _PYTHON_MINOR = re.compile(r"^\d+\.\d+$")
-_VARIANT = re.compile(r"^(?P<variant>cu\d+|cpu|xpu|rocm\d+(?:\.\d+)*)(?:\.|$)")
 _INDEX_OPTIONS = {"--index-url": "index", "-i": "index", "--extra-index-url": "extra"}
 _REJECTED_OPTIONS = ("-e", "--editable", "-r", "--requirement", "-c", "--constraint")
 _FIX = "compile it with `uv pip compile --generate-hashes`"
@@ -79,14 +79,6 @@ def canonical_name(name):
     """PEP 503 normalization: ``Typing_Extensions`` -> ``typing-extensions``, ``zope.interface`` ->
     ``zope-interface``."""
     return _NAME_SEPARATORS.sub("-", name).lower()
-
-
-def variant(version):
-    """The build variant in a version's local tag: ``2.11.0+cu128`` -> ``cu128``, ``2.13.0+cpu`` -> ``cpu``,
-    ``2.11.0+rocm6.4`` -> ``rocm6.4``, ``2.1.0+cu121.with.pypi.cudnn`` -> ``cu121``; ``2.11.0`` -> None."""
-    _, plus, local = (version or "").partition("+")
-    match = _VARIANT.match(local) if plus else None
-    return match.group("variant") if match else None
 
 
 def freeze_lines(versions):

@@ -28,9 +28,8 @@ import re
 
 from ansible.module_utils import pve_probe_verify
 from ansible.module_utils.nvidia_smi import OPTIONAL_GPU_FIELDS, shown
-from ansible.module_utils.pve_cache import cuda_of
 from ansible.module_utils.pve_errors import RecoverError
-from ansible.module_utils.pve_venv import variant
+from ansible.module_utils.pve_torch_build import cuda_of, variant
 
 NAME = "verify"
 PROBE = pve_probe_verify

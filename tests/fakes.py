@@ -1,6 +1,7 @@
 """Test doubles of the target's runner and a harness that runs a library/ module's main() in-process."""
 
 import json
+import threading
 
 import pytest
 import yaml
@@ -13,18 +14,24 @@ class FakeRunner:
     """Answers each expected argv in order with (rc, stdout, stderr[, seconds[, timed_out]]) or raises an exception.
 
     Any other argv, or a call beyond the list, fails the test: round trips are the cost of this project, so
-    every test pins exactly which commands run and how many.
+    every test pins exactly which commands run and how many. A call from another thread (the fact pass's node
+    reads run beside its probe) is matched by its argv among the calls still expected, since threads interleave.
     """
 
     def __init__(self, *calls):
         self.calls = list(calls)
         self.stdin = []
+        self.lock = threading.Lock()
 
     def __call__(self, argv, *, stdin=None, timeout=None, env=None):
-        assert self.calls, f"unexpected extra call {argv}"
-        want, answer = self.calls.pop(0)
+        with self.lock:
+            assert self.calls, f"unexpected extra call {argv}"
+            index = 0
+            if threading.current_thread() is not threading.main_thread():
+                index = next((i for i, (want, _) in enumerate(self.calls) if want == argv), 0)
+            want, answer = self.calls.pop(index)
+            self.stdin.append(stdin)
         assert argv == want
-        self.stdin.append(stdin)
         if isinstance(answer, Exception):
             raise answer
         rc, out, err, *rest = answer

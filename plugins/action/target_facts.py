@@ -1,5 +1,11 @@
-"""target_facts' action: the module run exactly as Ansible's ``normal`` action runs it, with its AnsiballZ payload
-kept between runs.
+"""target_facts' action: the controller's share of the fact pass, so that a converged run is this one task.
+
+Before the module runs, on the controller and at no remote cost: the inventory is checked (``pve_vmid`` a CT id,
+``pve_node`` set beside it), the run is named (``run_id``: one id for every target of one ansible-playbook run)
+and the lock's ``owner``, ``controller`` and ``controller_pid`` are filled in when the task leaves them out. Each of
+these was a task of its own (a set_fact, an assert, two ``pipe`` lookups), and every task costs a worker process.
+
+Then the module runs exactly as Ansible's ``normal`` action runs it, with its AnsiballZ payload kept between runs.
 
 Building the payload is the largest controller cost of a converged run (recursive_finder parses every module_utils
 file the module reaches with ``ast``: about 0.45 s of a 2.7 s run, docs/benchmarks.md), and Ansible caches it only
@@ -13,12 +19,19 @@ that is not the user's own, a read-only home) leaves the action exactly as ``nor
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import hashlib
+import json
 import os
+import platform
+import re
+import secrets
 import shutil
 import stat
 import sys
 import tempfile
+import time
 
 import ansible
 from ansible import constants as C
@@ -29,6 +42,88 @@ display = Display()
 
 STORE_NAME = "pve-gpu-recover-ansiballz"
 KEEP = 4  # payload keys kept: one per version of the code a controller still runs, about 0.3 MB each
+# The run's id, shared by the ansible-playbook process's workers through its own temp directory (local_tmp).
+RUN_ID_FILE = "pve-gpu-recover-run-id"
+VMID_MIN, VMID_MAX = 100, 999999999  # module_utils/pve_target.py, which checks it again on the node
+# Set by the recover_report callback (the ansible-playbook process) or by the drift runner that starts it.
+CONTROLLER_PID_ENV = "PVE_GPU_RECOVER_CONTROLLER_PID"
+
+
+def inventory_problem(host, vmid, node_set, node):
+    """The inventory mistake that names ``host``'s target wrongly, as one sentence, or None.
+
+    ``vmid`` is ``pve_vmid`` as templated (None when unset); ``node_set`` whether ``pve_node`` is set. A CT id is
+    an integer from 100 to 999999999 written in digits, and a CT needs its node: without pve_node the fact pass
+    would run on the CT's own inventory name.
+    """
+    if vmid is None:
+        return None
+    digits = re.fullmatch(r"[0-9]+", str(vmid)) is not None and not isinstance(vmid, bool)
+    if digits and VMID_MIN <= int(vmid) <= VMID_MAX and node_set:
+        return None
+    return (
+        f"{host}: pve_vmid must be a Proxmox CT id (an integer from {VMID_MIN} to {VMID_MAX}) with pve_node naming "
+        f"its node; got pve_vmid={json.dumps(str(vmid))}, pve_node={node if node_set else 'unset'}. "
+        "Fix the inventory."
+    )
+
+
+def new_run_id(now=None):
+    """``20261204T101500Z-3f2a1c``: the UTC time and 24 random bits (two runs in one second still differ)."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
+
+
+def shared_run_id(directory):
+    """The id of this ansible-playbook run: made by the first worker that asks, read by every other one.
+
+    ``directory`` is the process's own temp directory (``local_tmp``), which every worker of one run shares and no
+    other run does. The id is published with link(2), which fails when another worker won the race, so every
+    worker reads the same complete id. Returns None when the directory cannot be used.
+    """
+    path = os.path.join(directory, RUN_ID_FILE)
+    try:
+        with open(path, encoding="ascii") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return None
+    try:
+        fd, temporary = tempfile.mkstemp(dir=directory, prefix=".run-id-")
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as handle:
+            handle.write(new_run_id())
+        with contextlib.suppress(FileExistsError):  # another worker published first: its id is the run's
+            os.link(temporary, path)
+        with open(path, encoding="ascii") as handle:
+            return handle.read()
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+
+
+def controller_defaults(environ=None):
+    """The lock's record of who runs this, for the options the task leaves out: ``owner`` (USER@host, as the
+    preflight role documents it), ``controller`` (this host's name) and ``controller_pid``."""
+    environ = os.environ if environ is None else environ
+    host = platform.node() or "unknown"
+    user = environ.get("USER") or _login_name() or "unknown"
+    defaults = {"owner": f"{user}@{host}", "controller": host}
+    pid = environ.get(CONTROLLER_PID_ENV, "")
+    if pid.isdigit():
+        defaults["controller_pid"] = int(pid)
+    return defaults
+
+
+def _login_name():
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return None
 
 
 def payload_key(module_path, utils_dirs, *, ansible_version=None, python=None):
@@ -113,9 +208,31 @@ def keep(store, key, local_cache, fqn, limit=KEEP):
 
 
 class ActionModule(NormalAction):
-    """``normal``, with the module's payload restored before and kept after (module docstring)."""
+    """``normal``, after the controller's checks and defaults, with the module's payload restored before and kept
+    after (module docstring)."""
 
     def run(self, tmp=None, task_vars=None):
+        task_vars = task_vars or {}
+        args = self._task.args
+        run_id = args.get("run_id") or shared_run_id(C.DEFAULT_LOCAL_TMP) or new_run_id()
+        problem = inventory_problem(
+            task_vars.get("inventory_hostname"),
+            args.get("vmid"),
+            "pve_node" in task_vars,
+            args.get("node_name"),  # pve_node as templated, when it is set
+        )
+        if problem:
+            # Before any connection: a vmid that is not a CT id never reaches a node.
+            return {"failed": True, "changed": False, "msg": problem, "error": "inventory", "run_id": run_id}
+        args["run_id"] = run_id
+        for option, value in controller_defaults().items():
+            if args.get(option) in (None, ""):
+                args[option] = value
+        result = self._run_keeping_payload(tmp, task_vars)
+        result["run_id"] = run_id  # the report names the run by it, whether the pass succeeded or not
+        return result
+
+    def _run_keeping_payload(self, tmp, task_vars):
         place = self._payload_place()
         if place:
             try:

@@ -11,7 +11,8 @@ description:
     for each target and writes C(<report_dir>/<target>/<run id>.json) when the playbook ends, failed runs
     included. The report holds the fact pass's facts (C(before)), each step's facts and result (what it
     changed, ended, saved, swapped, purged), the GPUs and holders after the run, and every task's timing.
-  - Exports C(PVE_GPU_RECOVER_CONTROLLER_PID), the pid of ansible-playbook, which recover.yml records in the run lock.
+  - Exports C(PVE_GPU_RECOVER_CONTROLLER_PID), the pid of ansible-playbook, which the fact pass records in the run
+    lock. The run id is the one the fact pass (target_facts) names the run by.
   - Prints the path of each report at the end of the run, and says so when a step changed something before the
     run failed (Ansible drops C(changed) from failed tasks, so the recap alone would hide it).
   - Only targets that ran a task of a recovery step (a role named like a step of module_utils/pve_steps.py, or
@@ -152,8 +153,6 @@ class CallbackModule(CallbackBase):
         task = result._task
         data = result._result
         facts = data.get("ansible_facts") or {}
-        if "recover_run_id" in facts and self.run_id is None:
-            self.run_id = facts["recover_run_id"]
         role = task._role.get_name() if task._role else None
         action = short_action(task.action)
         if role not in STEP_ROLES and action != "target_facts":
@@ -179,6 +178,9 @@ class CallbackModule(CallbackBase):
                 # The module's error kind (pve_errors), e.g. "locked": the drift runner tells another run's lock
                 # from a broken target by it.
                 host["error"]["kind"] = data["error"]
+        if action == "target_facts" and isinstance(data.get("run_id"), str):
+            # The fact pass's action names the run, on success and failure alike: one id for every target.
+            self.run_id = self.run_id or data["run_id"]
         if action == "target_facts" and "pve_gpu_recover" in facts:
             host["before"] = facts["pve_gpu_recover"]
             self.run_id = self.run_id or host["before"].get("run_id")

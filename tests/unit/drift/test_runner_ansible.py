@@ -23,7 +23,8 @@ FILES = {
         retry_files_enabled = false
         """,
     # The fact pass: publishes the facts the inventory gives the host, or fails as the real one does when another
-    # run holds the target's lock (error kind "locked", the lock's details).
+    # run holds the target's lock (error kind "locked", the lock's details); either way with the run's id, as the
+    # real action adds it.
     "library/target_facts.py": """\
         from ansible.module_utils.basic import AnsibleModule
 
@@ -34,8 +35,10 @@ FILES = {
             holder = module.params["locked_by"]
             if holder:
                 lock = {"path": "/run/lock/pve-gpu-recover/ct-204.lock", "holder": {"run_id": holder}}
-                module.fail_json(msg=f"CT 204 on pve1 is locked by run {holder} of ops@ctl", error="locked", lock=lock)
-            module.exit_json(changed=False, ansible_facts={"pve_gpu_recover": module.params["facts"]})
+                message = f"CT 204 on pve1 is locked by run {holder} of ops@ctl"
+                module.fail_json(msg=message, error="locked", lock=lock, run_id="run-e2e")
+            facts = module.params["facts"]
+            module.exit_json(changed=False, ansible_facts={"pve_gpu_recover": facts}, run_id=facts["run_id"])
 
         main()
         """,
@@ -89,10 +92,6 @@ FILES = {
               ansible.builtin.fail:
                 msg: "no pve_node for this host"
               when: fail_early | default(false)
-            - name: Name this run
-              ansible.builtin.set_fact:
-                recover_run_id: run-e2e
-              run_once: true
             - name: Preflight
               ansible.builtin.import_role:
                 name: preflight

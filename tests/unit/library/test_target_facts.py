@@ -2,6 +2,8 @@
 
 import json
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -191,6 +193,60 @@ def test_node_reads_that_fail_name_the_step_and_do_not_hide_preflight(tmp_path, 
     )
     assert "exit 9" in facts["gpu_processes"]["problems"][0]
     assert facts["lock"]["held"] is False
+
+
+class Timed:
+    """A FakeRunner whose calls take ``seconds`` each (really: they sleep), recording when each ran."""
+
+    def __init__(self, runner, seconds):
+        self.runner, self.seconds, self.spans = runner, seconds, {}
+
+    def __call__(self, argv, **kwargs):
+        started = time.monotonic()
+        time.sleep(self.seconds)
+        result = self.runner(argv, **kwargs)
+        self.spans["apps" if argv == APPS_ARGV else "probe"] = (started, time.monotonic())
+        return result
+
+    def assert_done(self):
+        self.runner.assert_done()
+
+
+def test_the_node_reads_run_while_the_probe_runs_in_the_target(tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    NodeProcesses(monkeypatch, {516: TRAIN})
+    runner = Timed(two_step_runner(apps(f"516, python3, 20000 MiB, {UUID0}")), seconds=0.5)
+    args = params(tmp_path, vmid=200, steps={"gpu_processes": {}})
+    facts = facts_of(run_module(target_facts, args, runner, monkeypatch, capsys))
+    (probe_start, probe_end), (apps_start, apps_end) = runner.spans["probe"], runner.spans["apps"]
+    assert apps_start < probe_end and probe_start < apps_end  # the two overlapped
+    assert facts["gpu_processes"]["changes"] == ["end pid 516 (python3, pid 41 inside) on GPU 0, 20000 MiB"]
+    assert facts["gpu_processes"]["seconds"] >= 0.5  # its node reads' time is still its own
+
+
+def test_a_failed_probe_waits_for_the_node_reads_before_it_releases_the_lock(tmp_path, monkeypatch, capsys):
+    NodeProcesses(monkeypatch, {})
+    released = []
+    release = pve_lock.change_lock
+
+    def change_lock(state, **kwargs):
+        if state == "absent":
+            released.append(sorted(t.name for t in threading.enumerate() if t.name.startswith("read_node")))
+        return release(state, **kwargs)
+
+    monkeypatch.setattr(pve_lock, "change_lock", change_lock)
+    runner = Timed(
+        FakeRunner(
+            probe_call({"preflight": ANCHORS["payload"]}, {}, rc=1, stdout="", stderr="Segmentation fault"),
+            (APPS_ARGV, (0, apps(), "")),
+        ),
+        seconds=0.3,
+    )
+    args = params(tmp_path, vmid=200, steps={"gpu_processes": {}})
+    result = run_module(target_facts, args, runner, monkeypatch, capsys)
+    assert (result["failed"], result["error"]) == (True, "probe")
+    assert released == [[]]  # released once, with no node read still running
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_another_runs_lock_fails_before_anything_is_read(tmp_path, monkeypatch, capsys):

@@ -111,13 +111,6 @@ MISSING = root_of("/srv/cache/missing", exists=False)
 
 
 # -- fingerprints ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("variant", "cuda"), [("cu128", "12.8"), ("cu130", "13.0"), ("cu118", "11.8"), ("cpu", None), (None, None)]
-)
-def test_the_cuda_of_a_build_variant(variant, cuda):
-    assert pve_cache.cuda_of(variant) == cuda
-
-
 def test_a_fingerprint_sorts_the_gpu_models_once_each():
     gpus = ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H200"]
     assert pve_cache.make_fingerprint("2.11.0+cu128", "12.8", "3.3.0", gpus) == {

@@ -84,24 +84,6 @@ def test_names_are_compared_in_pep_503_form(name, canonical):
     assert pve_venv.canonical_name(name) == canonical
 
 
-@pytest.mark.parametrize(
-    ("version", "expected"),
-    [
-        ("2.11.0+cu128", "cu128"),
-        ("2.11.0+cu130", "cu130"),
-        ("2.13.0+cpu", "cpu"),
-        ("2.11.0+rocm6.4", "rocm6.4"),
-        ("2.1.0+cu121.with.pypi.cudnn", "cu121"),
-        ("2.11.0+xpu", "xpu"),
-        ("2.11.0", None),
-        ("1.0+local", None),
-        (None, None),
-    ],
-)
-def test_the_build_variant_is_the_local_tag_of_a_torch_build(version, expected):
-    assert pve_venv.variant(version) == expected
-
-
 def test_freeze_lines_are_sorted_with_one_line_per_record():
     versions = {"torch": "2.11.0+cu128", "six": "1.17.0", "numpy": "2.3.3, 2.3.4"}
     assert pve_venv.freeze_lines(versions) == "numpy==2.3.3\nnumpy==2.3.4\nsix==1.17.0\ntorch==2.11.0+cu128\n"

@@ -1,11 +1,16 @@
-"""plugins/action/target_facts.py: the fact pass's AnsiballZ payload kept between runs, never a stale one.
+"""plugins/action/target_facts.py: the controller's share of the fact pass (the inventory check, the run's id, who
+runs it) and the fact pass's AnsiballZ payload kept between runs, never a stale one.
 
-The key and the store are tested as functions on files made here; then a real ``ansible`` on localhost shows that a
-second process uses the payload the first one built (ansible-core's own debug line says which it did).
+Each part is tested as functions; then real ``ansible`` processes show one run id for every host of a run, an
+inventory mistake failing before any connection, and a second process using the payload the first one built
+(ansible-core's own debug line says which it did).
 """
 
 import importlib.util
+import json
+import multiprocessing
 import os
+import re
 import subprocess
 import sys
 
@@ -113,19 +118,131 @@ def test_a_store_others_can_write_is_not_used(action, tmp_path):
     assert not action.private_dir(str(tmp_path / "file"))
 
 
-def run_ad_hoc(local_tmp):
-    """The real module through the action, in its own ansible process (it fails on its arguments: enough)."""
+# -- the inventory, the run's id, who runs it ------------------------------------------------------------------
+SHAPE = "pve_vmid must be a Proxmox CT id (an integer from 100 to 999999999) with pve_node naming its node"
+
+
+def test_the_inventory_is_checked_as_the_preflight_role_documents_it(action):
+    assert action.inventory_problem("bare", None, False, None) is None  # a bare GPU host
+    assert action.inventory_problem("ct200", 200, True, "pve1") is None
+    assert action.inventory_problem("ct200", "200", True, "pve1") is None  # `-e pve_vmid=200` is a string
+    assert action.inventory_problem("ct", 999999999, True, "pve1") is None
+    for vmid in (99, 1000000000, "200; touch /tmp/x", "$(id)", "2e2", " 200", True, 200.0, -200):
+        problem = action.inventory_problem("ct", vmid, True, "pve1")
+        assert problem.startswith(f"ct: {SHAPE}; got pve_vmid={json.dumps(str(vmid))}, pve_node=pve1."), vmid
+        assert problem.endswith("Fix the inventory.")
+    assert action.inventory_problem("ct200", 200, False, None) == (
+        f'ct200: {SHAPE}; got pve_vmid="200", pve_node=unset. Fix the inventory.'
+    )
+
+
+RUN_ID = re.compile(r"[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}")
+
+
+def test_a_run_id_is_the_utc_time_and_random_hex(action):
+    assert action.new_run_id(0).startswith("19700101T000000Z-")
+    ids = {action.new_run_id() for _ in range(50)}
+    assert len(ids) == 50 and all(RUN_ID.fullmatch(i) for i in ids)
+
+
+def _ask(action, directory, start, answers):
+    start.wait()
+    answers.put(action.shared_run_id(directory))
+
+
+def test_every_worker_of_one_run_reads_the_id_the_first_one_made(action, tmp_path):
+    """Workers forked at once race to name the run: every one of them gets the same, complete id."""
+    context = multiprocessing.get_context("fork")
+    start, answers = context.Event(), context.Queue()
+    workers = [context.Process(target=_ask, args=(action, str(tmp_path), start, answers)) for _ in range(12)]
+    for worker in workers:
+        worker.start()
+    start.set()
+    ids = {answers.get(timeout=30) for _ in workers}
+    for worker in workers:
+        worker.join(30)
+    assert len(ids) == 1 and RUN_ID.fullmatch(ids.pop())
+    assert os.listdir(tmp_path) == [action.RUN_ID_FILE]  # no temporary file left behind
+    assert action.shared_run_id(str(tmp_path)) == (tmp_path / action.RUN_ID_FILE).read_text()
+
+
+def test_a_run_id_is_none_where_the_temp_directory_cannot_be_used(action, tmp_path):
+    assert action.shared_run_id(str(tmp_path / "missing")) is None
+
+
+def test_who_runs_it_is_filled_in_from_the_controller(action):
+    defaults = action.controller_defaults({"USER": "alice", action.CONTROLLER_PID_ENV: "4242"})
+    assert defaults["controller"] and defaults["owner"] == f"alice@{defaults['controller']}"
+    assert defaults["controller_pid"] == 4242
+    assert "controller_pid" not in action.controller_defaults({"USER": "alice", action.CONTROLLER_PID_ENV: "x"})
+    assert action.controller_defaults({})["owner"].endswith(f"@{defaults['controller']}")
+
+
+# An unknown step fails the module on the node before it reads or locks anything: enough to see the action work.
+UNKNOWN_STEP = '{"steps": {"nope": {}}}'
+
+
+def ad_hoc(local_tmp, hosts, *args, debug=False):
+    """The real module through the action, in its own ansible process; ``args`` after the host pattern. The
+    project's report callback writes each host's result to ``<local_tmp>/reports/<host>/<run id>.json``."""
     env = dict(
         os.environ,
         ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
         ANSIBLE_LOCAL_TEMP=str(local_tmp),
-        ANSIBLE_DEBUG="1",
         ANSIBLE_NOCOLOR="1",
+        ANSIBLE_LOAD_CALLBACK_PLUGINS="1",
+        PVE_GPU_RECOVER_REPORT_DIR=str(local_tmp / "reports"),
     )
-    argv = [os.path.join(os.path.dirname(sys.executable), "ansible"), "localhost", "-i", "localhost,", "-c", "local"]
-    argv += ["-e", f"ansible_python_interpreter={sys.executable}", "-m", "target_facts", "-a", "steps={}"]
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert "missing required arguments: run_id" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    if debug:
+        env["ANSIBLE_DEBUG"] = "1"
+    argv = [os.path.join(os.path.dirname(sys.executable), "ansible"), "all", "-i", hosts, *args]
+    argv += ["-e", f"ansible_python_interpreter={sys.executable}", "-m", "target_facts"]
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def reports_of(local_tmp):
+    """``{host: [report, ...]}`` of every run so far."""
+    reports = {}
+    for path in sorted((local_tmp / "reports").glob("*/*.json")):
+        reports.setdefault(path.parent.name, []).append(json.loads(path.read_text()))
+    return reports
+
+
+def test_every_target_of_one_run_shares_its_id_and_a_failed_pass_still_carries_it(tmp_path):
+    done = ad_hoc(tmp_path, "h1,h2,h3,", "-c", "local", "-f", "3", "-a", UNKNOWN_STEP)
+    reports = reports_of(tmp_path)
+    assert sorted(reports) == ["h1", "h2", "h3"], done.stdout[-2000:] + done.stderr[-2000:]
+    assert all("unknown step(s) nope" in r["error"]["msg"] for (r,) in reports.values())
+    (run_id,) = {r["run_id"] for (r,) in reports.values()}
+    assert RUN_ID.fullmatch(run_id)
+    ad_hoc(tmp_path, "h1,", "-c", "local", "-a", UNKNOWN_STEP)
+    first, second = reports_of(tmp_path)["h1"]
+    assert second["run_id"] != first["run_id"]  # another run, another id
+
+
+def test_an_inventory_mistake_fails_before_any_connection(tmp_path):
+    # The host is unreachable (TEST-NET-1, ssh): reaching for it would make the result `unreachable`.
+    hosts = tmp_path / "hosts.yml"
+    hosts.write_text(
+        "all:\n  hosts:\n    ct1: {pve_vmid: '200; touch /tmp/pgr-pwned', pve_node: pve1}\n"
+        "    ct2: {pve_vmid: 201}\n"
+        "    pve1: {ansible_host: 192.0.2.1, ansible_port: 9, ansible_connection: ssh}\n"
+    )
+    args = '{"vmid": "{{ pve_vmid }}", "node_name": "{{ pve_node | default(inventory_hostname) }}", "steps": {}}'
+    done = ad_hoc(tmp_path, str(hosts), "--limit", "ct1,ct2", "-a", args)
+    errors = {host: report["error"] for host, (report,) in reports_of(tmp_path).items()}
+    assert errors["ct1"]["msg"] == (
+        f'ct1: {SHAPE}; got pve_vmid="200; touch /tmp/pgr-pwned", pve_node=pve1. Fix the inventory.'
+    ), done.stdout[-2000:]
+    assert errors["ct2"]["msg"] == f'ct2: {SHAPE}; got pve_vmid="201", pve_node=unset. Fix the inventory.'
+    assert {e["kind"] for e in errors.values()} == {"inventory"}
+    assert "UNREACHABLE" not in done.stdout and "ansible-tmp" not in done.stdout
+
+
+def run_ad_hoc(local_tmp):
+    """The real module through the action, with ansible-core's debug lines (it fails on its steps: enough)."""
+    done = ad_hoc(local_tmp, "localhost,", "-c", "local", "-a", UNKNOWN_STEP, debug=True)
+    assert "unknown step(s) nope" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     return done.stdout + done.stderr
 
 

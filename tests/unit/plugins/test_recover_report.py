@@ -89,9 +89,8 @@ def run_playbook(tmp_path, *args):
     (roles / "gpu_processes" / "tasks").mkdir(parents=True)
     (roles / "preflight" / "tasks" / "main.yml").write_text(
         textwrap.dedent("""\
-        - name: Name the run
-          ansible.builtin.set_fact:
-            recover_run_id: run-test
+        - name: Read the facts (the fact pass's action names the run)
+          target_facts:
         - name: A remote call
           ansible.builtin.command:
             argv: ["true"]
@@ -106,6 +105,12 @@ def run_playbook(tmp_path, *args):
           when: fail_it | bool
         """)
     )
+    # Stands in for the fact pass: returns the run's id as the real action adds it, and no facts.
+    (tmp_path / "library").mkdir()
+    (tmp_path / "library" / "target_facts.py").write_text(
+        "from ansible.module_utils.basic import AnsibleModule\n"
+        "AnsibleModule({}, supports_check_mode=True).exit_json(changed=False, run_id='run-test')\n"
+    )
     playbook = tmp_path / "play.yml"
     playbook.write_text("- hosts: all\n  gather_facts: false\n  roles: [preflight, gpu_processes]\n")
     env = dict(
@@ -113,6 +118,7 @@ def run_playbook(tmp_path, *args):
         ANSIBLE_CALLBACK_PLUGINS=str(ROOT / "plugins" / "callback"),
         ANSIBLE_CALLBACKS_ENABLED="recover_report",
         ANSIBLE_ROLES_PATH=str(roles),
+        ANSIBLE_LIBRARY=str(tmp_path / "library"),
         PVE_GPU_RECOVER_REPORT_DIR=str(tmp_path / "reports"),
         ANSIBLE_NOCOLOR="1",
     )
@@ -139,7 +145,7 @@ def test_a_failed_run_still_writes_its_report_and_prints_its_path(tmp_path):
     assert report["steps"]["gpu_processes"]["status"] == "failed"
     assert report["check_mode"] is False
     assert [(t["action"], t["remote"], t["status"]) for t in report["tasks"]] == [
-        ("set_fact", False, "ok"),
+        ("target_facts", True, "ok"),
         ("command", True, "ok"),
         ("fail", False, "failed"),
     ]
