@@ -40,10 +40,13 @@ attributes:
 options:
   run_id:
     description:
-      - Identifies this run; the run lock belongs to it.
-      - Unset, the action names the run on the controller (UTC time and 6 random hex digits), one id for every
-        target of one ansible-playbook run, shared by its workers through Ansible's own temp directory.
+      - Identifies this run; the run lock and the run's reports belong to it. 1 to 64 letters, digits, C(.), C(_)
+        or C(-), starting with a letter or digit.
+      - The task may leave it out; the action then names the run on the controller (UTC time and 6 random hex
+        digits), one id for every target of one ansible-playbook run, shared by its workers through Ansible's own
+        temp directory. The module itself always gets one.
     type: str
+    required: true
   owner:
     description:
       - Who runs it, shown to anyone who finds the target locked (e.g. C(alice@controller)).
@@ -61,7 +64,8 @@ options:
     description:
       - Pid of the process that runs the play on the controller, recorded in the lock.
       - Unset, the action records C(PVE_GPU_RECOVER_CONTROLLER_PID) from the environment, which the
-        C(recover_report) callback sets to the ansible-playbook process (the drift runner sets it to its own).
+        C(recover_report) callback sets to the pid of ansible-playbook (the drift runner clears any value it
+        inherited).
     type: int
   lock_ttl:
     description:
@@ -112,9 +116,10 @@ seealso:
   - module: gpu_info
 notes:
   - Its action plugin (C(plugins/action/target_facts.py)) runs on the controller first, with no remote call. It
-    fails the task, before any connection, when the inventory names the target wrongly (C(pve_vmid) not a CT id,
-    or set without C(pve_node)); that failure's C(error) is C(inventory). It fills in I(run_id), I(owner),
-    I(controller) and I(controller_pid), and keeps the module's AnsiballZ payload between runs.
+    fails the task, before any connection, with C(error=inventory) when the inventory names the target wrongly
+    (C(pve_vmid) set but not a CT id, null included, or set without C(pve_node)), and with C(error=invalid) when
+    I(run_id) cannot name a run. It fills in I(run_id), I(owner), I(controller) and I(controller_pid) when the task leaves
+    them out, and keeps the module's AnsiballZ payload between runs.
   - Run it with C(delegate_to) the CT's node; the facts attach to the CT's inventory host (not the node) unless
     C(delegate_facts) is set.
 """
@@ -184,6 +189,8 @@ ansible_facts:
 error:
   description:
     - On failure, what kind of failure it was, stable for code (e.g. C(stopped), C(missing), C(timeout), C(locked)).
+    - C(inventory) (the action, before any connection) when C(pve_vmid) or C(pve_node) in the inventory name the
+      target wrongly; C(invalid) when I(run_id) cannot name a run.
     - C(problems) when a step found a problem (I(fail_on_problems)); the facts are returned with it.
   returned: failure
   type: str
@@ -217,9 +224,6 @@ run_id:
   sample: 20261203T101500Z-3f2a1c
 """
 
-import secrets
-import time
-
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_lock import DEFAULT_LOCK_DIR, DEFAULT_TTL
@@ -231,7 +235,7 @@ def main():
     module = AnsibleModule(
         argument_spec={
             **TARGET_ARGUMENT_SPEC,
-            "run_id": {"type": "str"},
+            "run_id": {"type": "str", "required": True},
             "owner": {"type": "str", "default": "unknown"},
             "controller": {"type": "str"},
             "controller_pid": {"type": "int"},
@@ -245,8 +249,6 @@ def main():
         supports_check_mode=True,
     )
     p = module.params
-    # Without its action (the module copied alone) each target names its own run.
-    run_id = p["run_id"] or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
     try:
         specs = validate_specs(p["steps"])
         target = Target.from_params(p)
@@ -255,7 +257,7 @@ def main():
             specs,
             lock={
                 "lock_dir": p["lock_dir"],
-                "run_id": run_id,
+                "run_id": p["run_id"],
                 "owner": p["owner"],
                 "ttl": p["lock_ttl"],
                 "controller": p["controller"],

@@ -66,24 +66,24 @@ options:
     default: /run/lock/pve-gpu-recover
 notes:
   - "recover.yml takes the lock in its fact pass (M(target_facts), same rules, same file), which also releases it
-    when a run has nothing to do. This module releases it after the last step, and in an C(always:) section only
-    when a run failed with the lock still held."
+    when a run has nothing to do or a step found a problem. Otherwise this module releases it after the last
+    step, in the C(always:) section of the steps, whether they succeeded or failed."
 seealso:
   - module: target_facts
 """
 
 EXAMPLES = r"""
-- name: Take the run lock of CT 200
+- name: Take the run lock of CT 200 for a maintenance run of your own
   target_lock:
     vmid: 200
-    run_id: "{{ recover_run_id }}"
+    run_id: ops-4711
     owner: alice@controller
   delegate_to: pve1
 
-- name: Release it
+- name: Release the lock the fact pass kept for this run
   target_lock:
     vmid: 200
-    run_id: "{{ recover_run_id }}"
+    run_id: "{{ ansible_facts.pve_gpu_recover.run_id }}"
     state: absent
   delegate_to: pve1
 """

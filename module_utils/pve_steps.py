@@ -11,9 +11,11 @@ A step is a module in module_utils that exposes (docs/design.md, "Adding a step"
   None leaves the part out of this pass (its ``answer`` is then None);
 * ``read_node(spec, target, answer, context)``: the node-side reads (the module already runs on the node);
   ``answer`` is None when the probe part failed;
-* ``NODE_READ_NEEDS_ANSWER`` (optional, True when absent): False when ``read_node`` does not look at ``answer``.
-  The fact pass then runs it (with ``answer`` None) in a thread while the probe runs in the target, so the node's
-  reads (an ``nvidia-smi`` query, on a real node the slowest of them) cost no time of their own;
+* ``NODE_READ_NEEDS_ANSWER`` (optional, True when absent): False when ``read_node`` needs neither ``answer`` nor
+  the facts of other steps. The fact pass then runs it in a thread while the probe runs in the target, with
+  ``answer`` None and a ``context`` of ``target`` and ``check_mode`` only, so the node's reads (an ``nvidia-smi``
+  query) take no time of their own. They run even when preflight then finds problems, and the pass waits for
+  them (each command in them has its deadline) before it releases the lock;
 * ``evaluate_step(spec, answer, node, context)``: pure; the step's facts, with at least ``changes`` (one line per
   thing a run would change), ``problems`` (one sentence per thing that makes the step fail), ``diff``
   (``{before, after}``) and ``pending`` (the acting task has work: it runs only then).
@@ -191,22 +193,26 @@ class NodeRead(threading.Thread):
         return self.node
 
 
-def start_node_reads(specs, target, context, clock=time.monotonic):
-    """``{step name: NodeRead}``, started, for the steps in ``specs`` whose node reads need no probe answer."""
-    reads = {}
+def start_node_reads(specs, target, context, reads, clock=time.monotonic):
+    """Start a NodeRead for each step in ``specs`` whose node reads need no probe answer, into ``reads`` (by step
+    name) as each starts, so a caller that fails half-way still joins every one that started.
+
+    Each gets a context of its own without ``steps``: the other steps' facts do not exist yet.
+    """
+    alone = {"target": context["target"], "check_mode": context["check_mode"]}
     for step in steps_in(specs):
         if not getattr(step, "NODE_READ_NEEDS_ANSWER", True):
-            reads[step.NAME] = NodeRead(step, specs[step.NAME], target, context, clock)
-            reads[step.NAME].start()
-    return reads
+            read = NodeRead(step, specs[step.NAME], target, dict(alone), clock)
+            read.start()
+            reads[step.NAME] = read
 
 
 def evaluate_steps(specs, target, answers, context, *, clock=time.monotonic, node_reads=None):
     """Each step's facts in STEP_NAMES order, from the probe answers (``{part: {"answer"|"error"}}``) and node reads.
 
     ``node_reads`` are the reads :func:`start_node_reads` started beside the probe (waited for here). A step whose
-    probe part failed, or whose preflight found problems (nothing else is safe to read then), gets facts that say
-    so instead of raising: the run stops at preflight's assert with every reason at once.
+    probe part failed, or whose preflight found problems (its node reads, if it ran any beside the probe, are not
+    looked at), gets facts that say so instead of raising: the fact pass fails with every reason at once.
     """
     node_reads = node_reads or {}
     for step in steps_in(specs):
@@ -258,7 +264,7 @@ def fact_pass(target, specs, *, lock, python="python3", check_mode=False, warn=N
     node_reads = {}
     try:
         # The node reads that need no probe answer run while the probe runs in the target.
-        node_reads = start_node_reads(specs, target, context, clock=clock)
+        start_node_reads(specs, target, context, node_reads, clock=clock)
         answers = target.run_probes(probe_parts(specs, target.timeout), python=python)
         steps = evaluate_steps(specs, target, answers, context, clock=clock, node_reads=node_reads)
     except BaseException:

@@ -15,20 +15,26 @@ class FakeRunner:
 
     Any other argv, or a call beyond the list, fails the test: round trips are the cost of this project, so
     every test pins exactly which commands run and how many. A call from another thread (the fact pass's node
-    reads run beside its probe) is matched by its argv among the calls still expected, since threads interleave.
+    reads run beside its probe) is matched by its argv among the calls still expected, since threads interleave;
+    one that matches none is kept and fails ``assert_done`` (what a thread raises may never reach the test).
     """
 
     def __init__(self, *calls):
         self.calls = list(calls)
         self.stdin = []
         self.lock = threading.Lock()
+        self.unexpected = []
 
     def __call__(self, argv, *, stdin=None, timeout=None, env=None):
         with self.lock:
-            assert self.calls, f"unexpected extra call {argv}"
-            index = 0
-            if threading.current_thread() is not threading.main_thread():
-                index = next((i for i, (want, _) in enumerate(self.calls) if want == argv), 0)
+            if threading.current_thread() is threading.main_thread():
+                assert self.calls, f"unexpected extra call {argv}"
+                index = 0
+            else:
+                index = next((i for i, (want, _) in enumerate(self.calls) if want == argv), None)
+                if index is None:
+                    self.unexpected.append(argv)
+                    raise AssertionError(f"unexpected call {argv} from thread {threading.current_thread().name}")
             want, answer = self.calls.pop(index)
             self.stdin.append(stdin)
         assert argv == want
@@ -45,6 +51,7 @@ class FakeRunner:
         )
 
     def assert_done(self):
+        assert self.unexpected == [], f"unexpected calls from other threads: {self.unexpected}"
         assert self.calls == [], f"expected calls not made: {[c[0] for c in self.calls]}"
 
 

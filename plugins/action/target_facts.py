@@ -35,6 +35,7 @@ import time
 
 import ansible
 from ansible import constants as C
+from ansible.errors import AnsibleConnectionFailure
 from ansible.plugins.action.normal import ActionModule as NormalAction
 from ansible.utils.display import Display
 
@@ -44,19 +45,25 @@ STORE_NAME = "pve-gpu-recover-ansiballz"
 KEEP = 4  # payload keys kept: one per version of the code a controller still runs, about 0.3 MB each
 # The run's id, shared by the ansible-playbook process's workers through its own temp directory (local_tmp).
 RUN_ID_FILE = "pve-gpu-recover-run-id"
-VMID_MIN, VMID_MAX = 100, 999999999  # module_utils/pve_target.py, which checks it again on the node
-# Set by the recover_report callback (the ansible-playbook process) or by the drift runner that starts it.
+# A CT id as module_utils/pve_target.py checks it again on the node.
+VMID_MIN = 100
+VMID_MAX = 999999999
+# The pid of ansible-playbook, set by the recover_report callback in that process (the drift runner clears any
+# value it inherited, so it never names the wrong process).
 CONTROLLER_PID_ENV = "PVE_GPU_RECOVER_CONTROLLER_PID"
+# A run id names report files and lock records: a path component of safe characters only.
+RUN_ID_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def inventory_problem(host, vmid, node_set, node):
+def inventory_problem(host, vmid_set, vmid, node_set, node):
     """The inventory mistake that names ``host``'s target wrongly, as one sentence, or None.
 
-    ``vmid`` is ``pve_vmid`` as templated (None when unset); ``node_set`` whether ``pve_node`` is set. A CT id is
-    an integer from 100 to 999999999 written in digits, and a CT needs its node: without pve_node the fact pass
-    would run on the CT's own inventory name.
+    ``vmid_set``: whether the inventory sets ``pve_vmid`` (even to null: a CT that lost its id must not become its
+    node); ``vmid`` its value as templated; ``node_set`` whether ``pve_node`` is set and ``node`` its value. A CT
+    id is an integer from 100 to 999999999 written in digits, and a CT needs its node: without pve_node the fact
+    pass would run on the CT's own inventory name. Unset, the target is a bare GPU host.
     """
-    if vmid is None:
+    if not vmid_set:
         return None
     digits = re.fullmatch(r"[0-9]+", str(vmid)) is not None and not isinstance(vmid, bool)
     if digits and VMID_MIN <= int(vmid) <= VMID_MAX and node_set:
@@ -65,6 +72,17 @@ def inventory_problem(host, vmid, node_set, node):
         f"{host}: pve_vmid must be a Proxmox CT id (an integer from {VMID_MIN} to {VMID_MAX}) with pve_node naming "
         f"its node; got pve_vmid={json.dumps(str(vmid))}, pve_node={node if node_set else 'unset'}. "
         "Fix the inventory."
+    )
+
+
+def run_id_problem(run_id):
+    """Why ``run_id`` (given by the task: ``preflight_run_id``) cannot name a run, or None."""
+    if isinstance(run_id, str) and RUN_ID_SHAPE.fullmatch(run_id):
+        return None
+    return (
+        f"run_id {json.dumps(str(run_id))} cannot name a run: it names the run's report files and lock records, so "
+        "it must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit "
+        "(preflight_run_id, or unset to let the fact pass name the run)"
     )
 
 
@@ -214,23 +232,47 @@ class ActionModule(NormalAction):
     def run(self, tmp=None, task_vars=None):
         task_vars = task_vars or {}
         args = self._task.args
-        run_id = args.get("run_id") or shared_run_id(C.DEFAULT_LOCAL_TMP) or new_run_id()
-        problem = inventory_problem(
-            task_vars.get("inventory_hostname"),
-            args.get("vmid"),
-            "pve_node" in task_vars,
-            args.get("node_name"),  # pve_node as templated, when it is set
-        )
+        given = args.get("run_id")
+        problem = run_id_problem(given) if given not in (None, "") else None
+        kind = "invalid"
+        # A run id the task gives names the run; one that cannot is never used (it would name the report's file).
+        run_id = given if given not in (None, "") and problem is None else self._run_id()
+        if problem is None and "pve_vmid" in task_vars:
+            kind = "inventory"
+            # The inventory's own variables, not the options: a task may pass a vmid of its own (the module checks
+            # that), but pve_vmid set without pve_node, or set to null, names its target wrongly.
+            problem = inventory_problem(
+                task_vars.get("inventory_hostname"),
+                True,
+                self._templar.template(task_vars["pve_vmid"]),
+                "pve_node" in task_vars,
+                self._templar.template(task_vars["pve_node"]) if "pve_node" in task_vars else None,
+            )
         if problem:
             # Before any connection: a vmid that is not a CT id never reaches a node.
-            return {"failed": True, "changed": False, "msg": problem, "error": "inventory", "run_id": run_id}
+            return {"failed": True, "changed": False, "msg": problem, "error": kind, "run_id": run_id}
         args["run_id"] = run_id
         for option, value in controller_defaults().items():
             if args.get(option) in (None, ""):
                 args[option] = value
-        result = self._run_keeping_payload(tmp, task_vars)
+        try:
+            result = self._run_keeping_payload(tmp, task_vars)
+        except AnsibleConnectionFailure as error:
+            # What TaskExecutor makes of it, with the run's id: an unreachable node's report is named by it too.
+            return {"unreachable": True, "msg": str(error), "run_id": run_id}
         result["run_id"] = run_id  # the report names the run by it, whether the pass succeeded or not
         return result
+
+    @staticmethod
+    def _run_id():
+        """The run's shared id; one of the target's own, with a warning, when Ansible's temp directory is unusable."""
+        run_id = shared_run_id(C.DEFAULT_LOCAL_TMP)
+        if run_id is None:
+            display.warning(
+                f"target_facts: cannot share the run's id through {C.DEFAULT_LOCAL_TMP}; each target names its own"
+            )
+            run_id = new_run_id()
+        return run_id
 
     def _run_keeping_payload(self, tmp, task_vars):
         place = self._payload_place()

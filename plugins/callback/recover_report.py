@@ -127,8 +127,8 @@ class CallbackModule(CallbackBase):
     def v2_playbook_on_start(self, playbook):
         self.basedir = playbook._basedir
         self.started = time.time()
-        # The pid of ansible-playbook itself, for the run lock (recover.yml reads it): forks inherit it, and it
-        # lives exactly as long as the run.
+        # The pid of ansible-playbook itself, for the run lock (the target_facts action reads it): forks inherit
+        # it, and it lives exactly as long as the run.
         os.environ.setdefault("PVE_GPU_RECOVER_CONTROLLER_PID", str(os.getpid()))
 
     def v2_playbook_on_task_start(self, task, is_conditional):

@@ -123,17 +123,25 @@ SHAPE = "pve_vmid must be a Proxmox CT id (an integer from 100 to 999999999) wit
 
 
 def test_the_inventory_is_checked_as_the_preflight_role_documents_it(action):
-    assert action.inventory_problem("bare", None, False, None) is None  # a bare GPU host
-    assert action.inventory_problem("ct200", 200, True, "pve1") is None
-    assert action.inventory_problem("ct200", "200", True, "pve1") is None  # `-e pve_vmid=200` is a string
-    assert action.inventory_problem("ct", 999999999, True, "pve1") is None
-    for vmid in (99, 1000000000, "200; touch /tmp/x", "$(id)", "2e2", " 200", True, 200.0, -200):
-        problem = action.inventory_problem("ct", vmid, True, "pve1")
+    assert action.inventory_problem("bare", False, None, False, None) is None  # a bare GPU host
+    assert action.inventory_problem("ct200", True, 200, True, "pve1") is None
+    assert action.inventory_problem("ct200", True, "200", True, "pve1") is None  # `-e pve_vmid=200` is a string
+    assert action.inventory_problem("ct", True, 999999999, True, "pve1") is None
+    # None: `pve_vmid:` left empty. Unchecked, the CT would become a bare host: its node.
+    for vmid in (None, "", 99, 1000000000, "200; touch /tmp/x", "$(id)", "2e2", " 200", True, 200.0, -200):
+        problem = action.inventory_problem("ct", True, vmid, True, "pve1")
         assert problem.startswith(f"ct: {SHAPE}; got pve_vmid={json.dumps(str(vmid))}, pve_node=pve1."), vmid
         assert problem.endswith("Fix the inventory.")
-    assert action.inventory_problem("ct200", 200, False, None) == (
+    assert action.inventory_problem("ct200", True, 200, False, None) == (
         f'ct200: {SHAPE}; got pve_vmid="200", pve_node=unset. Fix the inventory.'
     )
+
+
+def test_a_run_id_of_the_tasks_own_must_be_able_to_name_a_file(action):
+    for good in ("20261204T101500Z-3f2a1c", "ops-4711", "a", "nightly.2026_12_04", "x" * 64):
+        assert action.run_id_problem(good) is None, good
+    for bad in ("../../etc", "OPS/123", ".hidden", "-x", "x" * 65, "with space", "", None, 4711):
+        assert action.run_id_problem(bad).startswith(f"run_id {json.dumps(str(bad))} cannot name a run"), bad
 
 
 RUN_ID = re.compile(r"[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}")
@@ -220,23 +228,49 @@ def test_every_target_of_one_run_shares_its_id_and_a_failed_pass_still_carries_i
     assert second["run_id"] != first["run_id"]  # another run, another id
 
 
+# Every host here is reached over ssh at a closed port: a task that reaches for one is `unreachable` at once.
+CLOSED = "{ansible_host: 127.0.0.1, ansible_port: 9, ansible_connection: ssh}"
+
+
 def test_an_inventory_mistake_fails_before_any_connection(tmp_path):
-    # The host is unreachable (TEST-NET-1, ssh): reaching for it would make the result `unreachable`.
     hosts = tmp_path / "hosts.yml"
     hosts.write_text(
-        "all:\n  hosts:\n    ct1: {pve_vmid: '200; touch /tmp/pgr-pwned', pve_node: pve1}\n"
+        "all:\n  vars: " + CLOSED + "\n  hosts:\n"
+        "    ct1: {pve_vmid: '200; touch /tmp/pgr-pwned', pve_node: pve1}\n"
         "    ct2: {pve_vmid: 201}\n"
-        "    pve1: {ansible_host: 192.0.2.1, ansible_port: 9, ansible_connection: ssh}\n"
+        "    ct3: {pve_vmid: null, pve_node: pve1}\n"
     )
     args = '{"vmid": "{{ pve_vmid }}", "node_name": "{{ pve_node | default(inventory_hostname) }}", "steps": {}}'
-    done = ad_hoc(tmp_path, str(hosts), "--limit", "ct1,ct2", "-a", args)
+    done = ad_hoc(tmp_path, str(hosts), "-a", args)
     errors = {host: report["error"] for host, (report,) in reports_of(tmp_path).items()}
     assert errors["ct1"]["msg"] == (
         f'ct1: {SHAPE}; got pve_vmid="200; touch /tmp/pgr-pwned", pve_node=pve1. Fix the inventory.'
     ), done.stdout[-2000:]
     assert errors["ct2"]["msg"] == f'ct2: {SHAPE}; got pve_vmid="201", pve_node=unset. Fix the inventory.'
+    assert errors["ct3"]["msg"] == f'ct3: {SHAPE}; got pve_vmid="None", pve_node=pve1. Fix the inventory.'
     assert {e["kind"] for e in errors.values()} == {"inventory"}
-    assert "UNREACHABLE" not in done.stdout and "ansible-tmp" not in done.stdout
+    assert "UNREACHABLE" not in done.stdout
+
+
+def test_a_vmid_the_task_gives_itself_is_the_modules_to_check_and_an_unreachable_node_keeps_the_run_id(tmp_path):
+    """No pve_vmid in the inventory (the module's EXAMPLES): the action checks nothing of it and reaches for the
+    node, here unreachable; that result still carries the run's id, which names the report."""
+    hosts = tmp_path / "hosts.yml"
+    hosts.write_text("all:\n  hosts:\n    pve1: " + CLOSED + "\n")
+    done = ad_hoc(tmp_path, str(hosts), "-a", '{"vmid": 200, "run_id": "ops-4711", "steps": {}}')
+    assert "UNREACHABLE" in done.stdout, done.stdout[-2000:]
+    (report,) = reports_of(tmp_path)["pve1"]
+    assert (report["run_id"], report["status"]) == ("ops-4711", "failed")
+    assert (tmp_path / "reports" / "pve1" / "ops-4711.json").exists()
+
+
+def test_a_run_id_that_cannot_name_a_file_fails_and_names_nothing(tmp_path):
+    done = ad_hoc(tmp_path, "localhost,", "-c", "local", "-a", '{"run_id": "../../escaped", "steps": {}}')
+    (report,) = reports_of(tmp_path)["localhost"]
+    assert report["error"]["kind"] == "invalid", done.stdout[-2000:]
+    assert report["error"]["msg"].startswith('run_id "../../escaped" cannot name a run')
+    assert RUN_ID.fullmatch(report["run_id"])  # the report is named by an id of the action's own
+    assert not list(tmp_path.rglob("escaped*"))
 
 
 def run_ad_hoc(local_tmp):
