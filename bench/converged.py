@@ -11,8 +11,9 @@ For each pct cost in ``--delays`` (seconds every ``pct`` call sleeps first, like
 * ``recover``: ``ansible-playbook recover.yml`` on the converged lab (CT 200);
 * ``manual``: bench/manual_check.sh, six checks with one ``ssh node "pct exec 200 -- ..."`` each;
 * ``peer``: bench/peer_checks.yml, the same six checks as ``ansible.builtin.command: pct exec ...``;
-* ``recover_built``: ``recover`` with plugins/action/target_facts.py hidden, so Ansible builds the fact pass's
-  AnsiballZ payload in every run as it does by default (``recover`` restores the one kept by its previous run).
+* ``recover_built``: ``recover`` with an empty payload store (a fresh Ansible local temp directory each run), so
+  Ansible builds the fact pass's AnsiballZ payload in every run as it does by default (``recover`` restores the
+  one kept by its previous run). The target_facts action still runs: recover.yml needs it to name the run.
 
 Each run starts cold: a fresh ssh ControlPath directory, so no connection survives from the run before. Per run it
 counts ssh invocations (bench/ssh-counting), new ssh connections (the lab sshd's "Accepted" log lines), ``pct
@@ -36,8 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LAB = Path("/var/lib/pve-gpu-recover-lab")
 LABCTL = ["/usr/bin/python3", str(ROOT / "tests/lab/labctl.py")]
 BIN = Path(sys.executable).parent
-# recover_built: recover.yml with the fact pass's AnsiballZ payload built every run, as Ansible does without
-# plugins/action/target_facts.py (the action is hidden), to show what keeping it saves in the same run.
+# recover_built: recover.yml with the fact pass's AnsiballZ payload built every run, as Ansible does without a kept
+# payload (the action's store is empty each run), to show what keeping it saves in the same run.
 KINDS = ("recover", "manual", "peer", "recover_built")
 
 
@@ -85,7 +86,8 @@ def run_once(kind, workdir):
         BENCH_SSH_LOG=str(ssh_log),
     )
     if kind == "recover_built":
-        env["ANSIBLE_ACTION_PLUGINS"] = str(workdir / "no-action-plugins")
+        # The action keeps its payloads beside Ansible's local temp directory: a fresh one has none to restore.
+        env["ANSIBLE_LOCAL_TEMP"] = tempfile.mkdtemp(prefix="lt-", dir=workdir)
     accepted = count_lines(LAB / "ssh/sshd.log", "Accepted")
     execs = pct_execs()
     started = time.monotonic()
