@@ -287,7 +287,8 @@ def test_a_target_that_failed_before_any_step_is_named_with_the_task_and_message
         event("runner_on_failed", "train203", task="Name this run", res={"msg": "boom\n  on two lines"}),
     ]
     target = summarize(runner, tmp_path, [], events)["train203"]
-    assert (target["status"], target["reason"]) == ("failed", "Name this run: boom on two lines")
+    # One line that shows what was there: the newline escaped, never a second line.
+    assert (target["status"], target["reason"]) == ("failed", "Name this run: boom\\n  on two lines")
 
 
 @pytest.mark.parametrize(
@@ -649,27 +650,15 @@ def test_a_usage_error_exits_1_never_2_which_means_drift(runner, capsys):
     assert "--inventory" in capsys.readouterr().err
 
 
-def test_correct_is_refused_until_the_roles_declare_recover_unattended(runner, tmp_path, capsys):
-    project = tmp_path / "project"
-    (project / "roles" / "gpu_processes" / "defaults").mkdir(parents=True)
-    (project / "recover.yml").write_text("- hosts: gpu_targets\n")
-    (tmp_path / "hosts").write_text("")
-    argv = ["-i", str(tmp_path / "hosts"), "--project", str(project), "--correct"]
-    code, _, err = run_main(runner, argv, capsys)
-    assert code == 1
-    assert "--correct refused" in err
-    assert "do not declare recover_unattended" in err
-    (project / "roles" / "gpu_processes" / "defaults" / "main.yml").write_text("recover_unattended: false\n")
-    assert runner.declares_unattended(project)
-
-
 # -- main() with a stand-in for ansible-runner -------------------------------------------------------------------------
 class FakeAnsibleRunner:
     """ansible_runner.run as the runner calls it: writes the phase's reports where PVE_GPU_RECOVER_REPORT_DIR says,
     feeds the events to event_handler, and returns what ansible-runner returns."""
 
     def __init__(self, phases):
-        self.phases = phases  # phase ident -> (reports, events, status, rc)
+        # phase ident -> (reports, events, status, rc); --correct's probe of the checkout (ident "unattended")
+        # answers as a checkout that runs its steps unattended unless told otherwise.
+        self.phases = {"unattended": ([], probe_events(), "successful", 0), **phases}
         self.calls = []
 
     def run(self, **kwargs):
@@ -684,6 +673,17 @@ class FakeAnsibleRunner:
         artifacts.mkdir(parents=True)
         (artifacts / "stdout").write_text(f"PLAY RECAP ({kwargs['ident']})\n")
         return types.SimpleNamespace(status=status, rc=rc, config=types.SimpleNamespace(artifact_dir=str(artifacts)))
+
+
+def probe_events(unattended=True):
+    """The stand-in modules' results of drift/unattended.py's check run: what each module got."""
+    steps = {step: {"unattended": unattended} for step in ("gpu_processes", "training_venv", "compile_cache")}
+    calls = [("target_facts", {"steps": {"preflight": {}, **steps}})]
+    calls += [(step, {"unattended": unattended}) for step in steps]
+    return [
+        event("runner_on_ok", "unattended-probe", res={"pve_gpu_recover_probe": {"module": name, "params": params}})
+        for name, params in calls
+    ]
 
 
 def project_with_unattended(tmp_path):
@@ -737,19 +737,22 @@ def test_main_checks_corrects_the_drifting_targets_only_and_writes_summary_and_t
     code, out, err = run_main(runner, argv, capsys, ansible_runner=fake)
     assert code == 2, err
     assert out == ""
-    check, correct = fake.calls
+    probe, check, correct = fake.calls
+    # The checkout was proven to run unattended first: its own copy, in check mode, recover_unattended=true.
+    assert (probe["ident"], probe["cmdline"], probe["extravars"]) == ("unattended", "--check", {"recover_unattended": True})
+    assert probe["project_dir"] != str(project)
     assert check["cmdline"] == "--check --diff -e preflight_expected_gpu_count=8"
     assert (check["limit"], check["extravars"], check["forks"]) == ("train*:ok*", None, 5)
     assert correct["cmdline"] == "--diff -e preflight_expected_gpu_count=8"
     assert (correct["limit"], correct["extravars"]) == ("train200", {"recover_unattended": True})
-    for call in fake.calls:
+    for call in (check, correct):
         assert call["playbook"] == str(project / "recover.yml")
         assert call["inventory"] == [str(inventory)]
         assert call["envvars"]["ANSIBLE_CONFIG"] == str(project / "ansible.cfg")
         assert call["envvars"]["ANSIBLE_CALLBACK_PLUGINS"] == str(project / "plugins" / "callback")
         assert "recover_report" in call["envvars"]["ANSIBLE_CALLBACKS_ENABLED"].split(",")
         assert 1 <= call["timeout"] <= 3000
-    report_dirs = {call["envvars"]["PVE_GPU_RECOVER_REPORT_DIR"] for call in fake.calls}
+    report_dirs = {call["envvars"]["PVE_GPU_RECOVER_REPORT_DIR"] for call in (check, correct)}
     assert len(report_dirs) == 2  # a fresh directory per run
 
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -786,7 +789,7 @@ def test_main_does_not_correct_when_nothing_drifts_and_prints_the_summary_on_std
     argv = ["-i", str(inventory), "--project", str(project), "--correct", "--reports-dir", str(tmp_path / "r")]
     code, out, _ = run_main(runner, argv, capsys, ansible_runner=fake)
     assert code == 0
-    assert [call["ident"] for call in fake.calls] == ["check"]
+    assert [call["ident"] for call in fake.calls] == ["unattended", "check"]
     assert json.loads(out)["targets"]["ok201"]["status"] == "in_spec"
 
 
@@ -799,3 +802,17 @@ def test_a_crashed_run_with_no_target_fails_with_the_run_error(runner, tmp_path,
     assert code == 1
     assert summary["errors"] == [f"the check run's ansible-playbook exited 1 (failed); see {summary['runs'][0]['log']}"]
     assert "error: the check run's ansible-playbook exited 1" in err
+
+
+def test_correct_is_refused_when_the_checkout_does_not_pass_unattended_on_and_nothing_runs(runner, tmp_path, capsys):
+    project, inventory = project_with_unattended(tmp_path)
+    fake = FakeAnsibleRunner({"unattended": ([], probe_events(unattended="false"), "successful", 0)})
+    argv = ["-i", str(inventory), "--project", str(project), "--correct", "--reports-dir", str(tmp_path / "r")]
+    code, out, err = run_main(runner, argv, capsys, ansible_runner=fake)
+    assert (code, out) == (1, "")
+    assert "drift: --correct refused:" in err
+    assert "the gpu_processes module ran with unattended='false'" in err
+    assert "the fact pass got training_venv's settings with unattended='false'" in err
+    # Refused before the check: no target was touched, no run directory made.
+    assert [call["ident"] for call in fake.calls] == ["unattended"]
+    assert [p.name for p in (tmp_path / "r").iterdir()] == ["drift.lock"]
