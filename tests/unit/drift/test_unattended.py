@@ -95,4 +95,5 @@ def test_a_fact_pass_that_gets_the_step_attended_is_refused(unattended, tmp_path
     copy = checkout_copy(tmp_path)
     spec = copy / "roles" / "compile_cache" / "vars" / "main.yml"
     spec.write_text(spec.read_text().replace("'unattended': compile_cache_unattended | bool", "'unattended': false"))
-    assert unattended.probe(ansible_runner, copy) == ["the fact pass got compile_cache's settings with unattended=False"]
+    want = "the fact pass got compile_cache's settings with unattended=False"
+    assert unattended.probe(ansible_runner, copy) == [want]
