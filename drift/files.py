@@ -164,6 +164,7 @@ def acquire_lock(path, clock=time.time):
     killed runner never leaves a stale lock behind.
     """
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     handle = open_lock(path)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

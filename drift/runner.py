@@ -532,8 +532,9 @@ def check_options(args):
             )
         inventories.append(str(path.resolve()))
     args.inventory = inventories
-    args.reports_dir = (args.reports_dir or args.project / "reports" / "drift").expanduser().resolve()
-    args.lock_file = (args.lock_file or args.reports_dir / "drift.lock").expanduser().resolve()
+    # Absolute, links not resolved: the runner checks the path itself (a planted link is refused, not followed).
+    args.reports_dir = Path(os.path.abspath((args.reports_dir or args.project / "reports" / "drift").expanduser()))
+    args.lock_file = Path(os.path.abspath((args.lock_file or args.reports_dir / "drift.lock").expanduser()))
     if args.textfile is not None:
         args.textfile = args.textfile.expanduser().resolve()
         if not args.textfile.parent.is_dir():
@@ -797,7 +798,7 @@ def main(argv=None, *, ansible_runner=None, clock=time.time, monotonic=time.mono
         publish(args, summary, run_dir)
         prune_runs(args.reports_dir, args.keep_runs)
         return summary["exit_code"]
-    except OSError as error:
+    except (DriftError, OSError) as error:
         print(f"drift: {error}", file=sys.stderr)
         return EXIT_FAILED
     finally:
