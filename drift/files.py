@@ -4,7 +4,7 @@
 
 The reports directory may sit where other users can reach (a shared state directory): nothing here is opened,
 written or removed through a link someone planted. Directories are checked before use (a real directory, this
-user's or root's, that no other user can write), the lock is opened with O_NOFOLLOW and never truncated unless it
+user's or root's, that not every user can write), the lock is opened with O_NOFOLLOW and never truncated unless it
 is the runner's own regular file, new files are made with O_EXCL (mkstemp) and renamed over their path (a rename
 replaces a planted link, it never writes through it), and pruning never follows a link.
 """
@@ -37,7 +37,8 @@ def iso(timestamp):
 def dir_problem(info, euid):
     """Why a directory with ``os.lstat`` result ``info`` is unsafe for the runner run as ``euid``, or None.
 
-    A link could send the runner's writes anywhere; a directory another user owns or can write lets them plant one.
+    A link could send the runner's writes anywhere; a directory another user owns, or every user can write, lets
+    them plant one.
     """
     if stat.S_ISLNK(info.st_mode):
         return "is a symbolic link"
@@ -45,8 +46,9 @@ def dir_problem(info, euid):
         return "is not a directory"
     if info.st_uid not in (euid, 0):
         return f"is owned by uid {info.st_uid}, neither this user (uid {euid}) nor root"
-    if info.st_mode & 0o022:
-        return f"is writable by other users (mode {stat.S_IMODE(info.st_mode):04o})"
+    if info.st_mode & 0o002:
+        # Anyone could plant a link in it (the group is the owner's choice to trust).
+        return f"is writable by every user (mode {stat.S_IMODE(info.st_mode):04o})"
     return None
 
 
@@ -79,8 +81,8 @@ def private_dir(path, mode=0o750):
     if problem:
         raise DriftError(
             f"refusing the directory {path}: it {problem}; the runner writes its lock, reports and summary there, "
-            "so it must be a real directory of this user (or root) that no other user can write: remove or fix it "
-            "(chmod go-w), or pass another --reports-dir"
+            "so it must be a real directory of this user (or root) that not every user can write: remove or fix "
+            "it (chmod o-w), or pass another --reports-dir"
         )
     return path
 

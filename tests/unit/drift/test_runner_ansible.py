@@ -147,6 +147,9 @@ def make_project(tmp_path):
         shutil.copy(project / "library" / "gpu_processes.py", project / "library" / f"{step}.py")
     (project / "plugins" / "callback").mkdir(parents=True)
     shutil.copy(ROOT / "plugins" / "callback" / "recover_report.py", project / "plugins" / "callback")
+    # The callback's escaper (it loads the project's own, never a copy of the function).
+    (project / "module_utils").mkdir()
+    shutil.copy(ROOT / "module_utils" / "pve_text.py", project / "module_utils")
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
     hosts = {
         "ok200": dict(local, fake_facts=facts()),

@@ -95,7 +95,7 @@ def test_a_reports_dir_other_users_can_write_is_refused(runner, tmp_path, capsys
     argv = ["-i", str(inventory), "--project", str(project), "--reports-dir", str(reports)]
     code, _, err = run_main(runner, argv, capsys, ansible_runner=fake_check())
     assert code == 1
-    assert "it is writable by other users (mode 1777)" in err
+    assert "it is writable by every user (mode 1777)" in err
     assert list(reports.iterdir()) == []
 
 
