@@ -4,6 +4,7 @@ removed through a link someone planted in the reports directory, and a directory
 import os
 import stat
 import time
+import types
 
 import pytest
 
@@ -146,3 +147,22 @@ def test_pruning_never_follows_a_link_named_like_a_run_nor_one_inside_a_run(runn
     runner.prune_runs(reports, 2)
     assert sorted(p.name for p in reports.iterdir()) == sorted([link.name, newer.name, newest.name])
     assert untouched(victim)
+
+
+def test_what_makes_a_directory_or_a_lock_file_unsafe(runner):
+    from drift import files  # noqa: PLC0415 (after ROOT is on sys.path)
+
+    def info(kind, mode, uid, nlink=1):
+        return types.SimpleNamespace(st_mode=kind | mode, st_uid=uid, st_nlink=nlink)
+
+    assert files.dir_problem(info(stat.S_IFDIR, 0o750, 1000), 1000) is None
+    assert files.dir_problem(info(stat.S_IFDIR, 0o755, 0), 1000) is None  # root's: trusted
+    assert files.dir_problem(info(stat.S_IFDIR, 0o770, 1000), 1000) is None  # the group is the owner's choice
+    assert files.dir_problem(info(stat.S_IFDIR, 0o750, 1001), 1000) == (
+        "is owned by uid 1001, neither this user (uid 1000) nor root"
+    )
+    assert files.dir_problem(info(stat.S_IFDIR, 0o1777, 0), 1000) == "is writable by every user (mode 1777)"
+    assert files.dir_problem(info(stat.S_IFLNK, 0o777, 1000), 1000) == "is a symbolic link"
+    assert files.lock_problem(info(stat.S_IFREG, 0o644, 1000), 1000) is None
+    assert files.lock_problem(info(stat.S_IFREG, 0o644, 1001), 1000).startswith("is owned by uid 1001")
+    assert files.lock_problem(info(stat.S_IFREG, 0o644, 1000, nlink=2), 1000) == "has 2 hard links"
