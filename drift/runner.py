@@ -77,6 +77,8 @@ LOCK_ACTIONS = ("target_facts", "target_lock")
 STEP_ORDER = ("preflight", "gpu_processes", "training_code", "training_venv", "compile_cache", "verify")
 # The extra variable a correction run sets; the roles leave what is unsafe unattended to a window.
 UNATTENDED = unattended.UNATTENDED
+# At most this many seconds of --timeout for --correct's proof that the checkout runs unattended.
+PROBE_TIMEOUT = 120
 METRIC_PREFIX = "pve_gpu_recover"
 # A run-level cause that leaves every target of the run without a report, in the words the summary uses.
 RUN_ENDED = {
@@ -545,10 +547,10 @@ def check_options(args):
     return args
 
 
-def check_unattended(ansible_runner, project, timeout):
+def check_unattended(ansible_runner, project, *, timeout, cancel=lambda: False):
     """Refuse --correct unless the checkout's recover.yml hands ``recover_unattended`` to the fact pass and to each
-    acting module (drift/unattended.py runs it, in check mode, with stand-in modules)."""
-    problems = unattended.probe(ansible_runner, project, timeout=min(timeout, 300))
+    acting module (drift/unattended.py runs it, in check mode, with stand-in modules, in about 2 s)."""
+    problems = unattended.probe(ansible_runner, project, timeout=min(timeout, PROBE_TIMEOUT), cancel=cancel)
     if problems:
         raise DriftError(
             f"--correct refused: {project}'s recover.yml, run in check mode with {UNATTENDED}=true against a "
@@ -719,10 +721,10 @@ def human_lines(summary):
     return lines
 
 
-def run_and_summarize(args, ansible_runner, *, cancel, clock, monotonic):
+def run_and_summarize(args, ansible_runner, *, cancel, clock, monotonic, deadline=None):
     """The check, then (--correct) the correction of the drifting targets: the summary, and its run directory."""
     started = clock()
-    deadline = monotonic() + args.timeout
+    deadline = monotonic() + args.timeout if deadline is None else deadline
     run_dir = new_dir(args.reports_dir / (time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started)) + f"-{os.getpid()}"))
     common = {"run_dir": run_dir, "deadline": deadline, "cancel": cancel, "clock": monotonic}
     check = run_playbook(ansible_runner, args, phase="check", limit=args.limit, **common)
@@ -776,8 +778,6 @@ def main(argv=None, *, ansible_runner=None, clock=time.time, monotonic=time.mono
         ansible_runner = ansible_runner or import_ansible_runner()
         private_dir(args.reports_dir)
         lock = acquire_lock(args.lock_file, clock)
-        if args.correct:
-            check_unattended(ansible_runner, args.project, args.timeout)
     except (DriftError, OSError) as error:
         if lock is not None:
             os.close(lock)
@@ -791,9 +791,13 @@ def main(argv=None, *, ansible_runner=None, clock=time.time, monotonic=time.mono
     }
     # The callback sets it to ansible-playbook's own pid; one inherited from a caller would name the wrong process.
     os.environ.pop("PVE_GPU_RECOVER_CONTROLLER_PID", None)
+    deadline = monotonic() + args.timeout
     try:
+        if args.correct:
+            # Before anything runs on a target: refused, the run checks nothing (a person must see it).
+            check_unattended(ansible_runner, args.project, timeout=deadline - monotonic(), cancel=lambda: bool(stop))
         summary, run_dir = run_and_summarize(
-            args, ansible_runner, cancel=lambda: bool(stop), clock=clock, monotonic=monotonic
+            args, ansible_runner, cancel=lambda: bool(stop), clock=clock, monotonic=monotonic, deadline=deadline
         )
         publish(args, summary, run_dir)
         prune_runs(args.reports_dir, args.keep_runs)

@@ -168,7 +168,7 @@ def copy_checkout(project, into):
         (library / f"{name}.py").write_text(stub_module(name), encoding="utf-8")
 
 
-def probe(ansible_runner, project, *, timeout=120, python=sys.executable):
+def probe(ansible_runner, project, *, timeout=120, cancel=lambda: False, python=sys.executable):
     """Run the checkout's recover.yml as described above; the contract's problems (``[]``: it honours it)."""
     with tempfile.TemporaryDirectory(prefix="pve-gpu-drift-unattended-") as name:
         temp = Path(name)
@@ -201,6 +201,7 @@ def probe(ansible_runner, project, *, timeout=120, python=sys.executable):
                 envvars=env,
                 timeout=max(1, int(timeout)),
                 event_handler=lambda event: events.append(event) or True,
+                cancel_callback=cancel,
                 quiet=True,
                 settings={"pexpect_timeout": 1, "suppress_ansible_output": True},
             )
