@@ -8,13 +8,23 @@ import stat
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
-from tests.unit.drift.conftest import RUN_ID, fact_pass, make_report, step_facts, write_report
+from tests.unit.drift.conftest import (
+    RUN_ID,
+    FakeAnsibleRunner,
+    event,
+    fact_pass,
+    make_report,
+    probe_events,
+    project_with_unattended,
+    run_main,
+    step_facts,
+    write_report,
+)
 
 RUNNER = ROOT / "drift" / "runner.py"
 CT_STOPPED = "CT 200 on pve1: container '200' not running (pct status: stopped); start it: pct start 200"
@@ -22,10 +32,6 @@ UNREACHABLE = (
     "Task failed: Failed to connect to the host via ssh: ssh: connect to host pve1.example.org port 22: "
     "Connection refused"
 )
-
-
-def event(kind, host=None, **data):
-    return {"event": kind, "event_data": dict(data, **({"host": host} if host else {}))}
 
 
 def summarize(runner, tmp_path, reports, events=(), **kwargs):
@@ -611,12 +617,6 @@ def test_only_the_oldest_run_directories_are_pruned(runner, tmp_path):
 
 
 # -- the CLI's errors ------------------------------------------------------------------------------------------------
-def run_main(runner, argv, capsys, **kwargs):
-    code = runner.main(argv, **kwargs)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_a_missing_inventory_says_what_to_pass(runner, tmp_path, capsys):
     code, _, err = run_main(runner, ["--inventory", str(tmp_path / "nope")], capsys)
     assert code == 1
@@ -651,51 +651,6 @@ def test_a_usage_error_exits_1_never_2_which_means_drift(runner, capsys):
 
 
 # -- main() with a stand-in for ansible-runner -------------------------------------------------------------------------
-class FakeAnsibleRunner:
-    """ansible_runner.run as the runner calls it: writes the phase's reports where PVE_GPU_RECOVER_REPORT_DIR says,
-    feeds the events to event_handler, and returns what ansible-runner returns."""
-
-    def __init__(self, phases):
-        # phase ident -> (reports, events, status, rc); --correct's probe of the checkout (ident "unattended")
-        # answers as a checkout that runs its steps unattended unless told otherwise.
-        self.phases = {"unattended": ([], probe_events(), "successful", 0), **phases}
-        self.calls = []
-
-    def run(self, **kwargs):
-        self.calls.append(kwargs)
-        reports, events, status, rc = self.phases[kwargs["ident"]]
-        directory = Path(kwargs["envvars"]["PVE_GPU_RECOVER_REPORT_DIR"])
-        for report in reports:
-            write_report(directory, report)
-        for item in events:
-            kwargs["event_handler"](item)
-        artifacts = Path(kwargs["private_data_dir"]) / "artifacts" / kwargs["ident"]
-        artifacts.mkdir(parents=True)
-        (artifacts / "stdout").write_text(f"PLAY RECAP ({kwargs['ident']})\n")
-        return types.SimpleNamespace(status=status, rc=rc, config=types.SimpleNamespace(artifact_dir=str(artifacts)))
-
-
-def probe_events(unattended=True):
-    """The stand-in modules' results of drift/unattended.py's check run: what each module got."""
-    steps = {step: {"unattended": unattended} for step in ("gpu_processes", "training_venv", "compile_cache")}
-    calls = [("target_facts", {"steps": {"preflight": {}, **steps}})]
-    calls += [(step, {"unattended": unattended}) for step in steps]
-    return [
-        event("runner_on_ok", "unattended-probe", res={"pve_gpu_recover_probe": {"module": name, "params": params}})
-        for name, params in calls
-    ]
-
-
-def project_with_unattended(tmp_path):
-    project = tmp_path / "project"
-    (project / "plugins" / "callback").mkdir(parents=True)
-    (project / "recover.yml").write_text("- hosts: gpu_targets\n  vars: {recover_unattended: false}\n")
-    (project / "ansible.cfg").write_text("[defaults]\n")
-    inventory = tmp_path / "hosts.yml"
-    inventory.write_text("all: {}\n")
-    return project, inventory
-
-
 def test_main_checks_corrects_the_drifting_targets_only_and_writes_summary_and_textfile(runner, tmp_path, capsys):
     project, inventory = project_with_unattended(tmp_path)
     steps = {"gpu_processes": DRIFT["gpu_processes"], "training_venv": DRIFT["training_venv"]}

@@ -8,8 +8,14 @@ import types
 
 import pytest
 
-from tests.unit.drift.conftest import fact_pass, make_report, step_facts
-from tests.unit.drift.test_runner import FakeAnsibleRunner, project_with_unattended, run_main
+from tests.unit.drift.conftest import (
+    FakeAnsibleRunner,
+    fact_pass,
+    make_report,
+    project_with_unattended,
+    run_main,
+    step_facts,
+)
 
 VICTIM_TEXT = "precious: never truncated\n"
 

@@ -3,8 +3,15 @@ escape and a forged Ansible line reaches the journal (stderr) and the summary's 
 
 import json
 
-from tests.unit.drift.conftest import fact_pass, make_report, step_facts
-from tests.unit.drift.test_runner import FakeAnsibleRunner, event, project_with_unattended, run_main
+from tests.unit.drift.conftest import (
+    FakeAnsibleRunner,
+    event,
+    fact_pass,
+    make_report,
+    project_with_unattended,
+    run_main,
+    step_facts,
+)
 
 EVIL = "python3\n\x1b[2Jok: [train200] => all fine\u202e"
 SHOWN = "python3\\n\\x1b[2Jok: [train200] => all fine\\u202e"

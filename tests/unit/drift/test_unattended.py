@@ -8,7 +8,7 @@ import ansible_runner
 import pytest
 
 from tests.conftest import ROOT
-from tests.unit.drift.test_runner import event, probe_events
+from tests.unit.drift.conftest import event, probe_events
 
 
 @pytest.fixture
