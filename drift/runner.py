@@ -29,13 +29,9 @@ from __future__ import annotations
 import argparse
 import configparser
 import contextlib
-import datetime
-import errno
-import fcntl
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -43,6 +39,26 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a script (roles/drift_timer calls it by path): its package is the checkout's drift/.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from drift import unattended
+from drift.errors import DriftError, LockHeld
+from drift.files import (
+    RUN_DIR,
+    acquire_lock,
+    iso,
+    load_reports,
+    new_dir,
+    private_dir,
+    prune_runs,
+    write_atomic,
+)
+from drift.text import one_line, shown
+
+__all__ = ["RUN_DIR", "DriftError", "LockHeld", "acquire_lock", "iso", "load_reports", "prune_runs", "write_atomic"]
 
 PLAYBOOK = "recover.yml"
 SUMMARY_VERSION = 1
@@ -60,8 +76,9 @@ LOCK_ACTIONS = ("target_facts", "target_lock")
 # recover.yml's order of the steps (the report callback's STEP_ROLES); a step not listed comes last, by name.
 STEP_ORDER = ("preflight", "gpu_processes", "training_code", "training_venv", "compile_cache", "verify")
 # The extra variable a correction run sets; the roles leave what is unsafe unattended to a window.
-UNATTENDED = "recover_unattended"
-RUN_DIR = re.compile(r"^\d{8}T\d{6}Z-\d+$")
+UNATTENDED = unattended.UNATTENDED
+# At most this many seconds of --timeout for --correct's proof that the checkout runs unattended.
+PROBE_TIMEOUT = 120
 METRIC_PREFIX = "pve_gpu_recover"
 # A run-level cause that leaves every target of the run without a report, in the words the summary uses.
 RUN_ENDED = {
@@ -70,21 +87,7 @@ RUN_ENDED = {
 }
 
 
-class DriftError(Exception):
-    """One sentence: what is wrong, what was found, what to do. main() prints it and exits 1."""
-
-
-class LockHeld(DriftError):
-    pass
-
-
 # -- pure: events and reports to a summary ----------------------------------------------------------------------
-def one_line(text, limit=500):
-    """``"boom\\n  second line"`` -> ``"boom second line"``, cut to ``limit`` characters."""
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def result_message(result):
     """The sentence of a failed or unreachable task's result (``msg``, else stderr, else its return code)."""
     result = result if isinstance(result, dict) else {}
@@ -167,10 +170,9 @@ def diff_lines(diff, limit=None):
     if not isinstance(diff, dict):
         return {}
     limit = DIFF_LINES if limit is None else limit
-    # Lines kept as they are (git's status columns mean something), only cut to one_line's length.
-    sides = {
-        side: [line.rstrip()[:500] for line in str(diff.get(side) or "").splitlines()] for side in ("before", "after")
-    }
+    # Lines kept as they are (git's status columns mean something), only cut to one_line's length. Split at "\n"
+    # alone: splitlines() would also split at a CT-chosen \x1e or \u2028 and forge a line; those are escaped.
+    sides = {side: [shown(line.rstrip())[:500] for line in split_lines(diff.get(side))] for side in ("before", "after")}
     if len(sides["before"]) + len(sides["after"]) <= limit:
         return sides
     before, after = set(sides["before"]), set(sides["after"])
@@ -179,6 +181,12 @@ def diff_lines(diff, limit=None):
         "after": [x for x in sides["after"] if x not in before],
     }
     return {side: cut(lines, limit) for side, lines in sides.items()}
+
+
+def split_lines(text):
+    """``"a\\nb\\n"`` -> ``["a", "b"]``: a diff side's lines, split at newlines only."""
+    lines = str(text or "").split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
 
 
 def cut(lines, limit):
@@ -437,110 +445,6 @@ def render_textfile(summary):
     return "\n".join(lines) + "\n"
 
 
-# -- files: atomic writes, the lock, reports --------------------------------------------------------------------
-def write_atomic(path, text, mode=0o644):
-    """Write ``text`` to ``path`` so a reader sees the old file or the new one, never half of one.
-
-    A temporary file in the same directory (named ``.<name>.<random>.tmp``: node_exporter reads ``*.prom`` only),
-    fsync'ed, chmod'ed to ``mode``, renamed over ``path``; then the directory is fsync'ed so the rename survives a
-    crash. The temporary file is removed if anything fails.
-    """
-    path = Path(path)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fchmod(out.fileno(), mode)
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
-def acquire_lock(path, clock=time.time):
-    """Hold ``path`` with a non-blocking flock for this process's life; a held lock raises LockHeld naming its pid.
-
-    The holder writes ``<pid> <started>`` into the file; the lock goes with the process (fd closed on exit), so a
-    killed runner never leaves a stale lock behind.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as error:
-        if error.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            os.close(handle)
-            raise
-        holder = os.pread(handle, 200, 0).decode(errors="replace").split()
-        os.close(handle)
-        pid = holder[0] if holder else "unknown"
-        since = f", since {holder[1]}" if len(holder) > 1 else ""
-        raise LockHeld(
-            f"another drift run holds {path} (pid {pid}{since}); this one exits without running: wait for it to "
-            f"finish (ps -p {pid}) or, if it hangs, stop it and run again"
-        ) from None
-    os.ftruncate(handle, 0)
-    os.pwrite(handle, f"{os.getpid()} {iso(clock())}\n".encode(), 0)
-    return handle
-
-
-def load_reports(directory):
-    """``{target: {"path", "report"}}`` from ``<directory>/<target>/<run id>.json`` (the newest when several).
-
-    A report that cannot be read is kept as ``{"path", "report": None, "error"}``: the target fails naming it.
-    """
-    found = {}
-    for path in sorted(Path(directory).glob("*/*.json")):
-        try:
-            report = json.loads(path.read_text(encoding="utf-8"))
-            name = report.get("target") or path.parent.name
-        except (OSError, ValueError, AttributeError) as error:
-            found.setdefault(
-                path.parent.name, {"path": str(path), "report": None, "error": f"unreadable report {path}: {error}"}
-            )
-            continue
-        previous = found.get(name)
-        if (
-            previous is None
-            or previous["report"] is None
-            or str(report.get("written")) >= str(previous["report"].get("written"))
-        ):
-            found[name] = {"path": str(path), "report": report}
-    return found
-
-
-def prune_runs(root, keep):
-    """Remove all but the newest ``keep`` run directories (``<stamp>-<pid>``) under ``root``; nothing else."""
-    runs = sorted(p for p in Path(root).iterdir() if p.is_dir() and not p.is_symlink() and RUN_DIR.match(p.name))
-    for old in runs[: max(len(runs) - keep, 0)]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def declares_unattended(project):
-    """Whether the project's roles take ``recover_unattended`` (recover.yml or a role's defaults/argument specs)."""
-    candidates = [Path(project) / PLAYBOOK]
-    for pattern in ("roles/*/meta/argument_specs.yml", "roles/*/defaults/main.yml"):
-        candidates.extend(Path(project).glob(pattern))
-    for path in candidates:
-        with contextlib.suppress(OSError):
-            if re.search(rf"\b{UNATTENDED}\b", path.read_text(encoding="utf-8")):
-                return True
-    return False
-
-
-def iso(timestamp):
-    return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 # -- ansible-runner -------------------------------------------------------------------------------------------
 def import_ansible_runner():
     try:
@@ -630,8 +534,9 @@ def check_options(args):
             )
         inventories.append(str(path.resolve()))
     args.inventory = inventories
-    args.reports_dir = (args.reports_dir or args.project / "reports" / "drift").expanduser().resolve()
-    args.lock_file = (args.lock_file or args.reports_dir / "drift.lock").expanduser().resolve()
+    # Absolute, links not resolved: the runner checks the path itself (a planted link is refused, not followed).
+    args.reports_dir = Path(os.path.abspath((args.reports_dir or args.project / "reports" / "drift").expanduser()))
+    args.lock_file = Path(os.path.abspath((args.lock_file or args.reports_dir / "drift.lock").expanduser()))
     if args.textfile is not None:
         args.textfile = args.textfile.expanduser().resolve()
         if not args.textfile.parent.is_dir():
@@ -639,13 +544,20 @@ def check_options(args):
                 f"the textfile's directory {args.textfile.parent} does not exist: create it (node_exporter's "
                 "--collector.textfile.directory) or pass another --textfile"
             )
-    if args.correct and not declares_unattended(args.project):
-        raise DriftError(
-            f"--correct refused: {args.project}'s recover.yml and roles do not declare {UNATTENDED}, so a real run "
-            "would end a live training job and swap a venv under it; run without --correct (check only) until the "
-            "roles honour it"
-        )
     return args
+
+
+def check_unattended(ansible_runner, project, *, timeout, cancel=lambda: False):
+    """Refuse --correct unless the checkout's recover.yml hands ``recover_unattended`` to the fact pass and to each
+    acting module (drift/unattended.py runs it, in check mode, with stand-in modules, in about 2 s)."""
+    problems = unattended.probe(ansible_runner, project, timeout=min(timeout, PROBE_TIMEOUT), cancel=cancel)
+    if problems:
+        raise DriftError(
+            f"--correct refused: {project}'s recover.yml, run in check mode with {UNATTENDED}=true against a "
+            f"stand-in target, does not run its steps unattended ({'; '.join(one_line(p) for p in problems)}), so "
+            "a real run could end a live training job or swap a venv under it; run without --correct (check only) "
+            "until the roles pass it on"
+        )
 
 
 def host_key_checking(project):
@@ -687,8 +599,7 @@ def run_playbook(
 
     Returns ``{phase, status, rc, seconds, timeout, run_ids, report_dir, log, error, reports, events}``.
     """
-    report_dir = run_dir / phase
-    report_dir.mkdir(parents=True, exist_ok=True)
+    report_dir = new_dir(run_dir / phase)
     log = run_dir / f"{phase}.log"
     events = []
     remaining = deadline - clock()
@@ -802,19 +713,19 @@ def human_lines(summary):
         for step, entry in target["steps"].items():
             if entry["drift"] or entry["corrected"]:
                 verb = "changed" if entry["corrected"] else "would change"
-                lines.extend(f"  {step} {verb}: {change}" for change in entry["changes"])
+                # The summary keeps a change as the module wrote it (JSON escapes it); the journal gets one line.
+                lines.extend(f"  {step} {verb}: {shown(change)}" for change in entry["changes"])
             lines.extend(f"  {step} needs a window: {line}" for line in entry["needs_window"])
     lines.extend(f"error: {error}" for error in summary["errors"])
     lines.append(f"drift: {summary['status']} (exit {summary['exit_code']}), {summary['counts']}")
     return lines
 
 
-def run_and_summarize(args, ansible_runner, *, cancel, clock, monotonic):
+def run_and_summarize(args, ansible_runner, *, cancel, clock, monotonic, deadline=None):
     """The check, then (--correct) the correction of the drifting targets: the summary, and its run directory."""
     started = clock()
-    deadline = monotonic() + args.timeout
-    run_dir = args.reports_dir / (time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started)) + f"-{os.getpid()}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    deadline = monotonic() + args.timeout if deadline is None else deadline
+    run_dir = new_dir(args.reports_dir / (time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started)) + f"-{os.getpid()}"))
     common = {"run_dir": run_dir, "deadline": deadline, "cancel": cancel, "clock": monotonic}
     check = run_playbook(ansible_runner, args, phase="check", limit=args.limit, **common)
     targets = summarize_run(check)
@@ -861,11 +772,15 @@ def publish(args, summary, run_dir):
 def main(argv=None, *, ansible_runner=None, clock=time.time, monotonic=time.monotonic):
     """Parse, check, take the lock, run, publish; returns the exit code (0 in spec, 2 drift, 1 failure)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    lock = None
     try:
         check_options(args)
         ansible_runner = ansible_runner or import_ansible_runner()
+        private_dir(args.reports_dir)
         lock = acquire_lock(args.lock_file, clock)
-    except DriftError as error:
+    except (DriftError, OSError) as error:
+        if lock is not None:
+            os.close(lock)
         print(f"drift: {error}", file=sys.stderr)
         return EXIT_FAILED
     stop = []
@@ -876,14 +791,18 @@ def main(argv=None, *, ansible_runner=None, clock=time.time, monotonic=time.mono
     }
     # The callback sets it to ansible-playbook's own pid; one inherited from a caller would name the wrong process.
     os.environ.pop("PVE_GPU_RECOVER_CONTROLLER_PID", None)
+    deadline = monotonic() + args.timeout
     try:
+        if args.correct:
+            # Before anything runs on a target: refused, the run checks nothing (a person must see it).
+            check_unattended(ansible_runner, args.project, timeout=deadline - monotonic(), cancel=lambda: bool(stop))
         summary, run_dir = run_and_summarize(
-            args, ansible_runner, cancel=lambda: bool(stop), clock=clock, monotonic=monotonic
+            args, ansible_runner, cancel=lambda: bool(stop), clock=clock, monotonic=monotonic, deadline=deadline
         )
         publish(args, summary, run_dir)
         prune_runs(args.reports_dir, args.keep_runs)
         return summary["exit_code"]
-    except OSError as error:
+    except (DriftError, OSError) as error:
         print(f"drift: {error}", file=sys.stderr)
         return EXIT_FAILED
     finally:

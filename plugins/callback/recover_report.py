@@ -14,7 +14,11 @@ description:
   - Exports C(PVE_GPU_RECOVER_CONTROLLER_PID), the pid of ansible-playbook, which the fact pass records in the run
     lock. The run id is the one the fact pass (target_facts) names the run by.
   - Prints the path of each report at the end of the run, and says so when a step changed something before the
-    run failed (Ansible drops C(changed) from failed tasks, so the recap alone would hide it).
+    run failed (Ansible drops C(changed) from failed tasks, so the recap alone would hide it). Text a target chose
+    (a process name, a file name) is printed as one line, its control characters escaped (module_utils/pve_text.py).
+  - Writes each report through a new temporary file (never an existing file or link) renamed over its path, into
+    directories that are neither links nor another user's nor writable by every user; otherwise it warns and
+    writes nothing there.
   - Only targets that ran a task of a recovery step (a role named like a step of module_utils/pve_steps.py, or
     the M(target_facts) fact pass) get a report; other playbooks are left alone.
 version_added: "0.2.0"
@@ -34,13 +38,37 @@ options:
         key: report_dir
 """
 
+import contextlib
+import importlib.util
 import json
 import os
 import secrets
+import stat
+import tempfile
 import time
 
+from ansible import constants as C
 from ansible import context
 from ansible.plugins.callback import CallbackBase
+
+
+def _load_printable():
+    """module_utils/pve_text.py's ``printable``, the project's one escaper: loaded by path, since on the controller
+    ``ansible.module_utils`` does not hold the project's files. This checkout's first, then the configured
+    module_utils directories."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    candidates = [os.path.join(root, "module_utils"), *(C.DEFAULT_MODULE_UTILS_PATH or [])]
+    for directory in candidates:
+        path = os.path.join(os.path.expanduser(directory), "pve_text.py")
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("pve_gpu_recover_pve_text", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module.printable
+    raise ImportError(f"recover_report needs module_utils/pve_text.py (looked in {', '.join(candidates)})")
+
+
+printable = _load_printable()
 
 # The roles whose tasks make up a report (one per step of recover.yml).
 STEP_ROLES = ("preflight", "gpu_processes", "training_code", "training_venv", "compile_cache", "verify")
@@ -59,6 +87,56 @@ LOCAL_ACTIONS = {
 }
 # Result keys that are Ansible's own, not a step's.
 NOISE = ("invocation", "_ansible_no_log", "_ansible_verbose_always", "_ansible_delegated_vars", "ansible_facts")
+
+
+def shown(text):
+    """``text`` as it is when it shows as itself on one line, else escaped (a module's own escape is never doubled)."""
+    text = str(text)
+    return text if text.isprintable() else printable(text)
+
+
+def dir_problem(info, euid):
+    """Why a report directory with ``os.lstat`` result ``info`` is unsafe to write into, or None."""
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid not in (euid, 0):
+        return f"is owned by uid {info.st_uid}, neither this user (uid {euid}) nor root"
+    if info.st_mode & 0o002:
+        return f"is writable by every user (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def safe_dir(path):
+    """``path`` made when missing (0750) and checked with :func:`dir_problem`; raises OSError naming the problem."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o750)
+    problem = dir_problem(os.lstat(path), os.geteuid())
+    if problem:
+        raise OSError(f"{path} {problem}; refusing to write a report there")
+
+
+def write_report(directory, name, run_id, report):
+    """``<directory>/<name>/<run_id>.json``, written so that no planted link is followed and a reader never sees
+    half a report: both directories checked, a new temporary file (mkstemp: O_EXCL) renamed over the path."""
+    os.makedirs(os.path.dirname(os.path.abspath(directory)), exist_ok=True)
+    safe_dir(directory)
+    target = os.path.join(directory, name)
+    safe_dir(target)
+    path = os.path.join(target, f"{run_id}.json")
+    handle, temp = tempfile.mkstemp(prefix=f".{run_id}.", suffix=".tmp", dir=target)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(report, out, indent=2, sort_keys=True, default=str)
+            out.write("\n")
+            os.fchmod(out.fileno(), 0o644)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    return path
 
 
 def short_action(action):
@@ -96,13 +174,14 @@ def step_status(records):
 
 
 def summary_lines(report):
-    """What each step changed (or, in check mode, would change), one line each, for the end of the run."""
+    """What each step changed (or, in check mode, would change), one line each, for the end of the run: text a
+    target chose is escaped (:func:`shown`), so it never forges a line of the run's output."""
     lines = []
     verb = "would change" if report["check_mode"] else "changed"
     for step, entry in report["steps"].items():
         if not (entry["changed"] or entry.get("killed")):
             continue
-        lines.extend(f"{step} {verb}: {change}" for change in entry.get("changes") or [])
+        lines.extend(f"{step} {verb}: {shown(change)}" for change in entry.get("changes") or [])
         killed = entry.get("killed") or []
         if killed:
             signals = ", ".join(f"pid {k['pid']} {k['signal']}" for k in killed)
@@ -234,16 +313,10 @@ class CallbackModule(CallbackBase):
         directory = os.path.join(self.basedir, os.path.expanduser(self.get_option("report_dir")))
         for name, host in sorted(self.hosts.items()):
             report = self.report_of(name, host, check_mode)
-            path = os.path.join(directory, name, f"{self.run_id}.json")
             try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                temp = f"{path}.tmp"
-                with open(temp, "w", encoding="utf-8") as handle:
-                    json.dump(report, handle, indent=2, sort_keys=True, default=str)
-                    handle.write("\n")
-                os.replace(temp, path)  # a reader never sees half a report
+                path = write_report(directory, name, self.run_id, report)
             except OSError as error:
-                self._display.warning(f"recover_report: cannot write {path}: {error}")
+                self._display.warning(f"recover_report: cannot write {name}'s report under {directory}: {error}")
                 continue
             changed = [s for s, v in report["steps"].items() if v["changed"] or v.get("killed")]
             if report["status"] == "failed" and changed:

@@ -1,8 +1,11 @@
-"""Reports shaped exactly like recover_report's: built by the callback's own report_of from fact-pass facts."""
+"""Reports shaped exactly like recover_report's (built by the callback's own report_of from fact-pass facts), and a
+stand-in for ansible-runner that main() runs against."""
 
 import json
 import sys
 import time
+import types
+from pathlib import Path
 
 import pytest
 from ansible.module_utils import _internal as module_internal
@@ -104,3 +107,58 @@ def runner():
     from drift import runner as module  # noqa: PLC0415 (after ROOT is on sys.path)
 
     return module
+
+
+def event(kind, host=None, **data):
+    return {"event": kind, "event_data": dict(data, **({"host": host} if host else {}))}
+
+
+def run_main(runner, argv, capsys, **kwargs):
+    code = runner.main(argv, **kwargs)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+class FakeAnsibleRunner:
+    """ansible_runner.run as the runner calls it: writes the phase's reports where PVE_GPU_RECOVER_REPORT_DIR says,
+    feeds the events to event_handler, and returns what ansible-runner returns."""
+
+    def __init__(self, phases):
+        # phase ident -> (reports, events, status, rc); --correct's probe of the checkout (ident "unattended")
+        # answers as a checkout that runs its steps unattended unless told otherwise.
+        self.phases = {"unattended": ([], probe_events(), "successful", 0), **phases}
+        self.calls = []
+
+    def run(self, **kwargs):
+        self.calls.append(kwargs)
+        reports, events, status, rc = self.phases[kwargs["ident"]]
+        directory = Path(kwargs["envvars"]["PVE_GPU_RECOVER_REPORT_DIR"])
+        for report in reports:
+            write_report(directory, report)
+        for item in events:
+            kwargs["event_handler"](item)
+        artifacts = Path(kwargs["private_data_dir"]) / "artifacts" / kwargs["ident"]
+        artifacts.mkdir(parents=True)
+        (artifacts / "stdout").write_text(f"PLAY RECAP ({kwargs['ident']})\n")
+        return types.SimpleNamespace(status=status, rc=rc, config=types.SimpleNamespace(artifact_dir=str(artifacts)))
+
+
+def probe_events(unattended=True):
+    """The stand-in modules' results of drift/unattended.py's check run: what each module got."""
+    steps = {step: {"unattended": unattended} for step in ("gpu_processes", "training_venv", "compile_cache")}
+    calls = [("target_facts", {"steps": {"preflight": {}, **steps}})]
+    calls += [(step, {"unattended": unattended}) for step in steps]
+    return [
+        event("runner_on_ok", "unattended-probe", res={"pve_gpu_recover_probe": {"module": name, "params": params}})
+        for name, params in calls
+    ]
+
+
+def project_with_unattended(tmp_path):
+    project = tmp_path / "project"
+    (project / "plugins" / "callback").mkdir(parents=True)
+    (project / "recover.yml").write_text("- hosts: gpu_targets\n  vars: {recover_unattended: false}\n")
+    (project / "ansible.cfg").write_text("[defaults]\n")
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text("all: {}\n")
+    return project, inventory

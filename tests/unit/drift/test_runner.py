@@ -8,13 +8,23 @@ import stat
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
-from tests.unit.drift.conftest import RUN_ID, fact_pass, make_report, step_facts, write_report
+from tests.unit.drift.conftest import (
+    RUN_ID,
+    FakeAnsibleRunner,
+    event,
+    fact_pass,
+    make_report,
+    probe_events,
+    project_with_unattended,
+    run_main,
+    step_facts,
+    write_report,
+)
 
 RUNNER = ROOT / "drift" / "runner.py"
 CT_STOPPED = "CT 200 on pve1: container '200' not running (pct status: stopped); start it: pct start 200"
@@ -22,10 +32,6 @@ UNREACHABLE = (
     "Task failed: Failed to connect to the host via ssh: ssh: connect to host pve1.example.org port 22: "
     "Connection refused"
 )
-
-
-def event(kind, host=None, **data):
-    return {"event": kind, "event_data": dict(data, **({"host": host} if host else {}))}
 
 
 def summarize(runner, tmp_path, reports, events=(), **kwargs):
@@ -287,7 +293,8 @@ def test_a_target_that_failed_before_any_step_is_named_with_the_task_and_message
         event("runner_on_failed", "train203", task="Name this run", res={"msg": "boom\n  on two lines"}),
     ]
     target = summarize(runner, tmp_path, [], events)["train203"]
-    assert (target["status"], target["reason"]) == ("failed", "Name this run: boom on two lines")
+    # One line that shows what was there: the newline escaped, never a second line.
+    assert (target["status"], target["reason"]) == ("failed", "Name this run: boom\\n  on two lines")
 
 
 @pytest.mark.parametrize(
@@ -610,12 +617,6 @@ def test_only_the_oldest_run_directories_are_pruned(runner, tmp_path):
 
 
 # -- the CLI's errors ------------------------------------------------------------------------------------------------
-def run_main(runner, argv, capsys, **kwargs):
-    code = runner.main(argv, **kwargs)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_a_missing_inventory_says_what_to_pass(runner, tmp_path, capsys):
     code, _, err = run_main(runner, ["--inventory", str(tmp_path / "nope")], capsys)
     assert code == 1
@@ -649,53 +650,7 @@ def test_a_usage_error_exits_1_never_2_which_means_drift(runner, capsys):
     assert "--inventory" in capsys.readouterr().err
 
 
-def test_correct_is_refused_until_the_roles_declare_recover_unattended(runner, tmp_path, capsys):
-    project = tmp_path / "project"
-    (project / "roles" / "gpu_processes" / "defaults").mkdir(parents=True)
-    (project / "recover.yml").write_text("- hosts: gpu_targets\n")
-    (tmp_path / "hosts").write_text("")
-    argv = ["-i", str(tmp_path / "hosts"), "--project", str(project), "--correct"]
-    code, _, err = run_main(runner, argv, capsys)
-    assert code == 1
-    assert "--correct refused" in err
-    assert "do not declare recover_unattended" in err
-    (project / "roles" / "gpu_processes" / "defaults" / "main.yml").write_text("recover_unattended: false\n")
-    assert runner.declares_unattended(project)
-
-
 # -- main() with a stand-in for ansible-runner -------------------------------------------------------------------------
-class FakeAnsibleRunner:
-    """ansible_runner.run as the runner calls it: writes the phase's reports where PVE_GPU_RECOVER_REPORT_DIR says,
-    feeds the events to event_handler, and returns what ansible-runner returns."""
-
-    def __init__(self, phases):
-        self.phases = phases  # phase ident -> (reports, events, status, rc)
-        self.calls = []
-
-    def run(self, **kwargs):
-        self.calls.append(kwargs)
-        reports, events, status, rc = self.phases[kwargs["ident"]]
-        directory = Path(kwargs["envvars"]["PVE_GPU_RECOVER_REPORT_DIR"])
-        for report in reports:
-            write_report(directory, report)
-        for item in events:
-            kwargs["event_handler"](item)
-        artifacts = Path(kwargs["private_data_dir"]) / "artifacts" / kwargs["ident"]
-        artifacts.mkdir(parents=True)
-        (artifacts / "stdout").write_text(f"PLAY RECAP ({kwargs['ident']})\n")
-        return types.SimpleNamespace(status=status, rc=rc, config=types.SimpleNamespace(artifact_dir=str(artifacts)))
-
-
-def project_with_unattended(tmp_path):
-    project = tmp_path / "project"
-    (project / "plugins" / "callback").mkdir(parents=True)
-    (project / "recover.yml").write_text("- hosts: gpu_targets\n  vars: {recover_unattended: false}\n")
-    (project / "ansible.cfg").write_text("[defaults]\n")
-    inventory = tmp_path / "hosts.yml"
-    inventory.write_text("all: {}\n")
-    return project, inventory
-
-
 def test_main_checks_corrects_the_drifting_targets_only_and_writes_summary_and_textfile(runner, tmp_path, capsys):
     project, inventory = project_with_unattended(tmp_path)
     steps = {"gpu_processes": DRIFT["gpu_processes"], "training_venv": DRIFT["training_venv"]}
@@ -737,19 +692,23 @@ def test_main_checks_corrects_the_drifting_targets_only_and_writes_summary_and_t
     code, out, err = run_main(runner, argv, capsys, ansible_runner=fake)
     assert code == 2, err
     assert out == ""
-    check, correct = fake.calls
+    probe, check, correct = fake.calls
+    # The checkout was proven to run unattended first: its own copy, in check mode, recover_unattended=true.
+    assert (probe["ident"], probe["cmdline"]) == ("unattended", "--check")
+    assert probe["extravars"] == {"recover_unattended": True}
+    assert probe["project_dir"] != str(project)
     assert check["cmdline"] == "--check --diff -e preflight_expected_gpu_count=8"
     assert (check["limit"], check["extravars"], check["forks"]) == ("train*:ok*", None, 5)
     assert correct["cmdline"] == "--diff -e preflight_expected_gpu_count=8"
     assert (correct["limit"], correct["extravars"]) == ("train200", {"recover_unattended": True})
-    for call in fake.calls:
+    for call in (check, correct):
         assert call["playbook"] == str(project / "recover.yml")
         assert call["inventory"] == [str(inventory)]
         assert call["envvars"]["ANSIBLE_CONFIG"] == str(project / "ansible.cfg")
         assert call["envvars"]["ANSIBLE_CALLBACK_PLUGINS"] == str(project / "plugins" / "callback")
         assert "recover_report" in call["envvars"]["ANSIBLE_CALLBACKS_ENABLED"].split(",")
         assert 1 <= call["timeout"] <= 3000
-    report_dirs = {call["envvars"]["PVE_GPU_RECOVER_REPORT_DIR"] for call in fake.calls}
+    report_dirs = {call["envvars"]["PVE_GPU_RECOVER_REPORT_DIR"] for call in (check, correct)}
     assert len(report_dirs) == 2  # a fresh directory per run
 
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -786,7 +745,7 @@ def test_main_does_not_correct_when_nothing_drifts_and_prints_the_summary_on_std
     argv = ["-i", str(inventory), "--project", str(project), "--correct", "--reports-dir", str(tmp_path / "r")]
     code, out, _ = run_main(runner, argv, capsys, ansible_runner=fake)
     assert code == 0
-    assert [call["ident"] for call in fake.calls] == ["check"]
+    assert [call["ident"] for call in fake.calls] == ["unattended", "check"]
     assert json.loads(out)["targets"]["ok201"]["status"] == "in_spec"
 
 
@@ -799,3 +758,17 @@ def test_a_crashed_run_with_no_target_fails_with_the_run_error(runner, tmp_path,
     assert code == 1
     assert summary["errors"] == [f"the check run's ansible-playbook exited 1 (failed); see {summary['runs'][0]['log']}"]
     assert "error: the check run's ansible-playbook exited 1" in err
+
+
+def test_correct_is_refused_when_the_checkout_does_not_pass_unattended_on_and_nothing_runs(runner, tmp_path, capsys):
+    project, inventory = project_with_unattended(tmp_path)
+    fake = FakeAnsibleRunner({"unattended": ([], probe_events(unattended="false"), "successful", 0)})
+    argv = ["-i", str(inventory), "--project", str(project), "--correct", "--reports-dir", str(tmp_path / "r")]
+    code, out, err = run_main(runner, argv, capsys, ansible_runner=fake)
+    assert (code, out) == (1, "")
+    assert "drift: --correct refused:" in err
+    assert "the gpu_processes module ran with unattended='false'" in err
+    assert "the fact pass got training_venv's settings with unattended='false'" in err
+    # Refused before the check: no target was touched, no run directory made.
+    assert [call["ident"] for call in fake.calls] == ["unattended"]
+    assert [p.name for p in (tmp_path / "r").iterdir()] == ["drift.lock"]

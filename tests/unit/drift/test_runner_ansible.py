@@ -1,5 +1,6 @@
 """drift/runner.py with the real ansible-runner and ansible-playbook, on localhost: a throwaway project whose
-recover.yml has the real recover_report callback and stand-in step modules, never the project's recover.yml."""
+recover.yml has the real recover_report callback and stand-in step modules, never the project's recover.yml.
+Its roles hand recover_unattended to the fact pass and to the acting modules, as --correct's probe checks."""
 
 import json
 import shutil
@@ -30,7 +31,8 @@ FILES = {
 
         def main():
             module = AnsibleModule(
-                {"facts": {"type": "dict", "required": True}, "locked_by": {"type": "str"}}, supports_check_mode=True
+                {"facts": {"type": "dict", "required": True}, "locked_by": {"type": "str"}, "steps": {"type": "dict"}},
+                supports_check_mode=True,
             )
             holder = module.params["locked_by"]
             if holder:
@@ -43,7 +45,8 @@ FILES = {
         main()
         """,
     # A step's acting module: would change (check), changes, or, unattended, leaves what it must to a window.
-    "library/step_act.py": """\
+    # make_project copies it as each step's module.
+    "library/gpu_processes.py": """\
         from ansible.module_utils.basic import AnsibleModule
 
         def main():
@@ -61,8 +64,12 @@ FILES = {
     "roles/preflight/tasks/main.yml": """\
         - name: Read what every step needs
           target_facts:
-            facts: "{{ fake_facts }}"
+            facts: "{{ fake_facts | default({}) }}"
             locked_by: "{{ locked_by | default(omit) }}"
+            steps:
+              gpu_processes: {unattended: "{{ recover_unattended | default(false) }}"}
+              training_venv: {unattended: "{{ recover_unattended | default(false) }}"}
+              compile_cache: {unattended: "{{ recover_unattended | default(false) }}"}
         - name: Assert no step found a problem
           ansible.builtin.assert:
             that: ansible_facts.pve_gpu_recover.problems | length == 0
@@ -70,18 +77,25 @@ FILES = {
         """,
     "roles/gpu_processes/tasks/main.yml": """\
         - name: End the holders
-          step_act:
+          gpu_processes:
             changes: "{{ ansible_facts.pve_gpu_recover.gpu_processes.changes }}"
             unattended: "{{ recover_unattended | default(false) }}"
           when: ansible_facts.pve_gpu_recover.gpu_processes.pending
         """,
     "roles/training_venv/tasks/main.yml": """\
         - name: Rebuild the venv
-          step_act:
+          training_venv:
             changes: "{{ ansible_facts.pve_gpu_recover.training_venv.changes }}"
             window: "{{ venv_window | default([]) }}"
             unattended: "{{ recover_unattended | default(false) }}"
           when: ansible_facts.pve_gpu_recover.training_venv.pending
+        """,
+    "roles/compile_cache/tasks/main.yml": """\
+        - name: Purge stale caches
+          compile_cache:
+            changes: []
+            unattended: "{{ recover_unattended | default(false) }}"
+          when: ansible_facts.pve_gpu_recover.compile_cache.pending | default(false)
         """,
     "recover.yml": """\
         - name: Recover GPU targets (recover_unattended honoured by the stand-in steps)
@@ -101,6 +115,9 @@ FILES = {
             - name: Training venv
               ansible.builtin.import_role:
                 name: training_venv
+            - name: Compile cache
+              ansible.builtin.import_role:
+                name: compile_cache
         """,
 }
 
@@ -126,8 +143,13 @@ def make_project(tmp_path):
         path = project / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
+    for step in ("training_venv", "compile_cache"):
+        shutil.copy(project / "library" / "gpu_processes.py", project / "library" / f"{step}.py")
     (project / "plugins" / "callback").mkdir(parents=True)
     shutil.copy(ROOT / "plugins" / "callback" / "recover_report.py", project / "plugins" / "callback")
+    # The callback's escaper (it loads the project's own, never a copy of the function).
+    (project / "module_utils").mkdir()
+    shutil.copy(ROOT / "module_utils" / "pve_text.py", project / "module_utils")
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
     hosts = {
         "ok200": dict(local, fake_facts=facts()),

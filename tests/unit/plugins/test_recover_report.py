@@ -178,3 +178,58 @@ def test_a_step_that_queued_no_task_is_skipped_only_when_its_facts_showed_nothin
     assert recover_report.unrun_status({"pending": True, "problems": []}) == "not_run"  # work that never ran
     assert recover_report.unrun_status({"pending": False, "problems": ["x"]}) == "not_run"
     assert recover_report.unrun_status({}) == "not_run"
+
+
+# -- text a target chose, and files where others may plant links (issue 25 items 11, 12) --------------------------
+EVIL = "python3\n\x1b[2Jok: [localhost] => all fine"
+
+
+def test_a_change_naming_a_ct_chosen_process_is_one_escaped_line():
+    report = {"check_mode": True, "steps": {"gpu_processes": {"changed": True, "changes": [f"end pid 516 ({EVIL})"]}}}
+    assert recover_report.summary_lines(report) == [
+        "gpu_processes would change: end pid 516 (python3\\n\\x1b[2Jok: [localhost] => all fine)"
+    ]
+    # A module's own escape is shown as it is, never escaped twice.
+    report["steps"]["gpu_processes"]["changes"] = ["end pid 516 (python3\\n)"]
+    assert recover_report.summary_lines(report) == ["gpu_processes would change: end pid 516 (python3\\n)"]
+
+
+@pytest.fixture
+def victim(tmp_path):
+    path = tmp_path / "victim" / "authorized_keys"
+    path.parent.mkdir()
+    path.write_text("precious\n")
+    return path
+
+
+def test_a_temporary_file_planted_as_a_symlink_is_never_written_through(tmp_path, victim):
+    """The old temporary name was predictable (<report>.json.tmp): a link there had the report written into
+    whatever it pointed to."""
+    target = tmp_path / "reports" / "localhost"
+    target.mkdir(parents=True)
+    (target / "run-test.json.tmp").symlink_to(victim)
+    done = run_playbook(tmp_path, "--check", "-e", "fail_it=false")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert victim.read_text() == "precious\n"
+    assert json.loads((target / "run-test.json").read_text())["check_mode"] is True
+    # No temporary file of the callback's own is left behind.
+    assert sorted(p.name for p in target.iterdir()) == ["run-test.json", "run-test.json.tmp"]
+
+
+def test_a_report_directory_planted_as_a_symlink_is_refused_with_a_warning(tmp_path, victim):
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "localhost").symlink_to(victim.parent, target_is_directory=True)
+    done = run_playbook(tmp_path, "--check", "-e", "fail_it=false")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "is a symbolic link; refusing to write a report there" in done.stdout + done.stderr
+    assert sorted(p.name for p in victim.parent.iterdir()) == ["authorized_keys"]
+    assert victim.read_text() == "precious\n"
+
+
+def test_the_report_is_written_whole_and_readable_with_no_temporary_file_left(tmp_path):
+    report = {"target": "ct200", "steps": {}}
+    path = recover_report.write_report(str(tmp_path / "reports"), "ct200", "run-1", report)
+    assert json.loads(Path(path).read_text()) == report
+    assert [p.name for p in (tmp_path / "reports" / "ct200").iterdir()] == ["run-1.json"]
+    assert oct(os.stat(path).st_mode & 0o777) == "0o644"
+    assert not os.stat(tmp_path / "reports").st_mode & 0o027
