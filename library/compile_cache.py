@@ -318,6 +318,7 @@ from ansible.module_utils.pve_cache import (
 )
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
+from ansible.module_utils.pve_text import printable
 
 ACT = "act"
 # The pct exec that acts gets this much more than its script's own deadline, so the script answers first.
@@ -353,8 +354,8 @@ def done_of(answer):
     if isinstance(answer, dict) and isinstance(answer.get("error"), str):
         stdout, stderr = answer.get("stdout_tail"), answer.get("stderr_tail")
         raise CacheError(
-            str(answer.get("message")),
-            kind=answer["error"],
+            printable(answer.get("message")),  # written in the target, about names the target chose
+            kind=printable(answer["error"]),
             cmd=answer.get("cmd") if isinstance(answer.get("cmd"), list) else None,
             rc=answer.get("rc") if isinstance(answer.get("rc"), int) else None,
             stdout=stdout if isinstance(stdout, str) else None,
