@@ -192,7 +192,7 @@ def open_root(path, uid):
             owner = os.fstat(fd).st_uid
             if owners is not None and owner not in owners:
                 raise Unsafe(
-                    f"{below} is owned by {who(owner)}, but in {here} only one of {' or '.join(map(who, owners))} "
+                    f"{below} is owned by {who(owner)}, but in {here} only {' or '.join(map(who, sorted(set(owners))))} "
                     "can be trusted (another user may have put it there): remove it, or give another root"
                 )
             here = below
