@@ -191,8 +191,9 @@ def open_root(path, uid):
             fd = child
             owner = os.fstat(fd).st_uid
             if owners is not None and owner not in owners:
+                trusted = " or ".join(map(who, sorted(set(owners))))
                 raise Unsafe(
-                    f"{below} is owned by {who(owner)}, but in {here} only {' or '.join(map(who, sorted(set(owners))))} "
+                    f"{below} is owned by {who(owner)}, but in {here} only {trusted} "
                     "can be trusted (another user may have put it there): remove it, or give another root"
                 )
             here = below

@@ -151,7 +151,7 @@ def test_a_directory_in_the_root_swapped_for_a_link_during_the_purge_loses_only_
         return kind
 
     monkeypatch.setattr(script, "_kind_at", swap_after_a_look)
-    facts, done = judge_and_act(tmp_path, [root])
+    _, done = judge_and_act(tmp_path, [root])
     assert swapped == ["fx"]
     assert "error" not in done, done
     assert done["roots"][0]["purged"]["links_out"] == [{"link": f"{root}/fx", "target": str(checkpoints)}]
@@ -201,9 +201,11 @@ def test_a_bind_mount_inside_a_root_is_never_entered_and_its_source_survives(tmp
     payload = {"read": pve_cache.probe_payload(spec, 30), "act": purge_payload(root)}
     mount = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
     done = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", source, root / "data"]
-        + [sys.executable, "-I", "-c", BIND_DRIVER, pve_probe_compile_cache.__file__, script.__file__]
-        + [json.dumps(payload)],
+        [
+            *("unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", source, root / "data"),
+            *(sys.executable, "-I", "-c", BIND_DRIVER, pve_probe_compile_cache.__file__, script.__file__),
+            json.dumps(payload),
+        ],
         capture_output=True,
         text=True,
         check=False,
@@ -232,7 +234,7 @@ def test_a_root_under_a_directory_others_can_write_is_refused(tmp_path, mode, ow
     os.chown(scratch, owner, group)
     scratch.chmod(mode)
     root = stale_cache(scratch / "cache")
-    facts, done = judge_and_act(tmp_path, [root])
+    facts, _ = judge_and_act(tmp_path, [root])
     reason = (
         f"it lies under {scratch}, {why}: any of them could put another directory in its place; chmod +t {scratch}, "
         "or give a root under a directory only root and the cache user can write"
@@ -249,7 +251,7 @@ def test_a_root_under_a_directory_of_another_user_is_refused(tmp_path):
     theirs.mkdir()
     os.chown(theirs, OTHER, OTHER)
     root = stale_cache(theirs / "cache")
-    facts, done = judge_and_act(tmp_path, [root])
+    facts, _ = judge_and_act(tmp_path, [root])
     assert facts["refused"][0]["reason"] == (
         f"it lies under {theirs}, owned by uid {OTHER}, who could put any directory in its place"
     )
@@ -262,7 +264,7 @@ def test_in_a_sticky_directory_a_root_of_another_user_is_refused(tmp_path):
     sticky.mkdir()
     sticky.chmod(0o1777)
     squatted = stale_cache(sticky / "torchinductor_root", OTHER)
-    facts, done = judge_and_act(tmp_path, [squatted])
+    facts, _ = judge_and_act(tmp_path, [squatted])
     assert facts["refused"][0]["reason"] == (
         f"{squatted} is owned by uid {OTHER}, but in {sticky} only root (uid 0) can be trusted (another user may "
         "have put it there): remove it, or give another root"
