@@ -515,6 +515,7 @@ def test_a_symlinked_root_is_refused_wherever_it_leads_and_the_checkpoints_it_le
     os.lchown(link, 65534, 65534)
     for check_mode in (True, False):
         result = host.run(capsys, check_mode=check_mode, user="nobody", roots=[str(link)], venv_pending=True)
+        assert (checkpoints / "step-90000.pt").read_text() == "weeks of training"
         assert (result.get("failed"), result["error"]) == (True, "problems")
         assert result["refused"] == [
             {

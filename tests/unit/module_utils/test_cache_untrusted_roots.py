@@ -83,6 +83,7 @@ def test_a_root_that_is_a_symlink_to_checkpoints_is_refused_and_the_checkpoints_
     link.symlink_to(checkpoints)
     os.lchown(link, NOBODY, NOBODY)
     facts, done = judge_and_act(tmp_path, [link], user="nobody")
+    assert (checkpoints / "step-90000.pt").read_text() == "weeks of training"
     reason = (
         f"{link} is a symlink (to {checkpoints}); a root is opened without following links: give the directory "
         "itself as the root"
@@ -168,6 +169,7 @@ def test_a_root_replaced_by_another_directory_after_the_verdict_is_not_purged(tm
         (root / "not-judged").write_text("n")
 
     facts, done = judge_and_act(tmp_path, [root], before_act=replace)
+    assert (root / "not-judged").read_text() == "n"
     assert facts["roots"][0]["verdict"] == "stale"
     assert (done["error"], done["message"]) == ("changed", f"{root} is another directory than the one read; run again")
     assert (root / "not-judged").read_text() == "n"
@@ -211,6 +213,7 @@ def test_a_bind_mount_inside_a_root_is_never_entered_and_its_source_survives(tmp
         check=False,
     )
     assert done.returncode == 0, done.stderr
+    assert (source / "step-90000.pt").read_text() == "weeks of training"
     found = json.loads(done.stdout)
     assert found["answer"]["roots"][0]["walk"]["mounts"] == [str(root / "data")]
     facts = pve_cache.module_facts(spec, found["answer"], LABEL, venv_pending=True)
@@ -235,6 +238,7 @@ def test_a_root_under_a_directory_others_can_write_is_refused(tmp_path, mode, ow
     scratch.chmod(mode)
     root = stale_cache(scratch / "cache")
     facts, _ = judge_and_act(tmp_path, [root])
+    assert (root / "fx" / "ab" / "graph").read_text() == "g"
     reason = (
         f"it lies under {scratch}, {why}: any of them could put another directory in its place; chmod +t {scratch}, "
         "or give a root under a directory only root and the cache user can write"
@@ -252,6 +256,7 @@ def test_a_root_under_a_directory_of_another_user_is_refused(tmp_path):
     os.chown(theirs, OTHER, OTHER)
     root = stale_cache(theirs / "cache")
     facts, _ = judge_and_act(tmp_path, [root])
+    assert (root / "fx" / "ab" / "graph").read_text() == "g"
     assert facts["refused"][0]["reason"] == (
         f"it lies under {theirs}, owned by uid {OTHER}, who could put any directory in its place"
     )
@@ -265,6 +270,7 @@ def test_in_a_sticky_directory_a_root_of_another_user_is_refused(tmp_path):
     sticky.chmod(0o1777)
     squatted = stale_cache(sticky / "torchinductor_root", OTHER)
     facts, _ = judge_and_act(tmp_path, [squatted])
+    assert (squatted / "fx" / "ab" / "graph").read_text() == "g"
     assert facts["refused"][0]["reason"] == (
         f"{squatted} is owned by uid {OTHER}, but in {sticky} only root (uid 0) can be trusted (another user may "
         "have put it there): remove it, or give another root"
@@ -283,6 +289,7 @@ def test_the_users_own_root_is_purged_but_a_directory_of_roots_moved_into_it_is_
     (root / "mine" / "roots" / "model.pt").write_text("weeks of training")
     os.chown(root / "mine", NOBODY, NOBODY)
     facts, done = judge_and_act(tmp_path, [root], user="nobody")
+    assert (root / "mine" / "roots" / "model.pt").read_text() == "weeks of training"
     left = {"path": f"{root}/mine/roots", "why": pve_probe_compile_cache.LEFT["owner"]}
     assert facts["roots"][0]["left"] == [left]
     assert f"left alone: {root}/mine/roots (owned by another user than its directory's owner" in facts["changes"][0]
