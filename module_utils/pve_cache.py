@@ -8,7 +8,9 @@ built for, ``{"torch": "2.11.0+cu128", "variant": "cu128", "cuda": "12.8", "trit
 H200"]}``. Per root: a stamp equal to the expected fingerprint is ``fresh`` (kept); another stamp is ``stale``
 (purged, then stamped); no stamp is ``unstamped`` (adopted: stamped as it is) unless the venv is rebuilt in this
 run, which makes every cache stale; an absent root is ``missing`` (nothing to do); a root that could take more
-than a cache with it is ``refused`` (:func:`refusal`), which stops the run before anything is deleted.
+than a cache with it (:func:`refusal`), or that the probe could not open without trusting a user who could have
+changed it (``unsafe``: a symlink on the way, a directory above it others may write, a root of another user in
+``/tmp``), is ``refused``, which stops the run before anything is deleted.
 
 Its probe part (``pve_probe_compile_cache``) reads the roots by ``lstat`` only, the stamps, the venv's
 ``torch/version.py`` and triton's METADATA (never ``import torch``), the users' homes and which live processes

@@ -6,8 +6,11 @@ In a CT this file's source is fed to the CT's python3 on stdin by ``Target.run_p
 on a bare host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, no
 imports from ansible, and the answer is plain JSON.
 
-It only reads, and never follows a symlink inside a cache root: each root is walked with ``lstat`` (a link is
-counted and, when it leads out of the root, named; a directory on another filesystem is named and not entered).
+It only reads, and never follows a symlink: each root is opened from ``/`` one component at a time
+(:func:`open_root`: a link, or a component someone other than root and the cache user could have put there, makes
+it ``unsafe``) and walked through directory fds by ``lstat`` (a link is counted and, when it leads out of the root,
+named; another mount and a directory its parent's non-root owner does not own are named and not entered), so it
+sees what the acting script would delete.
 It reads the venv's ``torch/version.py`` as text and triton's dist-info METADATA header, never ``import torch``.
 The homes of the target's users, every live process that uses a root (its cwd, an open file or a mapped file
 in it) and, when asked, the GPU names from ``nvidia-smi`` complete the answer. The module decides what is wrong.

@@ -541,10 +541,11 @@ class Act:
             ) from None
         if fd is None:
             return None
-        self.fds[index] = fd
         info = os.fstat(fd)
         if root.get("id") is not None and [info.st_dev, info.st_ino] != list(root["id"]):
+            os.close(fd)
             raise ActError("changed", f"{root['path']} is another directory than the one read; run again")
+        self.fds[index] = fd
         return fd
 
     def size(self, index):
