@@ -184,7 +184,7 @@ def root_refusal(root, homes, user):
     if real and real != root["path"]:
         why = refusal(real, homes)
         if why:
-            return f"it resolves through a symlink to {real}, and {why.removeprefix('it ')}"
+            return f"it resolves through a symlink to {printable(real)}, and {why.removeprefix('it ')}"
     if root["exists"] and not root["is_dir"]:
         return "it is not a directory"
     if root.get("unsafe"):
