@@ -21,12 +21,20 @@ description:
   - Refused roots - C(/), C(/usr), C(/etc), C(/var), C(/opt), C(/srv), any path with fewer than 2 components, a
     home directory of a user of the target (or a directory containing one), anything inside C(/usr), C(/etc),
     C(/bin), C(/sbin), C(/lib*), C(/boot), C(/dev), C(/proc), C(/sys), a root that contains C(..), a root that is
-    not a directory, and a root that resolves through a symlink to a directory refused by the same rules. A
-    symlinked root whose target passes the rules is purged inside its target. A root inside another root is
-    refused too.
-  - A purge deletes only inside the root, working through directory file descriptors opened with C(O_NOFOLLOW). A
-    symlink inside a root is removed itself and never followed (its target survives; links that lead out of the
-    root are named in the result), and a directory on another filesystem mounted inside a root is left alone.
+    not a directory, and a root inside another root.
+  - A root is opened from C(/) one component at a time with C(O_NOFOLLOW), as the probe reads it and again in the
+    script just before it acts, and refused (C(unsafe) in the script) when a component is a symlink (give the
+    directory itself), when a directory above it may be written by a group or by every user without the sticky
+    bit, or is owned by a user other than root and I(user) (either could put any directory in its place), and when
+    a component is owned by a user who could not have put it there (in a sticky directory such as C(/tmp), a root
+    of another user than I(user) or root; in a directory of I(user), anything not theirs).
+  - Everything after that check works through the root's file descriptor and the directory descriptors below it,
+    never by path again; the script acts only on the very directory the read judged (its device and inode), else
+    it fails with C(changed). A purge never follows a symlink (a link is removed itself and its target survives;
+    links that lead out of the root are named in the result), never enters another mount (compared by mount id,
+    so a bind mount of the same filesystem too) and never enters a directory whose parent a non-root user owns
+    unless that user owns it too (they could have moved it in from where they may not delete); those are left
+    alone and named (C(mounts), C(left)).
   - No root is purged while a live process of the target uses it (its cwd, an open file or a mapped file lies in
     it, as C(/proc) shows) - never under a running compile. recover.yml runs this step after the GPU step, which
     ends the target's GPU holders first. Attended, such a root fails the task before anything is deleted.
@@ -180,12 +188,13 @@ cache_roots:
       C(exists), C(size_bytes), C(files), C(stamp) (the fingerprint its stamp names, or null), C(stamp_error),
       C(verdict) (C(fresh), C(stale), C(unstamped), C(missing), C(refused), or C(unknown) when the expected
       fingerprint cannot be read), C(reason), C(escapes) (symlinks in it that lead out of it, C(link) and
-      C(target)), C(escapes_count), C(mounts) (other filesystems mounted inside it, left alone), C(busy)
+      C(target)), C(escapes_count), C(mounts) (other mounts inside it, bind mounts too, never entered), C(left)
+      (other directories never entered - C(path), C(why)), C(id) (its device and inode as read), C(busy)
       (processes using it that the GPU step ends first).
     - A stale root an unattended run leaves because a live process uses it also has C(window) (true) and C(live)
       (those processes - C(pid) as the target numbers it, C(name), C(how)).
     - After a real run also C(size_before), C(size_after) (bytes), C(purged) (C(files), C(bytes), C(links),
-      C(links_out), C(mounts_left); null when not purged) and C(stamped).
+      C(links_out), C(mounts_left), C(left); null when not purged) and C(stamped).
     - The result has no top-level C(path) key - Ansible would add the stats of a node file of that name.
   returned: always
   type: list
@@ -200,7 +209,7 @@ cache_roots:
       stamp: {torch: 2.11.0+cu130, variant: cu130, cuda: "13.0", triton: 3.3.0, gpus: [NVIDIA H200]}
       size_before: 152000000
       size_after: 96
-      purged: {files: 1204, bytes: 152000000, links: 1, links_out: [{link: /tmp/torchinductor_root/h, target: /etc/hostname}], mounts_left: []}
+      purged: {files: 1204, bytes: 152000000, links: 1, links_out: [{link: /tmp/torchinductor_root/h, target: /etc/hostname}], mounts_left: [], left: []}
       stamped: true
 needs_window:
   description:
@@ -272,7 +281,8 @@ error:
   description:
     - On failure, what kind of failure it was, stable for code. From the module - C(invalid) (options),
       C(problems) (a root refused, a root in use, no torch in the venv, an unknown user), C(verify) (a root still
-      out of spec after acting). From the script - C(refused) and C(changed) (a root changed since it was read),
+      out of spec after acting). From the script - C(refused), C(unsafe) (a root it cannot open without trusting a
+      user who could have changed it) and C(changed) (a root changed since it was read),
       C(busy) (a process started using a root), C(warmup_failed), C(warmup_timeout), C(warmup_not_found),
       C(warmup_user), C(warmup_empty) (the warm-up filled no root), C(no_space), C(os_error). And the target's
       (C(stopped), C(missing), C(probe), C(timeout), ...).
@@ -318,6 +328,7 @@ from ansible.module_utils.pve_cache import (
 )
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
+from ansible.module_utils.pve_text import printable
 
 ACT = "act"
 # The pct exec that acts gets this much more than its script's own deadline, so the script answers first.
@@ -353,8 +364,8 @@ def done_of(answer):
     if isinstance(answer, dict) and isinstance(answer.get("error"), str):
         stdout, stderr = answer.get("stdout_tail"), answer.get("stderr_tail")
         raise CacheError(
-            str(answer.get("message")),
-            kind=answer["error"],
+            printable(answer.get("message")),  # written in the target, about names the target chose
+            kind=printable(answer["error"]),
             cmd=answer.get("cmd") if isinstance(answer.get("cmd"), list) else None,
             rc=answer.get("rc") if isinstance(answer.get("rc"), int) else None,
             stdout=stdout if isinstance(stdout, str) else None,

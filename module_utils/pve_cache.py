@@ -8,7 +8,9 @@ built for, ``{"torch": "2.11.0+cu128", "variant": "cu128", "cuda": "12.8", "trit
 H200"]}``. Per root: a stamp equal to the expected fingerprint is ``fresh`` (kept); another stamp is ``stale``
 (purged, then stamped); no stamp is ``unstamped`` (adopted: stamped as it is) unless the venv is rebuilt in this
 run, which makes every cache stale; an absent root is ``missing`` (nothing to do); a root that could take more
-than a cache with it is ``refused`` (:func:`refusal`), which stops the run before anything is deleted.
+than a cache with it (:func:`refusal`), or that the probe could not open without trusting a user who could have
+changed it (``unsafe``: a symlink on the way, a directory above it others may write, a root of another user in
+``/tmp``), is ``refused``, which stops the run before anything is deleted.
 
 Its probe part (``pve_probe_compile_cache``) reads the roots by ``lstat`` only, the stamps, the venv's
 ``torch/version.py`` and triton's METADATA (never ``import torch``), the users' homes and which live processes
@@ -32,6 +34,7 @@ from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_gpu_cleanup import ending_pids_of  # pids the GPU step ends before this step runs
 from ansible.module_utils.pve_probe_compile_cache import clean, inside, refusal
 from ansible.module_utils.pve_target import ENV_NAME
+from ansible.module_utils.pve_text import printable
 from ansible.module_utils.pve_torch_build import cuda_of, variant
 
 NAME = "compile_cache"
@@ -170,7 +173,8 @@ def human_size(size):
 def root_refusal(root, homes, user):
     """Why the probe's ``root`` is refused, or None: its path, then the directory it resolves to, must pass
     :func:`refusal` (the rules live in the probe part, which walks no refused root, and again in the acting
-    script, which checks them before it touches a root); it must be a directory when it exists."""
+    script, which checks them before it touches a root); it must be a directory when it exists, and the probe must
+    have opened it safely (``unsafe``: a symlink on the way, or a directory another user could have put there)."""
     if root["path"] is None:
         return f"its template {root['template']} needs the home directory of {user}, who has none"
     why = refusal(root.get("expanded") or root["path"], homes)
@@ -180,9 +184,11 @@ def root_refusal(root, homes, user):
     if real and real != root["path"]:
         why = refusal(real, homes)
         if why:
-            return f"it resolves through a symlink to {real}, and {why.removeprefix('it ')}"
+            return f"it resolves through a symlink to {printable(real)}, and {why.removeprefix('it ')}"
     if root["exists"] and not root["is_dir"]:
         return "it is not a directory"
+    if root.get("unsafe"):
+        return printable(root["unsafe"])  # the probe could not open it from / without trusting another user
     return None
 
 
@@ -217,12 +223,19 @@ def check_answer(answer, spec):
     for root in answer["roots"]:
         if not isinstance(root, dict) or any(not isinstance(root.get(k), t) for k, t in _ROOT_TYPES.items()):
             raise CacheError(f"the compile_cache probe answered a root of the wrong shape: {root!r}", kind="probe")
-        for key in ("path", "real_path"):
+        for key in ("path", "real_path", "unsafe"):
             if root.get(key) is not None and not isinstance(root[key], str):
                 raise CacheError(f"the compile_cache probe answered a root whose {key} is no string", kind="probe")
         for key in ("stamp", "walk"):
             if root.get(key) is not None and not isinstance(root[key], dict):
                 raise CacheError(f"the compile_cache probe answered a root whose {key} is no object", kind="probe")
+        found = root.get("id")
+        if found is not None and (not isinstance(found, list) or len(found) != 2 or not all(_is_int(n) for n in found)):
+            raise CacheError("the compile_cache probe answered a root whose id is not [st_dev, st_ino]", kind="probe")
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def venv_fingerprint(answer, gpus):
@@ -282,6 +295,8 @@ def judge_root(root, expected, venv_changes, reason):
         "escapes": walked.get("escapes") or [],
         "escapes_count": int(walked.get("escapes_count") or 0),
         "mounts": walked.get("mounts") or [],
+        "left": walked.get("left") or [],
+        "id": root.get("id"),
         "busy": [],
     }
     if reason:
@@ -309,23 +324,32 @@ def judge_root(root, expected, venv_changes, reason):
 
 def describe_users(users):
     """``pid 4711 (python3: cwd, open), pid 12 (sh: cwd)``."""
-    return ", ".join(f"pid {u['pid']} ({u.get('name')}: {', '.join(u.get('how') or [])})" for u in users)
+    return ", ".join(f"pid {u['pid']} ({printable(u.get('name'))}: {', '.join(u.get('how') or [])})" for u in users)
 
 
 def purge_line(root):
+    """``purge PATH (reason; size; what it leaves)``: every name the target chose passes through printable()."""
     notes = [root["reason"]]
     if root["real_path"] and root["real_path"] != root["path"]:
-        notes.append(f"a symlink to {root['real_path']}")
+        notes.append(f"a symlink to {printable(root['real_path'])}")
     notes.append(human_size(root["size_bytes"]))
     if root["escapes_count"]:
-        shown = ", ".join(f"{e['link']} -> {e['target']}" for e in root["escapes"][:3])
+        shown = ", ".join(f"{_shown(e, 'link')} -> {_shown(e, 'target')}" for e in root["escapes"][:3])
         more = f" and {root['escapes_count'] - 3} more" if root["escapes_count"] > 3 else ""
         notes.append(f"symlinks out of it removed, never followed: {shown}{more}")
     if root["mounts"]:
-        notes.append(f"left alone, another filesystem: {', '.join(root['mounts'][:3])}")
+        notes.append(f"left alone, another mount: {', '.join(map(printable, root['mounts'][:3]))}")
+    if root["left"]:
+        shown = "; ".join(f"{_shown(d, 'path')} ({_shown(d, 'why')})" for d in root["left"][:3])
+        notes.append(f"left alone: {shown}")
     if root["busy"]:
         notes.append(f"in use by {describe_users(root['busy'])}, which the GPU step ends first")
-    return f"purge {root['path']} ({'; '.join(notes)})"
+    return f"purge {printable(root['path'])} ({'; '.join(notes)})"
+
+
+def _shown(entry, key):
+    """``entry[key]`` of an answer's list, printable (the probe's answer comes from inside the target)."""
+    return printable(entry.get(key) if isinstance(entry, dict) else entry)
 
 
 def warmup_line(spec):
@@ -417,7 +441,7 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
     for root in roots:
         if root["verdict"] == "refused":
             problems.append(
-                f"{label}: compile cache root {root['path']} refused: {root['reason']}; nothing is deleted "
+                f"{label}: compile cache root {printable(root['path'])} refused: {root['reason']}; nothing is deleted "
                 "(compile_cache_roots must name the cache directories themselves, like /tmp/torchinductor_root)"
             )
     if expected is None and user.get("exists"):
@@ -589,6 +613,7 @@ def act_payload(spec, facts, answer, timeout):
             {
                 "path": r["path"],
                 "real_path": r["real_path"],
+                "id": r["id"],  # the script acts only on the very directory judged here
                 "action": None if r.get("window") else actions.get(r["verdict"]),
             }
             for r in facts["roots"]
@@ -596,6 +621,7 @@ def act_payload(spec, facts, answer, timeout):
         "fingerprint": facts["expected"],
         "stamp_name": spec["stamp_name"],
         "homes": answer["homes"],
+        "uid": user.get("uid"),
         "warmup": warmup,
         "timeout": timeout,
     } | ({"unattended": True} if spec.get("unattended") else {})

@@ -8,12 +8,15 @@ Unlike a probe part, ``probe(payload)`` here changes the target. It is called th
 (the module sends its decisions as data), the answer is plain JSON.
 
 Safety does not rest on the module's reading alone: every root is checked again here, just before it is
-touched, by the same rules (:func:`refusal`; the directory it resolves to must be the one the module judged), and
-no root is purged while a live process uses it (its cwd, an open file or a mapped file in it). A purge opens the
-root with O_NOFOLLOW and works through directory file descriptors: it never follows a symlink (a link is removed
-itself, never its target), never enters another filesystem, and never leaves the root. Before it deletes
-anything it replaces the stamp with a "purging" marker, so a purge that is cut short is never taken for a
-fresh or adoptable cache: the next run purges again.
+touched, by the same rules (:func:`refusal`, :func:`open_root`) and must be the very directory the module judged
+(its ``[st_dev, st_ino]``), and no root is purged while a live process uses it (its cwd, an open file or a mapped
+file in it). A root is opened once, from ``/``, one component at a time with O_NOFOLLOW, refused when a component
+is a symlink or could have been put there by a user other than root and the cache user; everything after (purge,
+stamp, sizes) works through that fd and the directory fds below it, never by path again. A purge never follows a
+symlink (a link is removed itself, never its target), never enters another mount (compared by mount id, so a bind
+mount of the same filesystem too) nor a directory its parent's non-root owner could have moved in, and never
+leaves the root. Before it deletes anything it replaces the stamp with a "purging" marker, so a purge that is cut
+short is never taken for a fresh or adoptable cache: the next run purges again.
 
 Order: check every root, check no process uses a root to purge, purge, stamp, warm up (once, alone, with a
 deadline, ``TORCHINDUCTOR_COMPILE_THREADS=1``), stamp the roots the warm-up created. A root to purge that a live
@@ -27,6 +30,7 @@ import contextlib
 import errno
 import json
 import os
+import pwd
 import signal
 import stat
 import subprocess
@@ -49,7 +53,6 @@ SYSTEM_TREES = (
 )
 TAIL_LINES = 20
 TAIL_CHARS = 4000
-DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
 class ActError(Exception):
@@ -109,40 +112,195 @@ def last_line(text):
     return lines[-1] if lines else "no output"
 
 
-# -- reading ---------------------------------------------------------------------------------------------------
-def size_of(real, stamp_name):
-    """Bytes in regular files under ``real`` (lstat walk, one filesystem, the stamp left out); 0 when it is not a
-    directory."""
+# -- opening a root and walking it without trusting anyone who could have changed it ---------------------------
+# The same source in pve_probe_compile_cache.py and pve_script_compile_cache.py (a unit test keeps it equal):
+# each file travels alone into the target.
+DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+MAX_DEPTH = 64  # deeper directories are left alone (named): every level holds one fd while it is walked
+
+
+class Unsafe(Exception):
+    """A root that cannot be opened without trusting a user who could have changed it: what was found, the fix."""
+
+
+def who(uid):
+    """``alice (uid 1000)``; ``uid 4321`` when the target's passwd has no such user."""
     try:
-        device = os.lstat(real).st_dev
-    except OSError:
-        return 0
-    total, pending = 0, [real]
-    while pending:
-        directory = pending.pop()
-        try:
-            entries = list(os.scandir(directory))
-        except OSError:
-            continue
-        for entry in entries:
-            if directory == real and entry.name == stamp_name:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (KeyError, OverflowError):
+        return f"uid {uid}"
+
+
+def mount_id(fd):
+    """The mount id of the open ``fd`` (``mnt_id`` of /proc/self/fdinfo): a bind mount of the same filesystem has
+    its parent's st_dev, never its mount id."""
+    with open(f"/proc/self/fdinfo/{fd}", encoding="ascii", errors="replace") as handle:
+        for line in handle:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    raise OSError(errno.ENOTSUP, "/proc/self/fdinfo names no mnt_id, so mount points cannot be told")
+
+
+def trusted_owners(here, info, uid):
+    """Who may own a directory found in the directory ``here`` (its ``info``), for the cache user ``uid``: None
+    when only root can put entries there; ``(0, uid)`` in a sticky directory of root's (``/tmp``: an entry can be
+    swapped only by its owner); ``(uid,)`` in the cache user's own directory (they may move any entry of it).
+    Unsafe where another user, a group or everyone may put any directory in place of the next component."""
+    others = info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
+    sticky = info.st_mode & stat.S_ISVTX
+    if info.st_uid == 0 and not others:
+        return None
+    if info.st_uid == 0 and sticky:
+        return (0, uid)
+    if info.st_uid == uid and (sticky or not others):
+        return (uid,)
+    if info.st_uid not in (0, uid):
+        raise Unsafe(f"it lies under {here}, owned by {who(info.st_uid)}, who could put any directory in its place")
+    writers = "every user" if info.st_mode & stat.S_IWOTH else f"group {info.st_gid}"
+    raise Unsafe(
+        f"it lies under {here}, which {writers} may write (mode {stat.S_IMODE(info.st_mode):04o}, no sticky bit): "
+        f"any of them could put another directory in its place; chmod +t {here}, or give a root under a directory "
+        "only root and the cache user can write"
+    )
+
+
+def open_root(path, uid):
+    """Open the directory ``path`` (clean, absolute) from ``/``, one component at a time, never following a link,
+    each component owned by someone :func:`trusted_owners` trusts: its fd, or None when it does not exist."""
+    fd = os.open("/", DIRECTORY)
+    here = "/"
+    try:
+        for name in [part for part in path.split("/") if part]:
+            owners = trusted_owners(here, os.fstat(fd), uid)
+            below = os.path.join(here, name)
+            try:
+                child = os.open(name, DIRECTORY, dir_fd=fd)
+            except OSError as error:
+                if error.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                    raise
+                kind = _kind_at(fd, name)
+                if kind == "link":
+                    raise Unsafe(
+                        f"{below} is a symlink (to {os.readlink(name, dir_fd=fd)}); a root is opened without "
+                        "following links: give the directory itself as the root"
+                    ) from None
+                if kind and below == path:
+                    raise Unsafe("it is not a directory") from None
+                return None
+            os.close(fd)
+            fd = child
+            owner = os.fstat(fd).st_uid
+            if owners is not None and owner not in owners:
+                trusted = " or ".join(map(who, sorted(set(owners))))
+                raise Unsafe(
+                    f"{below} is owned by {who(owner)}, but in {here} only {trusted} "
+                    "can be trusted (another user may have put it there): remove it, or give another root"
+                )
+            here = below
+        opened, fd = fd, None
+        return opened
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _kind_at(fd, name):
+    """``"link"``, ``"dir"``, ``"other"`` for the entry ``name`` of the directory ``fd``; None when it is gone."""
+    try:
+        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return None
+    return "link" if stat.S_ISLNK(mode) else "dir" if stat.S_ISDIR(mode) else "other"
+
+
+class Dir:
+    """A directory open for a walk: its fd, path, fstat, mount id and depth below the root (the caller closes)."""
+
+    __slots__ = ("depth", "fd", "info", "mount", "path")
+
+    def __init__(self, fd, path, depth=0):
+        self.fd, self.path, self.depth = fd, path, depth
+        self.info = os.fstat(fd)
+        self.mount = mount_id(fd)
+
+
+def open_dir(fd, path):
+    """A :class:`Dir` of a dup of ``fd``, the root open as ``path``."""
+    copy = os.dup(fd)
+    try:
+        return Dir(copy, path)
+    except BaseException:
+        os.close(copy)
+        raise
+
+
+def open_inside(parent, name):
+    """Open the subdirectory ``name`` of the :class:`Dir` ``parent`` to walk it: ``(Dir, None)``, or ``(None,
+    why)`` for one never entered: ``"mount"`` (another st_dev or mount id: a bind mount too), ``"owner"`` (not
+    owned by the owner of its parent, a non-root user, who could have moved it in from where they may not delete),
+    ``"depth"``, or ``"gone"`` (no directory now: a link or a file took its place)."""
+    if parent.depth >= MAX_DEPTH:
+        return None, "depth"
+    try:
+        fd = os.open(name, DIRECTORY | getattr(os, "O_NONBLOCK", 0), dir_fd=parent.fd)
+    except OSError as error:
+        if error.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+            return None, "gone"
+        raise
+    try:
+        child = Dir(fd, os.path.join(parent.path, name), parent.depth + 1)
+    except BaseException:
+        os.close(fd)
+        raise
+    why = None
+    if child.info.st_dev != parent.info.st_dev or child.mount != parent.mount:
+        why = "mount"
+    elif parent.info.st_uid not in (0, child.info.st_uid):
+        why = "owner"
+    if why:
+        os.close(fd)
+        return None, why
+    return child, None
+
+
+LEFT = {
+    "owner": "owned by another user than its directory's owner, who could have moved it in: never entered",
+    "depth": f"more than {MAX_DEPTH} levels deep: never entered",
+}
+
+
+# -- end of the shared part ------------------------------------------------------------------------------------
+
+
+# -- reading ---------------------------------------------------------------------------------------------------
+def size_of(fd, path, stamp_name):
+    """Bytes in regular files under the directory open as ``fd`` (named ``path``; the stamp left out), entering
+    only what a purge would enter (:func:`open_inside`)."""
+    return _size(open_dir(fd, path), stamp_name)
+
+
+def _size(here, skip):
+    total = 0
+    try:
+        for name in os.listdir(here.fd):
+            if name == skip:
                 continue
             try:
-                info = entry.stat(follow_symlinks=False)
+                entry = os.stat(name, dir_fd=here.fd, follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISDIR(info.st_mode) and info.st_dev == device:
-                pending.append(entry.path)
-            elif stat.S_ISREG(info.st_mode):
-                total += info.st_size
+            if stat.S_ISDIR(entry.st_mode):
+                child, _ = open_inside(here, name)
+                total += _size(child, None) if child is not None else 0
+            elif stat.S_ISREG(entry.st_mode):
+                total += entry.st_size
+    finally:
+        os.close(here.fd)
     return total
 
 
-def has_content(real, stamp_name):
-    try:
-        return any(name != stamp_name for name in os.listdir(real))
-    except OSError:
-        return False
+def has_content(fd, stamp_name):
+    return any(name != stamp_name for name in os.listdir(fd))
 
 
 def users_of(reals, own_pid):
@@ -193,103 +351,97 @@ def _uses(pid, reals):
 
 
 # -- writing ---------------------------------------------------------------------------------------------------
-def write_stamp(real, name, content):
-    """Write ``content`` (JSON) as the stamp in ``real``, atomically, owned like the directory; never through a
-    symlink (the directory is opened with O_NOFOLLOW, the temporary file with O_EXCL)."""
-    directory = os.open(real, DIRECTORY)
-    try:
-        owner = os.fstat(directory)
-        temporary = f".{name}.{os.getpid()}.tmp"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary, dir_fd=directory)
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=directory)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(content, handle, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+def write_stamp(directory, name, content):
+    """Write ``content`` (JSON) as the stamp in the directory open as ``directory``, atomically, owned like the
+    directory; never through a symlink (a temporary file made with O_EXCL|O_NOFOLLOW, renamed over the stamp)."""
+    owner = os.fstat(directory)
+    temporary = f".{name}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary, dir_fd=directory)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(temporary, flags, 0o644, dir_fd=directory)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(content, handle, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
         if os.geteuid() == 0:
-            os.chown(temporary, owner.st_uid, owner.st_gid, dir_fd=directory, follow_symlinks=False)
-        os.rename(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
-    finally:
-        os.close(directory)
+            os.fchown(handle.fileno(), owner.st_uid, owner.st_gid)
+        os.fsync(handle.fileno())
+    os.rename(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
 
 
 class Purge:
-    """Empties one root through directory file descriptors: never through a symlink, never onto another
-    filesystem, never outside the root. ``report`` counts what went."""
+    """Empties the root open as ``fd`` (named ``path``) through directory fds (:func:`open_inside`): never
+    through a symlink, never into another mount (a bind mount of the same filesystem too), never into a directory
+    its parent's non-root owner could have moved in, never outside the root. ``report`` counts what went and names
+    what was left."""
 
-    def __init__(self, real, stamp_name):
-        self.real = real
+    def __init__(self, fd, path, stamp_name):
+        self.fd = fd
+        self.path = path
         self.stamp_name = stamp_name
-        self.device = None
-        self.report = {"files": 0, "bytes": 0, "links": 0, "links_out": [], "mounts_left": []}
+        self.report = {"files": 0, "bytes": 0, "links": 0, "links_out": [], "mounts_left": [], "left": []}
 
     def run(self):
         """Empty the root (the stamp excepted, which first becomes a "purging" marker)."""
-        directory = os.open(self.real, DIRECTORY)
+        top = open_dir(self.fd, self.path)
         try:
-            self.device = os.fstat(directory).st_dev
-            self.clear_odd_stamp(directory)
+            if _kind_at(top.fd, self.stamp_name) == "dir":  # a directory where the stamp belongs is not ours
+                self.remove(top, self.stamp_name)
+            write_stamp(top.fd, self.stamp_name, {"state": "purging", "fingerprint": None})
+            self.empty(top, skip=self.stamp_name)
         finally:
-            os.close(directory)
-        write_stamp(self.real, self.stamp_name, {"state": "purging", "fingerprint": None})
-        directory = os.open(self.real, DIRECTORY)
-        try:
-            self.empty(directory, self.real, skip=self.stamp_name)
-        finally:
-            os.close(directory)
+            os.close(top.fd)
         return self.report
 
-    def clear_odd_stamp(self, directory):
-        """A directory where the stamp belongs is not a stamp of ours: it goes like any content."""
-        try:
-            info = os.stat(self.stamp_name, dir_fd=directory, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if stat.S_ISDIR(info.st_mode):
-            self.remove_directory(directory, self.stamp_name, os.path.join(self.real, self.stamp_name), info)
-
-    def empty(self, directory, path, skip=None):
-        """Remove everything in the directory open as ``directory`` (``path`` names it); True when it is empty."""
+    def empty(self, here, skip=None):
+        """Remove everything in the :class:`Dir` ``here``; True when it is empty."""
         emptied = True
-        with os.scandir(directory) as entries:
-            names = [entry.name for entry in entries]
-        for name in names:
-            if name == skip:
-                continue
-            try:
-                info = os.stat(name, dir_fd=directory, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            full = os.path.join(path, name)
-            if stat.S_ISDIR(info.st_mode):
-                emptied = self.remove_directory(directory, name, full, info) and emptied
-                continue
-            if stat.S_ISLNK(info.st_mode):
-                target = os.readlink(name, dir_fd=directory)
-                self.report["links"] += 1
-                if not inside(clean(os.path.join(path, target)), self.real):
-                    self.report["links_out"].append({"link": full, "target": target})
-            elif stat.S_ISREG(info.st_mode):
-                self.report["bytes"] += info.st_size
-            os.unlink(name, dir_fd=directory)  # a symlink goes itself; its target is never touched
-            self.report["files"] += 1
+        for name in os.listdir(here.fd):
+            if name != skip:
+                emptied = self.remove(here, name) and emptied
         return emptied
 
-    def remove_directory(self, directory, name, full, info):
-        """Empty and remove a subdirectory; one on another filesystem is left alone (named in the report)."""
-        if info.st_dev != self.device:
-            self.report["mounts_left"].append(full)  # another filesystem mounted inside: never entered
-            return False
-        child = os.open(name, DIRECTORY, dir_fd=directory)
+    def remove(self, here, name):
+        """Remove the entry ``name`` of ``here``: a directory emptied first, when :func:`open_inside` lets it in."""
+        full = os.path.join(here.path, name)
+        kind = _kind_at(here.fd, name)
+        if kind == "dir":
+            child, why = open_inside(here, name)
+            if why == "mount":
+                self.report["mounts_left"].append(full)
+                return False
+            if why in LEFT:
+                self.report["left"].append({"path": full, "why": LEFT[why]})
+                return False
+            if child is not None:
+                try:
+                    empty = self.empty(child)
+                finally:
+                    os.close(child.fd)
+                if empty:
+                    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                        os.rmdir(name, dir_fd=here.fd)  # only ever an empty directory
+                return empty
+            kind = _kind_at(here.fd, name)  # no directory any more: a link or a file took its place
+        if kind is None:
+            return True
+        entry = os.stat(name, dir_fd=here.fd, follow_symlinks=False)
+        if stat.S_ISLNK(entry.st_mode):
+            target = os.readlink(name, dir_fd=here.fd)
+            self.report["links"] += 1
+            if not inside(clean(os.path.join(here.path, target)), self.path):
+                self.report["links_out"].append({"link": full, "target": target})
+        elif stat.S_ISREG(entry.st_mode):
+            self.report["bytes"] += entry.st_size
         try:
-            empty = self.empty(child, full)
-        finally:
-            os.close(child)
-        if empty:
-            os.rmdir(name, dir_fd=directory)
-        return empty
+            os.unlink(name, dir_fd=here.fd)  # a symlink goes itself; its target is never touched
+        except FileNotFoundError:
+            return True
+        except IsADirectoryError:
+            return False  # a directory took its place just now: left for the next run
+        self.report["files"] += 1
+        return True
 
 
 def stamp_content(fingerprint):
@@ -354,10 +506,12 @@ class Act:
         self.fingerprint = payload["fingerprint"]
         self.stamp_name = payload["stamp_name"]
         self.homes = {clean(h): list(u) for h, u in payload["homes"].items()}
+        self.uid = int(payload["uid"])  # the cache user's: who may own what lies in a directory they can write
         self.warmup = payload.get("warmup")
         self.unattended = bool(payload.get("unattended"))
         self.window = []  # unattended: roots to purge left as they are, in use by a live process
         self.deadline = time.monotonic() + float(payload["timeout"])
+        self.fds = {}  # root index -> its fd, opened once by open_checked and never re-opened by path
         for root in self.roots:
             root.update(size_before=None, size_after=None, purged=None, stamped=False)
         self.warmed = None
@@ -365,36 +519,57 @@ class Act:
     def done(self):
         return {"roots": self.roots, "warmup": self.warmed}
 
-    def checked_real(self, root):
-        """The directory ``root`` resolves to now, after the rules; an ActError when it may not be touched."""
+    def close(self):
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+    def open_checked(self, index):
+        """The fd of root ``index`` after the rules (:func:`refusal`, :func:`open_root`), the very directory the
+        module judged (its ``id``); None when it does not exist; an ActError when it may not be touched."""
+        if index in self.fds:
+            return self.fds[index]
+        root = self.roots[index]
         why = refusal(root["path"], self.homes)
-        real = os.path.realpath(root["path"])
-        if why is None and real != root["path"]:
-            why = refusal(real, self.homes)
-            why = f"it resolves through a symlink to {real}, and {why.removeprefix('it ')}" if why else None
         if why:
             raise ActError("refused", f"compile cache root {root['path']} refused: {why}; nothing was deleted")
-        if root["real_path"] and real != root["real_path"]:
+        try:
+            fd = open_root(clean(root["path"]), self.uid)
+        except Unsafe as error:
             raise ActError(
-                "changed",
-                f"{root['path']} resolved to {root['real_path']} when it was read, and to {real} now; run again",
-            )
-        return real
+                "unsafe", f"compile cache root {root['path']} refused: {error}; nothing was deleted"
+            ) from None
+        if fd is None:
+            return None
+        info = os.fstat(fd)
+        if root.get("id") is not None and [info.st_dev, info.st_ino] != list(root["id"]):
+            os.close(fd)
+            raise ActError("changed", f"{root['path']} is another directory than the one read; run again")
+        self.fds[index] = fd
+        return fd
+
+    def size(self, index):
+        """Bytes in root ``index``; 0 when it does not exist, None when it cannot be opened."""
+        try:
+            fd = self.open_checked(index)
+        except ActError:
+            return None
+        return size_of(fd, clean(self.roots[index]["path"]), self.stamp_name) if fd is not None else 0
 
     def execute(self):
         started = time.monotonic()
-        acting = [r for r in self.roots if r["action"]]
-        reals = {id(r): self.checked_real(r) for r in acting}
-        for root in acting:
-            if not os.path.isdir(reals[id(root)]) or os.path.islink(reals[id(root)]):
-                raise ActError("changed", f"{root['path']} is no longer a directory; run again")
-        purging = [r for r in acting if r["action"] == "purge"]
-        users = users_of(sorted({reals[id(r)] for r in purging}), os.getpid())
-        busy = [(r, users[reals[id(r)]]) for r in purging if users[reals[id(r)]]]
+        acting = [i for i, r in enumerate(self.roots) if r["action"]]
+        for index in acting:
+            if self.open_checked(index) is None:
+                raise ActError("changed", f"{self.roots[index]['path']} is no longer a directory; run again")
+        reals = {i: clean(self.roots[i]["path"]) for i in acting}  # no link on the way: the path is the real one
+        purging = [i for i in acting if self.roots[i]["action"] == "purge"]
+        users = users_of(sorted({reals[i] for i in purging}), os.getpid())
+        busy = [(self.roots[i], users[reals[i]]) for i in purging if users[reals[i]]]
         if busy and self.unattended:
             for root, found in busy:
                 root["action"] = None  # left for a window: neither purged nor stamped
-                self.window.append({"path": root["path"], "real_path": reals[id(root)], "users": found})
+                self.window.append({"path": root["path"], "real_path": clean(root["path"]), "users": found})
             self.warmup = None  # no compile while a live process uses the caches it would fill
             busy = []
         if busy:
@@ -403,18 +578,17 @@ class Act:
                 for r, found in busy
             )
             raise ActError("busy", f"nothing was purged: a live process uses a cache to purge: {named}")
-        for root in self.roots:
-            real = reals.get(id(root))
-            root["size_before"] = size_of(real or root["real_path"] or root["path"], self.stamp_name)
+        for index, root in enumerate(self.roots):
+            root["size_before"] = self.size(index)
             if root["action"] == "purge":
-                root["purged"] = Purge(real, self.stamp_name).run()
+                root["purged"] = Purge(self.fds[index], clean(root["path"]), self.stamp_name).run()
             if root["action"] in ("purge", "stamp"):
-                write_stamp(real, self.stamp_name, stamp_content(self.fingerprint))
+                write_stamp(self.fds[index], self.stamp_name, stamp_content(self.fingerprint))
                 root["stamped"] = True
         if self.warmup:
             self.warm()
-        for root in self.roots:
-            root["size_after"] = size_of(os.path.realpath(root["path"]), self.stamp_name)
+        for index, root in enumerate(self.roots):
+            root["size_after"] = self.size(index)
         return {
             "roots": self.roots,
             "warmup": self.warmed,
@@ -424,10 +598,9 @@ class Act:
         }
 
     def warm(self):
-        paths = [os.path.realpath(r["path"]) for r in self.roots]
-        before = sum(size_of(p, self.stamp_name) for p in paths)
+        before = sum(self.size(i) or 0 for i in range(len(self.roots)))
         rc, out, err, seconds = run_warmup(self.warmup, self.deadline)
-        after = sum(size_of(p, self.stamp_name) for p in paths)
+        after = sum(self.size(i) or 0 for i in range(len(self.roots)))
         self.warmed = {
             "argv": self.warmup["argv"],
             "rc": rc,
@@ -448,15 +621,17 @@ class Act:
                 stdout=out,
                 stderr=err,
             )
-        for root in self.roots:  # the roots the warm-up created get the stamp too
-            if root["stamped"] or not os.path.isdir(root["path"]):
+        filled = False
+        for index, root in enumerate(self.roots):  # the roots the warm-up created get the stamp too
+            fd = self.open_checked(index)  # created by the user: opened by the same rules before root writes
+            if fd is None:
                 continue
-            root["real_path"] = root["real_path"] or os.path.realpath(root["path"])
-            real = self.checked_real(root)
-            if not os.path.exists(os.path.join(real, self.stamp_name)):
-                write_stamp(real, self.stamp_name, stamp_content(self.fingerprint))
+            root["real_path"] = root["real_path"] or clean(root["path"])
+            if not root["stamped"] and _kind_at(fd, self.stamp_name) is None:
+                write_stamp(fd, self.stamp_name, stamp_content(self.fingerprint))
                 root["stamped"] = True
-        if not any(os.path.isdir(p) and has_content(p, self.stamp_name) for p in paths):
+            filled = filled or has_content(fd, self.stamp_name)
+        if not filled:
             raise ActError(
                 "warmup_empty",
                 f"the warm-up `{' '.join(map(str, self.warmup['argv']))}` succeeded but left every cache root "
@@ -471,13 +646,15 @@ class Act:
 def probe(payload):
     """ACTS: purge, stamp and warm up as ``payload`` says; answer what was done.
 
-    ``payload``: ``{"roots": [{"path", "real_path", "action": "purge"|"stamp"|None}], "fingerprint", "stamp_name",
-    "homes" ({home: [users]}), "warmup" ({"argv", "env", "timeout", "cwd", "user", "uid", "gid"} or None),
-    "timeout", "unattended" (optional: a root in use is left, not a failure)}``.
+    ``payload``: ``{"roots": [{"path", "real_path", "id" ([st_dev, st_ino] as read, or None), "action":
+    "purge"|"stamp"|None}], "fingerprint", "stamp_name", "homes" ({home: [users]}), "uid" (the cache user's),
+    "warmup" ({"argv", "env", "timeout", "cwd", "user", "uid", "gid"} or None), "timeout", "unattended"
+    (optional: a root in use is left, not a failure)}``.
 
     Success: ``{"roots": [{"path", "real_path", "action", "size_before", "size_after", "purged" ({"files",
-    "bytes", "links", "links_out", "mounts_left"} or None), "stamped"}], "warmup" ({"argv", "rc", "seconds",
-    "size_before", "size_after", "filled", "stdout_tail", "stderr_tail"} or None), "fingerprint", "needs_window"
+    "bytes", "links", "links_out", "mounts_left", "left" ([{"path", "why"}])} or None), "stamped"}], "warmup"
+    ({"argv", "rc", "seconds", "size_before", "size_after", "filled", "stdout_tail", "stderr_tail"} or None),
+    "fingerprint", "needs_window"
     ([{"path", "real_path", "users": [{"pid", "name", "how"}]}], unattended only), "seconds"}``.
     Failure: ``{"error", "message", "cmd", "rc", "stdout_tail", "stderr_tail", "done"}``.
     """
@@ -495,5 +672,7 @@ def probe(payload):
         where = f" ({error.filename})" if error.filename else ""
         failure = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
         failure.update(stdout_tail="", stderr_tail="")
+    finally:
+        act.close()
     failure["done"] = act.done()
     return failure

@@ -70,6 +70,8 @@ def ct_root(path, *, stamp=None, size=0, exists=True, entries=1, escapes=()):
         "stamp": stamped if exists else None,
         "walk": walk if exists else None,
         "walked": exists,
+        "unsafe": None,
+        "id": [64, 11 if path.startswith("/tmp") else 12] if exists else None,
     }
 
 
@@ -105,12 +107,13 @@ STALE = ct_answer(
 )
 ACT_PAYLOAD = {
     "roots": [
-        {"path": "/tmp/torchinductor_root", "real_path": "/tmp/torchinductor_root", "action": "purge"},
-        {"path": "/root/.triton/cache", "real_path": "/root/.triton/cache", "action": "stamp"},
+        {"path": "/tmp/torchinductor_root", "real_path": "/tmp/torchinductor_root", "id": [64, 11], "action": "purge"},
+        {"path": "/root/.triton/cache", "real_path": "/root/.triton/cache", "id": [64, 12], "action": "stamp"},
     ],
     "fingerprint": CU128,
     "stamp_name": STAMP,
     "homes": {"/root": ["root"], "/nonexistent": ["nobody"]},
+    "uid": 0,
     "warmup": None,
     "timeout": 960,  # warmup_timeout + timeout: the script's own deadline
 }
@@ -501,25 +504,33 @@ def test_a_root_in_use_by_a_live_process_is_not_purged_and_the_pid_is_named(host
     assert check["changed"] is True  # the GPU step would have ended it
 
 
-def test_a_symlinked_root_is_refused_when_it_resolves_to_a_home_and_purged_inside_an_acceptable_target(host, capsys):
-    host.weeks_of_experiments()
-    link = host.tmp / "link-to-home"
+def test_a_symlinked_root_is_refused_wherever_it_leads_and_the_checkpoints_it_leads_to_survive(host, capsys):
+    # Issue 25: the user's own root made a link to a checkpoint directory; a venv rebuilt in the run made every
+    # cache stale, and the purge deleted the checkpoints as root. Now a root that is a link is never opened.
+    checkpoints = host.tmp / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "step-90000.pt").write_text("weeks of training")
+    link = host.tmp / "torchinductor_nobody"
+    link.symlink_to(checkpoints)
+    os.lchown(link, 65534, 65534)
+    for check_mode in (True, False):
+        result = host.run(capsys, check_mode=check_mode, user="nobody", roots=[str(link)], venv_pending=True)
+        assert (checkpoints / "step-90000.pt").read_text() == "weeks of training"
+        assert (result.get("failed"), result["error"]) == (True, "problems")
+        assert result["refused"] == [
+            {
+                "path": str(link),
+                "reason": f"{link} is a symlink (to {checkpoints}); a root is opened without following links: give "
+                "the directory itself as the root",
+            }
+        ]
+    assert (checkpoints / "step-90000.pt").read_text() == "weeks of training"
+    link.unlink()
     link.symlink_to("/root")
     result = host.run(capsys, roots=[str(link)])
-    assert result["error"] == "problems"
     assert (
-        f"compile cache root {link} refused: it resolves through a symlink to /root, and is the home directory"
-        in (result["msg"])
+        f"compile cache root {link} refused: it resolves through a symlink to /root, and is the home" in result["msg"]
     )
-    link.unlink()
-    link.symlink_to(host.inductor)
-    result = host.run(capsys, roots=[str(link)])
-    assert result["changed"] is True
-    assert result["changes"][0].startswith(
-        f"purge {link} (stamped for torch 2.11.0+cu130, now 2.11.0+cu128; a symlink to {host.inductor}"
-    )
-    assert sorted(os.listdir(host.inductor)) == [STAMP]
-    assert link.is_symlink()
 
 
 def test_the_warm_up_runs_alone_single_threaded_in_the_first_root_and_the_roots_it_makes_are_stamped(host, capsys):

@@ -89,6 +89,7 @@ def test_the_script_unattended_leaves_a_root_in_use_and_purges_the_others(tmp_pa
         "fingerprint": CU128,
         "stamp_name": pve_cache.STAMP_NAME,
         "homes": HOMES,
+        "uid": 0,
         "warmup": {"argv": ["false"]},  # would fail the act if it ran
         "timeout": 30,
         "unattended": True,

@@ -405,7 +405,7 @@ def test_symlinks_out_of_a_root_and_mounts_inside_are_named_in_the_purge():
     facts = facts_of(answer_of(root))
     assert facts["changes"][0] == (
         "purge /tmp/torchinductor_root (stamped for torch 2.11.0+cu130, now 2.11.0+cu128; 1.0 MB; symlinks out of it "
-        "removed, never followed: /tmp/torchinductor_root/h -> /etc/hostname; left alone, another filesystem: "
+        "removed, never followed: /tmp/torchinductor_root/h -> /etc/hostname; left alone, another mount: "
         "/tmp/torchinductor_root/data)"
     )
 
@@ -660,12 +660,13 @@ def test_the_probe_runs_as_the_fact_pass_ships_it_on_python_3_9(tmp_path):
 
 
 # -- the script on real directories ----------------------------------------------------------------------------
-def act(tmp_path, roots, fingerprint=CU128, warmup=None, homes=None):
+def act(tmp_path, roots, fingerprint=CU128, warmup=None, homes=None, *, uid=0):
     payload = {
-        "roots": [{"path": str(p), "real_path": os.path.realpath(p), "action": a} for p, a in roots],
+        "roots": [{"path": str(p), "real_path": os.path.realpath(p), "id": None, "action": a} for p, a in roots],
         "fingerprint": fingerprint,
         "stamp_name": SPEC["stamp_name"],
         "homes": homes if homes is not None else HOMES,
+        "uid": uid,
         "warmup": warmup,
         "timeout": 30,
     }
@@ -767,11 +768,16 @@ def test_the_script_checks_the_rules_again_and_deletes_nothing_when_one_fails(tm
         "fingerprint": CU128,
         "stamp_name": SPEC["stamp_name"],
         "homes": {},
+        "uid": 0,
         "warmup": None,
         "timeout": 30,
     }
     done = script.probe(payload)
-    assert done["error"] == "changed"
+    assert (done["error"], done["message"]) == (
+        "unsafe",
+        f"compile cache root {root} refused: {root} is a symlink (to {home}); a root is opened without following "
+        "links: give the directory itself as the root; nothing was deleted",
+    )
     assert (home / "notes" / "thesis.tex").read_text() == "years of work"
 
 

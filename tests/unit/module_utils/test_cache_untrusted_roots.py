@@ -1,0 +1,320 @@
+"""Issue 25 item 1: the compile cache purge deletes only inside a root it can trust.
+
+Real directories in tmp_path, real symlinks, real owners (uid 65534 ``nobody`` plays the user training runs as,
+uid 4321 another user) and a real bind mount in a private mount namespace. Each case runs the probe part, the
+module's judgement (``module_facts``) and the acting script as the module chains them (``act_payload``), and
+asserts that what lies outside the root survives: a root that is a symlink to checkpoints, a link out of a root,
+a root or a directory in it swapped after the verdict, a bind mount inside a root, a root under a directory others
+can write, a root squatted in a sticky directory, a directory of root's moved into the user's root.
+"""
+
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ansible.module_utils import pve_cache, pve_probe_compile_cache
+from ansible.module_utils import pve_script_compile_cache as script
+
+from tests.unit.module_utils.test_pve_cache import CU130, LABEL, SPEC, fake_venv, probe_of, write_stamp
+
+NOBODY = 65534
+OTHER = 4321
+STAMP = SPEC["stamp_name"]
+
+
+def chown_tree(path, uid):
+    for directory, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            os.lchown(os.path.join(directory, name), uid, uid)
+    os.lchown(path, uid, uid)
+
+
+def checkpoints_in(tmp_path, name="checkpoints"):
+    """Root's checkpoints: what a purge must never reach."""
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "step-90000.pt").write_text("weeks of training")
+    return directory
+
+
+def stale_cache(root, uid=0):
+    (root / "fx" / "ab").mkdir(parents=True)
+    (root / "fx" / "ab" / "graph").write_text("g")
+    write_stamp(root, CU130)
+    chown_tree(root, uid)
+    return root
+
+
+def judge_and_act(tmp_path, roots, user="root", before_act=None):
+    """Probe, judge (the venv rebuilt in the run: every root stale) and act as the module does."""
+    fake_venv(tmp_path / "venv")
+    spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(r) for r in roots], user=user)
+    answer = probe_of(tmp_path, spec["roots"], user=user)
+    facts = pve_cache.module_facts(spec, answer, LABEL, venv_pending=True)
+    if before_act:
+        before_act()
+    return facts, script.probe(pve_cache.act_payload(spec, facts, answer, 30))
+
+
+def purge_payload(root, uid=0):
+    """What the old module sent for a root it judged stale: the script must check it again on its own."""
+    path = str(root)
+    roots = [{"path": path, "real_path": os.path.realpath(path), "id": None, "action": "purge"}]
+    payload = {"roots": roots, "fingerprint": CU130, "stamp_name": STAMP, "homes": {}, "uid": uid}
+    return dict(payload, warmup=None, timeout=30)
+
+
+def test_the_shared_part_is_the_same_source_in_the_probe_and_the_script():
+    def shared(module):
+        source = inspect.getsource(module)
+        return source[source.index("# -- opening a root") : source.index("# -- end of the shared part")]
+
+    assert shared(pve_probe_compile_cache) == shared(script)
+
+
+def test_a_root_that_is_a_symlink_to_checkpoints_is_refused_and_the_checkpoints_survive(tmp_path):
+    checkpoints = checkpoints_in(tmp_path)
+    link = tmp_path / "torchinductor_nobody"
+    link.symlink_to(checkpoints)
+    os.lchown(link, NOBODY, NOBODY)
+    facts, done = judge_and_act(tmp_path, [link], user="nobody")
+    assert (checkpoints / "step-90000.pt").read_text() == "weeks of training"
+    reason = (
+        f"{link} is a symlink (to {checkpoints}); a root is opened without following links: give the directory "
+        "itself as the root"
+    )
+    assert facts["refused"] == [{"path": str(link), "reason": reason}]
+    assert facts["pending"] is False
+    # The script, asked to purge it anyway, opens it the same way.
+    done = script.probe(purge_payload(link, NOBODY))
+    assert (done["error"], done["message"]) == (
+        "unsafe",
+        f"compile cache root {link} refused: {reason}; nothing was deleted",
+    )
+    assert (checkpoints / "step-90000.pt").read_text() == "weeks of training"
+
+
+def test_a_link_out_of_a_root_is_removed_its_target_kept_and_its_name_shown_escaped(tmp_path):
+    checkpoints = checkpoints_in(tmp_path)
+    root = stale_cache(tmp_path / "inductor")
+    (root / "fx" / "evil\nname").symlink_to(checkpoints)
+    facts, done = judge_and_act(tmp_path, [root])
+    assert "error" not in done, done
+    assert f"symlinks out of it removed, never followed: {root}/fx/evil\\nname -> {checkpoints}" in facts["changes"][0]
+    assert "\n" not in facts["changes"][0]
+    assert done["roots"][0]["purged"]["links_out"] == [{"link": f"{root}/fx/evil\nname", "target": str(checkpoints)}]
+    assert sorted(os.listdir(root)) == [STAMP]
+    assert (checkpoints / "step-90000.pt").read_text() == "weeks of training"
+
+
+def test_a_directory_above_the_root_swapped_for_a_link_after_the_check_changes_nothing_outside(tmp_path, monkeypatch):
+    # The user owns the directory above the root: between the script's check and its purge they swap it for a
+    # link to a directory that holds root's checkpoints under the same name. The purge works on the fd it checked.
+    home = tmp_path / "alice"
+    stale_cache(home / "cache", NOBODY)
+    os.chown(home, NOBODY, NOBODY)
+    elsewhere = tmp_path / "elsewhere"
+    checkpoints = checkpoints_in(elsewhere.parent, "elsewhere") / "cache"
+    checkpoints.mkdir()
+    (checkpoints / "model.pt").write_text("weeks of training")
+    users_of = script.users_of
+
+    def swap_then_look(reals, own_pid):
+        home.rename(tmp_path / "alice.moved")
+        home.symlink_to(elsewhere)
+        return users_of(reals, own_pid)
+
+    monkeypatch.setattr(script, "users_of", swap_then_look)
+    facts, done = judge_and_act(tmp_path, [home / "cache"], user="nobody")
+    assert facts["roots"][0]["verdict"] == "stale"
+    assert "error" not in done, done
+    assert (checkpoints / "model.pt").read_text() == "weeks of training"
+    assert sorted(os.listdir(tmp_path / "alice.moved" / "cache")) == [STAMP]  # the directory judged was purged
+
+
+def test_a_directory_in_the_root_swapped_for_a_link_during_the_purge_loses_only_the_link(tmp_path, monkeypatch):
+    checkpoints = checkpoints_in(tmp_path)
+    root = stale_cache(tmp_path / "inductor")
+    kind_at = script._kind_at
+    swapped = []
+
+    def swap_after_a_look(fd, name):
+        kind = kind_at(fd, name)
+        if name == "fx" and not swapped:  # seen as a directory, then a link takes its place
+            swapped.append(name)
+            (root / "fx").rename(tmp_path / "fx.gone")
+            (root / "fx").symlink_to(checkpoints)
+        return kind
+
+    monkeypatch.setattr(script, "_kind_at", swap_after_a_look)
+    _, done = judge_and_act(tmp_path, [root])
+    assert swapped == ["fx"]
+    assert "error" not in done, done
+    assert done["roots"][0]["purged"]["links_out"] == [{"link": f"{root}/fx", "target": str(checkpoints)}]
+    assert sorted(os.listdir(root)) == [STAMP]
+    assert (checkpoints / "step-90000.pt").read_text() == "weeks of training"
+
+
+def test_a_root_replaced_by_another_directory_after_the_verdict_is_not_purged(tmp_path):
+    root = stale_cache(tmp_path / "inductor")
+
+    def replace():
+        root.rename(tmp_path / "inductor.judged")
+        root.mkdir()
+        (root / "not-judged").write_text("n")
+
+    facts, done = judge_and_act(tmp_path, [root], before_act=replace)
+    assert (root / "not-judged").read_text() == "n"
+    assert facts["roots"][0]["verdict"] == "stale"
+    assert (done["error"], done["message"]) == ("changed", f"{root} is another directory than the one read; run again")
+    assert (root / "not-judged").read_text() == "n"
+
+
+BIND_DRIVER = """
+import importlib.util, json, sys
+
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+probe, script, payload = load("probe", sys.argv[1]), load("script", sys.argv[2]), json.loads(sys.argv[3])
+answer = probe.probe(payload["read"])
+act = payload["act"]
+act["roots"][0]["id"] = answer["roots"][0].get("id")
+print(json.dumps({"answer": answer, "done": script.probe(act)}))
+"""
+
+
+def test_a_bind_mount_inside_a_root_is_never_entered_and_its_source_survives(tmp_path):
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"], check=False).returncode != 0:
+        pytest.skip("no private mount namespace here (unshare -m)")
+    source = checkpoints_in(tmp_path, "dataset")
+    root = stale_cache(tmp_path / "inductor")
+    (root / "data").mkdir()
+    fake_venv(tmp_path / "venv")
+    spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root)])
+    payload = {"read": pve_cache.probe_payload(spec, 30), "act": purge_payload(root)}
+    mount = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+    done = subprocess.run(
+        [
+            *("unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", source, root / "data"),
+            *(sys.executable, "-I", "-c", BIND_DRIVER, pve_probe_compile_cache.__file__, script.__file__),
+            json.dumps(payload),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (source / "step-90000.pt").read_text() == "weeks of training"
+    found = json.loads(done.stdout)
+    assert found["answer"]["roots"][0]["walk"]["mounts"] == [str(root / "data")]
+    facts = pve_cache.module_facts(spec, found["answer"], LABEL, venv_pending=True)
+    assert facts["changes"][0].endswith(f"; left alone, another mount: {root}/data)")
+    assert "error" not in found["done"], found["done"]
+    assert found["done"]["roots"][0]["purged"]["mounts_left"] == [str(root / "data")]
+    assert (source / "step-90000.pt").read_text() == "weeks of training"
+    assert sorted(os.listdir(root)) == [STAMP, "data"]  # the mount point stays, empty in this namespace
+
+
+@pytest.mark.parametrize(
+    ("mode", "owner", "group", "why"),
+    [
+        (0o777, 0, 0, "which every user may write (mode 0777, no sticky bit)"),
+        (0o775, 0, OTHER, f"which group {OTHER} may write (mode 0775, no sticky bit)"),
+    ],
+)
+def test_a_root_under_a_directory_others_can_write_is_refused(tmp_path, mode, owner, group, why):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    os.chown(scratch, owner, group)
+    scratch.chmod(mode)
+    root = stale_cache(scratch / "cache")
+    facts, _ = judge_and_act(tmp_path, [root])
+    assert (root / "fx" / "ab" / "graph").read_text() == "g"
+    reason = (
+        f"it lies under {scratch}, {why}: any of them could put another directory in its place; chmod +t {scratch}, "
+        "or give a root under a directory only root and the cache user can write"
+    )
+    assert facts["refused"] == [{"path": str(root), "reason": reason}]
+    assert script.probe(purge_payload(root))["message"] == (
+        f"compile cache root {root} refused: {reason}; nothing was deleted"
+    )
+    assert (root / "fx" / "ab" / "graph").read_text() == "g"
+
+
+def test_a_root_under_a_directory_of_another_user_is_refused(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, OTHER, OTHER)
+    root = stale_cache(theirs / "cache")
+    facts, _ = judge_and_act(tmp_path, [root])
+    assert (root / "fx" / "ab" / "graph").read_text() == "g"
+    assert facts["refused"][0]["reason"] == (
+        f"it lies under {theirs}, owned by uid {OTHER}, who could put any directory in its place"
+    )
+    assert script.probe(purge_payload(root))["error"] == "unsafe"
+    assert (root / "fx" / "ab" / "graph").read_text() == "g"
+
+
+def test_in_a_sticky_directory_a_root_of_another_user_is_refused(tmp_path):
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    squatted = stale_cache(sticky / "torchinductor_root", OTHER)
+    facts, _ = judge_and_act(tmp_path, [squatted])
+    assert (squatted / "fx" / "ab" / "graph").read_text() == "g"
+    assert facts["refused"][0]["reason"] == (
+        f"{squatted} is owned by uid {OTHER}, but in {sticky} only root (uid 0) can be trusted (another user may "
+        "have put it there): remove it, or give another root"
+    )
+    assert script.probe(purge_payload(squatted))["error"] == "unsafe"
+    assert (squatted / "fx" / "ab" / "graph").read_text() == "g"
+
+
+def test_the_users_own_root_is_purged_but_a_directory_of_roots_moved_into_it_is_left(tmp_path):
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    root = stale_cache(sticky / "torchinductor_nobody", NOBODY)
+    # The user's own directory holding a directory of root's that they could not empty themselves.
+    (root / "mine" / "roots").mkdir(parents=True)
+    (root / "mine" / "roots" / "model.pt").write_text("weeks of training")
+    os.chown(root / "mine", NOBODY, NOBODY)
+    facts, done = judge_and_act(tmp_path, [root], user="nobody")
+    assert (root / "mine" / "roots" / "model.pt").read_text() == "weeks of training"
+    left = {"path": f"{root}/mine/roots", "why": pve_probe_compile_cache.LEFT["owner"]}
+    assert facts["roots"][0]["left"] == [left]
+    assert f"left alone: {root}/mine/roots (owned by another user than its directory's owner" in facts["changes"][0]
+    assert "error" not in done, done
+    assert done["roots"][0]["purged"]["left"] == [left]
+    assert (root / "mine" / "roots" / "model.pt").read_text() == "weeks of training"
+    assert sorted(os.listdir(root)) == [STAMP, "mine"]
+    assert os.stat(root / STAMP).st_uid == NOBODY
+
+
+def test_the_probe_and_script_open_roots_this_way_on_python_3_9(tmp_path):
+    python = Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9"
+    if not python.exists():
+        pytest.skip("no python3.9 here")
+    root = stale_cache(tmp_path / "inductor")
+    fake_venv(tmp_path / "venv")
+    spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root)])
+    payload = {"read": pve_cache.probe_payload(spec, 30), "act": purge_payload(root)}
+    done = subprocess.run(
+        [python, "-I", "-c", BIND_DRIVER, pve_probe_compile_cache.__file__, script.__file__, json.dumps(payload)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = json.loads(done.stdout)
+    assert found["answer"]["roots"][0]["unsafe"] is None
+    assert found["done"]["roots"][0]["purged"]["files"] == 1
+    assert sorted(os.listdir(root)) == [STAMP]
