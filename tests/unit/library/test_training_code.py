@@ -49,6 +49,7 @@ RESET_PAYLOAD = {
     "git": "git",
     "stamp": STAMP,
     "timeout": 600,
+    "keep": None,
 }
 
 
@@ -100,6 +101,7 @@ DONE = {
     "backup": SAVED,
     "kept_ref": None,
     "removed": ["notes.txt"],
+    "pruned": [],
     "seconds": 0.4,
 }
 
