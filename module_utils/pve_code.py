@@ -21,10 +21,9 @@ reset is due: a converged run reads nothing more. Processes the GPU step ends fi
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
-
-import os
 
 from ansible.module_utils import pve_probe_training_code
 from ansible.module_utils import pve_process as pp
@@ -245,8 +244,8 @@ def code_problems(label, spec, answer, entries):
     if not answer["repo"] and answer["toplevel"] is not None:
         return [
             *problems,
-            f"{label}: the work tree of the repository at {path} is {quote(answer['toplevel'])}; set training_code_path to "
-            f"the top of the work tree",
+            f"{label}: the work tree of the repository at {path} is {quote(answer['toplevel'])}; set "
+            f"training_code_path to the top of the work tree",
         ]
     if not answer["repo"]:
         return [

@@ -133,7 +133,9 @@ def locate(top):
     common = git_dir
     try:
         with open(os.path.join(git_dir, "commondir"), "rb") as handle:
-            common = os.path.normpath(os.path.join(git_dir, handle.read(4096).decode("utf-8", "surrogateescape").strip()))
+            common = os.path.normpath(
+                os.path.join(git_dir, handle.read(4096).decode("utf-8", "surrogateescape").strip())
+            )
     except FileNotFoundError:
         pass
     return git_dir, common

@@ -214,7 +214,9 @@ def locate(top):
     common = git_dir
     try:
         with open(os.path.join(git_dir, "commondir"), "rb") as handle:
-            common = os.path.normpath(os.path.join(git_dir, handle.read(4096).decode("utf-8", "surrogateescape").strip()))
+            common = os.path.normpath(
+                os.path.join(git_dir, handle.read(4096).decode("utf-8", "surrogateescape").strip())
+            )
     except FileNotFoundError:
         pass
     return git_dir, common
@@ -445,7 +447,7 @@ class Hashing:
 
 def blob_digest(object_format):
     """The hash of git's object ids in a repository of ``object_format`` (the caller feeds ``blob <size>\\0``)."""
-    return hashlib.sha256() if object_format == "sha256" else hashlib.sha1()
+    return hashlib.sha256() if object_format == "sha256" else hashlib.sha1(usedforsecurity=False)
 
 
 def entry_digest(top, path, *, blob=None):
@@ -728,7 +730,13 @@ class Reset:
         changed = {path for _, path, _ in tracked} | set(untracked)
         rewritten = split_z(
             self.git.must(
-                "diff", "--name-only", "-z", "--no-renames", head, self.commit, what="listing what the checkout rewrites"
+                "diff",
+                "--name-only",
+                "-z",
+                "--no-renames",
+                head,
+                self.commit,
+                what="listing what the checkout rewrites",
             )
         )
         rewritten = [p for p in rewritten if p not in changed]

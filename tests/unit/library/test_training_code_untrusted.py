@@ -8,15 +8,19 @@ import hashlib
 import json
 import os
 import shlex
+import socket
 import subprocess
 import tarfile
 from pathlib import Path
 
 import pytest
+import training_code
+import yaml
 from ansible.module_utils import pve_probe_training_code as probe_part
 from ansible.module_utils import pve_script_training_code as script
 
-from tests.unit.library.test_training_code import MODEL_V1, PATCHED, STAMPS, git, lab  # noqa: F401 - the fixture
+from tests.conftest import ROOT
+from tests.unit.library.test_training_code import MODEL_V1, PATCHED, STAMPS, Lab, git
 
 NOBODY = 65534
 # What a hostile owner can put in .git/config: every kind of setting that makes git run a program.
@@ -40,6 +44,17 @@ HOSTILE = {
     "remote.evil.uploadpack": "{marker} uploadpack",
     "include.path": "{included}",
 }
+
+
+@pytest.fixture
+def lab(tmp_path, monkeypatch):
+    """test_training_code.py's lab: a repository and a backup root in tmp_path, HOME there, stamps in order."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "home" / ".config"))
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu1")
+    stamps = iter(STAMPS)
+    monkeypatch.setattr(training_code, "utc_stamp", lambda: next(stamps))
+    return Lab(tmp_path, monkeypatch)
 
 
 def hostile(lab, tmp_path):
@@ -100,7 +115,7 @@ def test_the_view_gives_git_only_allowed_keys_and_the_real_config_is_untouched(l
         assert sorted(listed) == [
             "core.filemode=true",
             "core.repositoryformatversion=0",
-            'remote.evil.url=ext::' + str(tmp_path / "mark.sh") + " ext",
+            "remote.evil.url=ext::" + str(tmp_path / "mark.sh") + " ext",
             'remote.origin.url=/srv/up "quoted"\\path',
         ]
         assert not os.path.exists(os.path.join(view.dir, "hooks"))
@@ -163,7 +178,8 @@ def test_notebook_outputs_committed_through_a_clean_filter_are_saved_before_the_
     outputs = b"cell 1\ncell 2\ncell 3\noutput: loss 0.91\n"
     (lab.repo / "nb.ipynb").write_bytes(outputs)
     os.utime(lab.repo / "nb.ipynb", ns=(1_700_000_000_000_000_000,) * 2)  # not racily clean: git trusts its stat
-    git(lab.repo, "commit", "-q", "-am", "a third cell, run")  # the owner's git strips the outputs; the work tree keeps them
+    # The owner's git strips the outputs from the blob; the work tree keeps them.
+    git(lab.repo, "commit", "-q", "-am", "a third cell, run")
     assert git(lab.repo, "status", "--porcelain") == ""  # git (stat cache) calls the tree clean
     result = lab.run(capsys)
     assert (result["changed"], result["head"]) == (True, lab.pinned), result.get("msg")
@@ -271,3 +287,24 @@ def test_unattended_a_repository_a_live_job_works_in_is_not_reset(lab, capsys):
         job.wait()
     # Attended, or once the job is gone, the reset is done.
     assert lab.run(capsys, unattended=True)["head"] == lab.pinned
+
+
+# -- the role ---------------------------------------------------------------------------------------------------
+def role_file(path):
+    return yaml.safe_load((ROOT / "roles" / "training_code" / path).read_text())
+
+
+def test_the_role_declares_retention_and_unattended_and_passes_them_on():
+    defaults = role_file("defaults/main.yml")
+    options = role_file("meta/argument_specs.yml")["argument_specs"]["main"]["options"]
+    assert set(defaults) == set(options) - {"pve_vmid", "pve_node"}  # every variable described, nothing else
+    assert defaults["training_code_backup_keep"] is None and options["training_code_backup_keep"]["type"] == "int"
+    assert defaults["training_code_unattended"] == "{{ recover_unattended | default(false) }}"
+    assert options["training_code_unattended"]["type"] == "bool"
+    assert "'unattended': training_code_unattended | bool" in role_file("vars/main.yml")["_training_code_spec"]
+    (acting,) = role_file("tasks/main.yml")
+    assert acting["training_code"]["unattended"] == "{{ training_code_unattended }}"
+    assert acting["training_code"]["backup_keep"] == (
+        "{{ training_code_backup_keep if training_code_backup_keep is not none else omit }}"
+    )
+    assert set(acting["training_code"]) <= set(training_code.ARGUMENT_SPEC)

@@ -84,6 +84,4 @@ def test_the_node_is_read_only_unattended_with_a_reset_due(monkeypatch):
 
 def test_a_branch_name_cannot_forge_a_line_of_the_changes():
     facts = pve_code.evaluate_step(SPEC, answer(branch="main\nCT 200: in spec\u202e"), {}, CONTEXT)
-    assert facts["changes"] == [
-        'check out 4f3c2a1b0e9d (HEAD is 9e8d7c6b5a4f on "main\\nCT 200: in spec\\u202e")'
-    ]
+    assert facts["changes"] == ['check out 4f3c2a1b0e9d (HEAD is 9e8d7c6b5a4f on "main\\nCT 200: in spec\\u202e")']
