@@ -5,8 +5,10 @@
 Unlike a probe part, ``probe(payload)`` here changes the target. It is called the same way so that it costs one
 ``pct exec``: ``Target.run_probes`` ships this file's source to the target's python on stdin; on a bare host
 ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, imports nothing of ours,
-the answer is plain JSON. git is called exactly as the probe part calls it (pve_probe_training_code: the
-repository's real path, a ceiling above it, safe.directory, no fsmonitor, no hooks, no ``GIT_*`` of the caller).
+the answer is plain JSON. git is called exactly as the probe part calls it (pve_probe_training_code: through a
+view of the repository whose config is an allowlist of the real one's keys, so nothing the repository's owner
+configured runs as root; no system or global config; no ``GIT_*`` of the caller). Files of the work tree are read
+and removed through directory file descriptors, never through a link.
 
 In this order, and nothing is changed in the work tree, the index, HEAD or any branch before step 5:
 
@@ -21,22 +23,30 @@ In this order, and nothing is changed in the work tree, the index, HEAD or any b
 
    * ``changes.patch``: ``git diff --binary HEAD``, every tracked change (staged or not), binary files included;
    * ``staged.patch``: ``git diff --binary --cached HEAD``, what was staged;
+   * ``changed.tar.gz``: the work tree's BYTES of every changed tracked file, and of every file the checkout
+     rewrites whose bytes differ from its blob although git's stat cache calls it unchanged (a notebook whose
+     outputs a clean filter such as nbstripout kept out of the blob): whatever git's diff makes of a file, its
+     bytes are in the backup;
    * ``untracked.tar.gz``: the untracked files that are not ignored (``git ls-files --others --exclude-standard``);
+   * ``manifest.json``: each tarball's entries with the sha256 of their bytes (a link: of its target);
    * ``HEAD`` (the old sha, then the branch or ``(detached)``), ``status.txt`` (``git status --porcelain``) and
-     ``RESTORE.txt`` (the commands that put it all back).
+     ``RESTORE.txt`` (the commands that put it all back, every name shell-quoted).
 
-   The proof: ``git stash create``, on a copy of the index, records the work tree and the index as trees (only
-   objects are written: no ref, no file of the work tree, not the index); each patch applied to the old HEAD in a
-   throw-away index (``GIT_INDEX_FILE``) must give exactly its tree, and the tarball must list exactly the
-   untracked files. Any failure here removes the backup and ends the run;
+   The proof: ``git stash create``, on a copy of the index, records the work tree and the index as trees (its
+   objects go to a scratch object directory: nothing of the repository is written); each patch applied to the old
+   HEAD in a throw-away index (``GIT_INDEX_FILE``) must give exactly its tree, and each tarball must hold exactly
+   the saved entries with the bytes the work tree has then (read again). Any failure here removes the backup and
+   ends the run;
 5. a detached HEAD that no branch or tag contains gets a ref, ``refs/pve-gpu-recover/detached/<stamp>``, so that
    commits made on it stay reachable (a branch keeps its commits: it is never moved);
 6. ``git checkout --force --detach <commit>`` (or ``git reset --hard`` when HEAD is already the commit: a branch at
    it stays checked out). Detached, because the pin is a commit, not a branch: moving a branch to it would drop the
    commits the branch had beyond it, and leaving a branch name on a tree it no longer describes would mislead;
-7. remove the untracked files that were saved, exactly those (not ``git clean``: after the checkout, clean would
-   read the commit's .gitignore, and a file the old .gitignore ignored, never saved, could be deleted); a
-   directory they leave empty goes too.
+7. remove the untracked files that were saved, exactly those and only while they still have the saved bytes (not
+   ``git clean``: after the checkout, clean would read the commit's .gitignore, and a file the old .gitignore
+   ignored, never saved, could be deleted); never through a link (a directory the checkout turned into a link to
+   elsewhere is not entered); a directory they leave empty goes too;
+8. with ``keep``, remove the oldest backups in ``backup_dir`` beyond the newest ``keep`` (this run's is kept).
 
 Failure answers ``{"error": kind, "message", "cmd", "rc", "stderr_tail", "backup" (the backup directory, or None),
 "touched" (whether step 5 or later had begun)}``.
@@ -1028,11 +1038,11 @@ def probe(payload):
     """ACTS: save the local changes of the repository in ``payload``, then put it at the commit; answer what was done.
 
     ``payload``: ``{"path", "commit" (full sha), "remote" (name, URL or None), "backup_dir", "git", "stamp"
-    ("20261203T101500Z"), "timeout" (s)}``.
+    ("20261203T101500Z"), "timeout" (s), "keep" (backups kept, None: every one)}``.
 
     Success: ``{"head_before", "branch_before", "head", "fetched", "backup" ({"dir", "files", "changed",
-    "untracked", "restore"} or None: nothing was dirty), "kept_ref", "removed", "seconds"}``. Failure: ``{"error",
-    "message", "cmd", "rc", "stderr_tail", "backup", "touched"}``.
+    "untracked", "filtered", "restore"} or None: nothing was dirty), "kept_ref", "removed", "pruned", "seconds"}``.
+    Failure: ``{"error", "message", "cmd", "rc", "stderr_tail", "backup", "touched"}``.
     """
     try:
         reset = Reset(payload)
