@@ -179,6 +179,23 @@ def config_text(entries):
     return "\n".join(lines) + "\n"
 
 
+# The fallback scratch directory: root's, sticky, and mkdtemp makes a 0700 directory of its own in it.
+ROOT_TMP = "/tmp"  # noqa: S108
+
+
+def scratch_root():
+    """Where the view and other scratch go: the temp directory when only root can replace what is in it (owned by
+    root, and not writable by others unless sticky), else /tmp. A TMPDIR a user owns would let them swap the view's
+    config under git."""
+    candidate = tempfile.gettempdir()
+    try:
+        info = os.stat(candidate)
+    except OSError:
+        return ROOT_TMP
+    shared = info.st_mode & 0o022 and not info.st_mode & 0o1000
+    return candidate if info.st_uid == os.geteuid() == 0 and not shared else ROOT_TMP
+
+
 class View:
     """The repository as git is shown it: the real git dir, a common dir of links whose config is only the
     allowed keys (see the module's docstring). ``env`` is what every git call runs with; ``close()`` removes it."""
@@ -187,7 +204,7 @@ class View:
         self.top = top
         self.git_dir = git_dir
         self.common = common
-        self.scratch = tempfile.mkdtemp(prefix="pve-gpu-recover-git-")
+        self.scratch = tempfile.mkdtemp(prefix="pve-gpu-recover-git-", dir=scratch_root())
         self.dir = os.path.join(self.scratch, "common")
         home = os.path.join(self.scratch, "home")
         os.mkdir(self.dir, 0o700)

@@ -270,6 +270,23 @@ def config_text(entries):
     return "\n".join(lines) + "\n"
 
 
+# The fallback scratch directory: root's, sticky, and mkdtemp makes a 0700 directory of its own in it.
+ROOT_TMP = "/tmp"  # noqa: S108
+
+
+def scratch_root():
+    """Where the view and other scratch go: the temp directory when only root can replace what is in it (owned by
+    root, and not writable by others unless sticky), else /tmp. A TMPDIR a user owns would let them swap the view's
+    config under git."""
+    candidate = tempfile.gettempdir()
+    try:
+        info = os.stat(candidate)
+    except OSError:
+        return ROOT_TMP
+    shared = info.st_mode & 0o022 and not info.st_mode & 0o1000
+    return candidate if info.st_uid == os.geteuid() == 0 and not shared else ROOT_TMP
+
+
 class View:
     """The repository as git is shown it: the real git dir, a common dir of links whose config is only the
     allowed keys (see the module's docstring). ``env`` is what every git call runs with; ``close()`` removes it."""
@@ -278,7 +295,7 @@ class View:
         self.top = top
         self.git_dir = git_dir
         self.common = common
-        self.scratch = tempfile.mkdtemp(prefix="pve-gpu-recover-git-")
+        self.scratch = tempfile.mkdtemp(prefix="pve-gpu-recover-git-", dir=scratch_root())
         self.dir = os.path.join(self.scratch, "common")
         home = os.path.join(self.scratch, "home")
         os.mkdir(self.dir, 0o700)
@@ -892,7 +909,7 @@ class Reset:
         """Each patch applied to the old HEAD in a throw-away index gives exactly the tree git records for the work
         tree (changes.patch) and for the index (staged.patch). Every object git writes for this goes to a scratch
         object directory: the repository is not written."""
-        with tempfile.TemporaryDirectory(prefix="pve-gpu-recover-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="pve-gpu-recover-", dir=scratch_root()) as scratch:
             objects = {
                 "GIT_OBJECT_DIRECTORY": os.path.join(scratch, "objects"),
                 "GIT_ALTERNATE_OBJECT_DIRECTORIES": os.path.join(self.view.dir, "objects"),
