@@ -307,6 +307,7 @@ stderr_tail:
   type: str
 """
 
+import re
 import time
 from datetime import UTC, datetime
 
@@ -324,6 +325,7 @@ from ansible.module_utils.pve_code import (
 )
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
+from ansible.module_utils.pve_text import printable
 
 RESET = "reset"
 # The pct exec of a reset gets reset_timeout, the re-read's timeout and this much more, so that the script's own
@@ -342,6 +344,7 @@ ARGUMENT_SPEC = {
     "python_executable": {"type": "str", "default": "python3"},
 }
 # What the reset script answers on success, and the type of each key (its answer comes from inside the CT).
+ERROR_KIND = re.compile(r"[a-z_]{1,32}")
 DONE_KEYS = {"head": str, "fetched": bool, "removed": list, "pruned": list, "backup": (dict, type(None))}
 DONE_KEYS.update({"kept_ref": (str, type(None)), "head_before": (str, type(None)), "branch_before": (str, type(None))})
 
@@ -406,10 +409,12 @@ def done_of(answer, path):
     """The reset script's answer when it reset; its structured error as a CodeError otherwise."""
     if isinstance(answer, dict) and isinstance(answer.get("error"), str):
         stderr = answer.get("stderr_tail")
+        # The message names paths and branches the target chose: one printable line, never a forged second one.
+        kind = answer["error"] if ERROR_KIND.fullmatch(answer["error"]) else "probe"
         raise CodeError(
-            f"resetting the training code failed ({answer['error']}): {answer.get('message')}; "
-            f"{failure_tail(answer, path)}",
-            kind=answer["error"],
+            f"resetting the training code failed ({kind}): {printable(answer.get('message'))}; "
+            f"{printable(failure_tail(answer, path))}",
+            kind=kind,
             cmd=answer.get("cmd"),
             rc=answer.get("rc"),
             stderr=stderr if isinstance(stderr, str) else None,

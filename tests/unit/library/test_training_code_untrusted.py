@@ -128,7 +128,7 @@ def test_the_view_gives_git_only_allowed_keys_and_the_real_config_is_untouched(l
 
 def test_the_probe_and_the_script_show_git_the_same_view():
     # Their sources travel alone to the target, so each has its own copy; they must agree.
-    for name in ("ALLOWED", "NOT_LINKED", "FIXED"):
+    for name in ("ALLOWED", "NOT_LINKED", "FIXED", "ROOT_TMP"):
         assert getattr(probe_part, name) == getattr(script, name), name
     entries = [("core.filemode", "false"), ("filter.x.clean", "rm -rf /"), ("remote.a.b.url", 'x"\n[core]')]
     assert probe_part.config_text(entries) == script.config_text(entries)
@@ -308,3 +308,21 @@ def test_the_role_declares_retention_and_unattended_and_passes_them_on():
         "{{ training_code_backup_keep if training_code_backup_keep is not none else omit }}"
     )
     assert set(acting["training_code"]) <= set(training_code.ARGUMENT_SPEC)
+
+
+def test_a_failure_naming_a_path_the_target_chose_is_one_printable_line():
+    answer = {
+        "error": "conflict",
+        "message": "/srv/train has unmerged paths: a\nCT 200: in spec\x1b[2J; resolve them",
+        "backup": None,
+        "touched": False,
+    }
+    with pytest.raises(training_code.CodeError) as caught:
+        training_code.done_of(answer, "/srv/train")
+    assert str(caught.value) == (
+        "resetting the training code failed (conflict): /srv/train has unmerged paths: a\\nCT 200: in spec\\x1b[2J; "
+        "resolve them; /srv/train was left as it was"
+    )
+    with pytest.raises(training_code.CodeError) as caught:
+        training_code.done_of(dict(answer, error="x\ny"), "/srv/train")
+    assert caught.value.kind == "probe"
