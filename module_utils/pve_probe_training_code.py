@@ -21,7 +21,7 @@ way, see pve_script_training_code):
   with ``git config --file`` (a parser: it follows no include and runs nothing). The view lives in a 0700 temp
   directory that is removed at the end; nothing of the repository is written;
 * with ``GIT_DIR`` given, git does not look for a repository (a directory that is not one is never mistaken for
-  one further up) nor check its owner: ``safe.directory`` is not needed;
+  one further up) nor check its owner (``safe.directory`` is given all the same, for a git that would);
 * submodules are not entered (``--ignore-submodules=dirty``): git would run a submodule's own config;
 * every ``GIT_*`` variable of the environment dropped (``GIT_INDEX_FILE``... would point git elsewhere),
   ``LC_ALL=C`` (messages are matched), ``GIT_TERMINAL_PROMPT=0`` (nothing ever waits for a password).
@@ -230,6 +230,15 @@ class View:
         with open(os.open(os.path.join(self.dir, "config"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             f.write(config_text(self.config))
         self.env = dict(base, HOME=home, GIT_DIR=git_dir, GIT_COMMON_DIR=self.dir, GIT_WORK_TREE=top)
+        # git checks no owner with GIT_DIR given; should a later one, the repository is safe to read: its config is
+        # not read at all. (GIT_CONFIG_COUNT is command-line config, which git takes safe.directory from.)
+        self.env.update(
+            GIT_CONFIG_COUNT="2",
+            GIT_CONFIG_KEY_0="safe.directory",
+            GIT_CONFIG_VALUE_0=top,
+            GIT_CONFIG_KEY_1="safe.directory",
+            GIT_CONFIG_VALUE_1=git_dir,
+        )
 
     def value(self, key):
         """The last value of ``key`` in the real config (read, never given to git unless allowed), or None."""
