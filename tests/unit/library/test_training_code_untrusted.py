@@ -20,7 +20,7 @@ from ansible.module_utils import pve_probe_training_code as probe_part
 from ansible.module_utils import pve_script_training_code as script
 
 from tests.conftest import ROOT
-from tests.unit.library.test_training_code import MODEL_V1, PATCHED, STAMPS, Lab, git
+from tests.unit.library.test_training_code import MODEL_V1, PATCHED, STAMPS, Lab, git, snapshot
 
 NOBODY = 65534
 # What a hostile owner can put in .git/config: every kind of setting that makes git run a program.
@@ -42,6 +42,7 @@ HOSTILE = {
     "protocol.ext.allow": "always",
     "remote.evil.url": "ext::{marker} ext",
     "remote.evil.uploadpack": "{marker} uploadpack",
+    "remote.sshy.url": "ssh://127.0.0.1:9/nowhere.git",  # nothing listens on port 9: ssh itself fails at once
     "include.path": "{included}",
 }
 
@@ -87,8 +88,10 @@ def hostile(lab, tmp_path):
 def test_no_setting_of_the_repository_owner_runs_in_check_mode_or_a_real_run(lab, capsys, tmp_path):
     lab.dirty()
     markers = hostile(lab, tmp_path)
+    before = snapshot(lab.root)
     check = lab.run(capsys, check_mode=True)
     assert sorted(os.listdir(markers)) == [], "a probe ran the owner's config"
+    assert snapshot(lab.root) == before  # check mode wrote nothing
     assert check["changed"] is True, check.get("msg")
     assert check["dirty"]["untracked"] == [".gitattributes", "scratch notes.txt"]
     real = lab.run(capsys)
@@ -97,10 +100,12 @@ def test_no_setting_of_the_repository_owner_runs_in_check_mode_or_a_real_run(lab
     assert (lab.repo / "model.py").read_text() == MODEL_V1  # checked out as the blob: no smudge filter
     with tarfile.open(Path(real["backup"]["dir"]) / "changed.tar.gz") as tar:
         assert tar.extractfile("model.py").read() == PATCHED.encode()  # saved as the bytes: no clean filter
-    # A fetch from the owner's remote: the ext:: transport it allowed and its upload-pack are not run either.
-    failed = lab.run(capsys, commit="ab" * 20, remote="evil")
-    assert (failed["failed"], failed["error"]) == (True, "fetch"), failed
-    assert sorted(os.listdir(markers)) == []
+    # A fetch from the owner's remotes: the ext:: transport it allowed, its upload-pack and its ssh command are not
+    # run either.
+    for remote in ("evil", "sshy"):
+        failed = lab.run(capsys, commit="ab" * 20, remote=remote)
+        assert (failed["failed"], failed["error"]) == (True, "fetch"), failed
+        assert sorted(os.listdir(markers)) == []
 
 
 def test_the_view_gives_git_only_allowed_keys_and_the_real_config_is_untouched(lab, tmp_path):
