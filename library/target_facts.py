@@ -166,11 +166,11 @@ ansible_facts:
           (other owners' or protected processes holding memory on the target's GPUs, with the reason),
           C(guarded) (the holders C(gpu_processes_guard) names, told attended too) and C(kept_gpus) (the GPUs the
           holders in C(needs_window) use, whose memory the verify step leaves out).
-        - C(gpu_processes), C(training_venv) and C(compile_cache) add C(needs_window) (always; one sentence per
-          piece of work an unattended run, C(recover_unattended), leaves for a maintenance window - a guarded
-          job's processes, a venv or a cache a live process uses; empty when attended). That work is in neither
-          C(changes) nor C(pending), and it is no problem. C(training_venv) also adds C(in_use) and
-          C(ending_pids).
+        - C(gpu_processes), C(training_code), C(training_venv) and C(compile_cache) add C(needs_window) (always;
+          one sentence per piece of work an unattended run, C(recover_unattended), leaves for a maintenance window
+          - a guarded job's processes, a repository, a venv or a cache a live process uses; empty when attended).
+          That work is in neither C(changes) nor C(pending), and it is no problem. C(training_code) and
+          C(training_venv) also add C(in_use) and C(ending_pids).
         - C(verify) adds C(checks) (name, ok, severity, expected, found, detail; ok null when a step with work in
           this run decides it), C(warnings) (shown as this task's warnings), C(torch) (from C(torch/version.py),
           no import), C(expected), C(health), C(deferred) and C(steps_with_work); it is pending only when torch

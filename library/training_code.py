@@ -18,19 +18,32 @@ description:
     files it saved. Then it reads the repository again in the same C(pct exec); not at I(commit) and clean fails
     the task.
   - "The backup: C(changes.patch) (C(git diff --binary HEAD): every tracked change, staged or not, binary files
-    included), C(staged.patch) (C(git diff --binary --cached HEAD)), C(untracked.tar.gz) (untracked files that are
-    not ignored), C(HEAD) (the old sha and branch), C(status.txt) and C(RESTORE.txt) (the commands that put it back:
-    at the old HEAD, C(git apply changes.patch), optionally C(git apply --cached staged.patch), and
-    C(tar -xzf untracked.tar.gz -C <path>))."
-  - Before anything is reset, each patch is applied to the old HEAD in a throw-away index and must give exactly
-    the tree C(git stash create) records for the work tree and the index, and the tarball must list exactly the
-    untracked files. Any failure up to there leaves the repository exactly as it was.
+    included), C(staged.patch) (C(git diff --binary --cached HEAD)), C(changed.tar.gz) (the work tree's bytes of
+    every changed file, and of a file a clean filter made look unchanged that the checkout rewrites),
+    C(untracked.tar.gz) (untracked files that are not ignored), C(manifest.json) (the sha256 of each saved file's
+    bytes), C(HEAD) (the old sha and branch), C(status.txt) and C(RESTORE.txt) (the commands that put it back,
+    names shell-quoted: at the old HEAD, C(git apply changes.patch), optionally C(git apply --cached staged.patch),
+    and C(tar -xzf untracked.tar.gz -C <path>))."
+  - Before anything is reset, each patch is applied to the old HEAD in a throw-away index (its objects in a
+    scratch directory) and must give exactly the tree C(git stash create) records for the work tree and the index,
+    and each tarball must hold exactly the saved files with the bytes the work tree has then (read again). Any
+    failure up to there leaves the repository exactly as it was.
+  - git never runs anything the repository's owner configured - no filter, textconv, hook, fsmonitor, ssh command,
+    pager or credential helper, in check mode and real runs alike. It is shown the repository through a private
+    view whose config holds only an allowlist of the repository's keys (object format, file system, line endings,
+    remote URLs); the system's and root's config are not read either (see pve_probe_training_code).
+  - Unattended (I(unattended), the scheduled drift corrector) a repository that needs a reset is not reset while a
+    live process of the target uses it (its working directory, an open file, its executable or a path in its
+    command line lies in the repository; read on the node). The module then changes nothing, returns
+    C(changed=false) and names the processes in I(needs_window).
   - Detached, because the pin is a commit, not a branch. No branch is ever moved, so commits a branch had beyond
     the pin stay on it; a detached HEAD that no branch or tag holds is kept as
     C(refs/pve-gpu-recover/detached/<stamp>). When HEAD already is I(commit) (on a branch or not), only the tree is
     reset (C(git reset --hard)) and the branch stays checked out.
   - The untracked files removed are exactly those saved, not C(git clean) - after the checkout C(git clean) would
     read the commit's C(.gitignore), and a file only the old C(.gitignore) ignored (never saved) could be deleted.
+    A file is removed only when it still has the saved bytes, and never through a link (a directory the checkout
+    turned into a link to elsewhere is not entered).
   - Refused before anything changes, one sentence each - no repository at I(path), git missing, an unfinished
     merge/rebase/cherry-pick/revert/bisect, a conflict, an untracked git repository inside, I(commit) missing and
     no I(remote), ignored files that the checkout would overwrite, a backup that would not fit.
@@ -86,6 +99,27 @@ options:
       - git inside the target, a name on the PATH of a non-login root shell or a path.
     type: str
     default: git
+  unattended:
+    description:
+      - Never reset the repository under a live process of the target; name the processes in I(needs_window)
+        instead (the scheduled drift corrector). The role sets it from C(recover_unattended).
+    type: bool
+    default: false
+  ending_pids:
+    description:
+      - Pids (as the target numbers them) that the GPU step ends before this step. In check mode they still run
+        and do not count as users of the repository; a real run sees them gone. The role passes the fact pass's
+        C(ending_pids).
+    type: list
+    elements: int
+    default: []
+  backup_keep:
+    description:
+      - Backups kept in I(backup_dir) after a reset, the newest ones (this run's among them); older ones are
+        removed. C(0) keeps every one.
+      - Unset, an attended run keeps every one and an unattended run the newest 10, so that a timer never fills
+        the disk.
+    type: int
   reset_timeout:
     description:
       - Seconds the fetch, the backup and the checkout may take together; a git command still running then is
@@ -99,14 +133,15 @@ options:
     type: str
     default: python3
 requirements:
-  - In the target, Python 3.9+ and git (2.38+ reads a repository another user owns; older ones need
-    C(safe.directory) in root's git config).
+  - In the target, Python 3.9+ and git (2.5+, for C(GIT_COMMON_DIR)).
 seealso:
   - module: target_facts
 notes:
-  - git runs as root with C(-c safe.directory=<path>), C(-c core.fsmonitor=false) and C(-c core.hooksPath=/dev/null)
-    - nothing the repository's config names (hooks, an fsmonitor) runs as root. Clean/smudge filters (git-lfs)
-    still apply.
+  - git runs as root but reads none of the repository's config beyond an allowlist - nothing the repository's
+    owner names runs as root. Clean/smudge filters therefore never run - git-lfs files are compared and checked out
+    as their pointers, and a file a clean filter strips (a notebook through nbstripout) is saved with its bytes.
+  - A fetch reads neither root's nor the system's git config (no credential helper, no proxy); ssh still uses
+    root's keys in the target.
   - Submodules are not managed - their pointers count like any tracked change, their work trees are not reset.
   - A file that only the old C(.gitignore) ignored is not saved and not removed; after the checkout it shows as
     untracked, the task fails naming it, and the next run saves and removes it.
@@ -190,10 +225,33 @@ backup:
   type: dict
   sample:
     dir: /var/backups/pve-gpu-recover/training_code/20261203T101500Z
-    files: [HEAD, RESTORE.txt, changes.patch, staged.patch, status.txt, untracked.tar.gz]
+    files: [HEAD, RESTORE.txt, changed.tar.gz, changes.patch, manifest.json, staged.patch, status.txt,
+      untracked.tar.gz]
     changed: 2
     untracked: 1
+    filtered: []
     restore: /var/backups/pve-gpu-recover/training_code/20261203T101500Z/RESTORE.txt
+needs_window:
+  description:
+    - Unattended, what is not done because a live process of the target uses the repository, one sentence;
+      empty otherwise.
+  returned: always
+  type: list
+  elements: str
+  sample: ["CT 200 on pve1: the training code at /srv/train needs a reset (check out 4f3c2a1b0e9d (HEAD is
+    9e8d7c6b5a4f on main)) but pid 516 (python3, pid 41 inside: 'python3 train.py'; cwd /srv/train) uses it: it is
+    not reset under a live job; resetting it needs a window (stop the job, or run recover.yml without
+    recover_unattended)"]
+in_use:
+  description: The processes of the target using the repository (read unattended with a reset due only).
+  returned: always
+  type: list
+  elements: dict
+pruned:
+  description: The old backups removed (I(backup_keep)), oldest first.
+  returned: always
+  type: list
+  elements: str
 kept_ref:
   description: The ref that keeps a detached HEAD no branch or tag held (its commits stay reachable); null otherwise.
   returned: always
@@ -249,28 +307,45 @@ stderr_tail:
   type: str
 """
 
+import re
 import time
 from datetime import UTC, datetime
 
 from ansible.module_utils import pve_probe_training_code, pve_script_training_code
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.pve_code import NAME, SPEC, CodeError, check_spec, evaluate_step, probe_payload, short
+from ansible.module_utils.pve_code import (
+    NAME,
+    SPEC,
+    CodeError,
+    check_spec,
+    evaluate_step,
+    probe_payload,
+    read_node,
+    short,
+)
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
+from ansible.module_utils.pve_text import printable
 
 RESET = "reset"
 # The pct exec of a reset gets reset_timeout, the re-read's timeout and this much more, so that the script's own
 # deadline fires first and it can still answer.
 GRACE = 10
+# Backups an unattended run keeps when backup_keep is unset: a timer that resets a drifting repository every night
+# must not fill the disk; an attended run keeps every one unless told.
+UNATTENDED_KEEP = 10
 ARGUMENT_SPEC = {
     **TARGET_ARGUMENT_SPEC,
     "state": {"type": "str", "choices": ["present"], "default": "present"},
     **SPEC,
+    "ending_pids": {"type": "list", "elements": "int", "default": []},
+    "backup_keep": {"type": "int"},
     "reset_timeout": {"type": "int", "default": 600},
     "python_executable": {"type": "str", "default": "python3"},
 }
 # What the reset script answers on success, and the type of each key (its answer comes from inside the CT).
-DONE_KEYS = {"head": str, "fetched": bool, "removed": list, "backup": (dict, type(None))}
+ERROR_KIND = re.compile(r"[a-z_]{1,32}")
+DONE_KEYS = {"head": str, "fetched": bool, "removed": list, "pruned": list, "backup": (dict, type(None))}
 DONE_KEYS.update({"kept_ref": (str, type(None)), "head_before": (str, type(None)), "branch_before": (str, type(None))})
 
 
@@ -281,11 +356,25 @@ def check_options(params):
         return wrong
     if params["reset_timeout"] < 1:
         return f"reset_timeout is {params['reset_timeout']}; give the reset at least 1 second"
+    if (params.get("backup_keep") or 0) < 0:
+        return f"backup_keep is {params['backup_keep']}; give how many backups to keep (0: every one)"
     return ""
 
 
+def backups_kept(params):
+    """How many backups the reset keeps (None: every one): ``backup_keep`` (0: every one), else 10 unattended.
+
+    ``{"backup_keep": None, "unattended": True}`` -> ``10``; ``{"backup_keep": None, "unattended": False}`` ->
+    ``None``; ``{"backup_keep": 0, ...}`` -> ``None``; ``{"backup_keep": 3, ...}`` -> ``3``."""
+    keep = params.get("backup_keep")
+    if keep is None:
+        return UNATTENDED_KEEP if params.get("unattended") else None
+    return keep or None
+
+
 def reset_payload(spec, params, stamp):
-    """What the reset script needs: ``{"path", "commit", "remote", "backup_dir", "git", "stamp", "timeout"}``."""
+    """What the reset script needs: ``{"path", "commit", "remote", "backup_dir", "git", "stamp", "timeout",
+    "keep"}``."""
     return {
         "path": spec["path"],
         "commit": spec["commit"].lower(),
@@ -294,6 +383,7 @@ def reset_payload(spec, params, stamp):
         "git": spec["git"],
         "stamp": stamp,
         "timeout": params["reset_timeout"],
+        "keep": backups_kept(params),
     }
 
 
@@ -319,10 +409,12 @@ def done_of(answer, path):
     """The reset script's answer when it reset; its structured error as a CodeError otherwise."""
     if isinstance(answer, dict) and isinstance(answer.get("error"), str):
         stderr = answer.get("stderr_tail")
+        # The message names paths and branches the target chose: one printable line, never a forged second one.
+        kind = answer["error"] if ERROR_KIND.fullmatch(answer["error"]) else "probe"
         raise CodeError(
-            f"resetting the training code failed ({answer['error']}): {answer.get('message')}; "
-            f"{failure_tail(answer, path)}",
-            kind=answer["error"],
+            f"resetting the training code failed ({kind}): {printable(answer.get('message'))}; "
+            f"{printable(failure_tail(answer, path))}",
+            kind=kind,
             cmd=answer.get("cmd"),
             rc=answer.get("rc"),
             stderr=stderr if isinstance(stderr, str) else None,
@@ -355,6 +447,8 @@ def result_of(before, after, done, seconds):
     done = done or {}
     return {
         "changed": before["pending"],
+        "needs_window": before["needs_window"],
+        "in_use": before["in_use"],
         "repo": before["path"],  # not "path": exit_json would add stats of the node's file of that name
         "commit": before["commit"],
         "head": facts["head"],
@@ -366,6 +460,7 @@ def result_of(before, after, done, seconds):
         "backup": done.get("backup"),
         "kept_ref": done.get("kept_ref"),
         "removed": done.get("removed", []),
+        "pruned": done.get("pruned", []),
         "changes": before["changes"],
         "diff": before["diff"],
         "seconds": round(seconds, 3),
@@ -388,10 +483,14 @@ def main():
         if wrong:
             raise CodeError(f"{wrong}; fix the training_code_* variable of that name", kind="invalid")
         target = Target.from_params(p)
-        context = {"target": {"label": target.label, "vmid": target.vmid, "node": target.node}, "steps": {}}
+        vmid = target.vmid if target.is_container else None
+        context = {"target": {"label": target.label, "vmid": vmid, "node": target.node}, "steps": {}}
         read = (pve_probe_training_code, probe_payload(spec, p["timeout"]))
         answer = target.run_probe(read[0], read[1], python=p["python_executable"])
-        before = evaluate_step(spec, answer, {}, dict(context, check_mode=module.check_mode))
+        # Unattended with a reset due: who uses the repository, read on the node (nothing otherwise). Check mode:
+        # the GPU step ended nothing, so the processes it would end still run; a real run sees them gone.
+        node = dict(read_node(spec, target, answer, context), ending=p["ending_pids"] if module.check_mode else [])
+        before = evaluate_step(spec, answer, node, dict(context, check_mode=module.check_mode))
         if before["problems"]:
             raise CodeError("; ".join(before["problems"]), kind="problems")
         done = after = None

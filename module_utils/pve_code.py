@@ -10,16 +10,26 @@ Clean means what git says: no staged change, no unstaged change, no untracked fi
 data, caches under .gitignore) never count and a run never touches them. A repository at the commit and clean
 is converged, on a branch or detached alike; a run that has work saves every local change first, then checks the
 commit out detached (see pve_script_training_code for why detached).
+
+Unattended (``unattended``, the scheduled drift corrector), a repository is not reset under a live job: a process
+of the target whose working directory, an open file, its executable, a mapped file or a path in its command line
+lies in the repository (``python train.py`` started there, ``python /srv/train/train.py`` from elsewhere). The
+facts name those processes in ``needs_window`` and nothing is pending. They are read on the node
+(:func:`read_node`, with pve_process's bounded reads, as the venv step reads who runs from a venv), and only when a
+reset is due: a converged run reads nothing more. Processes the GPU step ends first do not count.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import posixpath
 import re
 
 from ansible.module_utils import pve_probe_training_code
+from ansible.module_utils import pve_process as pp
 from ansible.module_utils.pve_errors import RecoverError
+from ansible.module_utils.pve_gpu_cleanup import ending_pids_of, owner_of
+from ansible.module_utils.pve_text import printable
 
 NAME = "training_code"
 PROBE = pve_probe_training_code
@@ -35,6 +45,8 @@ SPEC = {
     "backup_dir": {"type": "path", "default": DEFAULT_BACKUP_DIR},
     # git inside the target: a name on its PATH or a path.
     "git": {"type": "str", "default": "git"},
+    # The scheduled drift corrector: never reset the repository under a live job of the target (needs_window).
+    "unattended": {"type": "bool", "default": False},
 }
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 SHA = re.compile(r"^(?:[0-9a-fA-F]{40}|[0-9a-fA-F]{64})$")
@@ -42,6 +54,7 @@ SHA = re.compile(r"^(?:[0-9a-fA-F]{40}|[0-9a-fA-F]{64})$")
 UNMERGED = {"DD", "AU", "UD", "UA", "DU", "AA", "UU"}
 ABORT = {"bisect": "git bisect reset", "am": "git am --abort"}
 SHOWN = 5  # paths named in one sentence
+COMMAND_SHOWN = 120  # characters of a command line in a sentence
 
 
 class CodeError(RecoverError):
@@ -60,10 +73,11 @@ def named(paths, limit=SHOWN):
 
 
 def quote(path):
-    """A path as one readable token: as is when plain, JSON-quoted when it holds a quote, backslash or control
-    character (``a\\nb`` -> ``"a\\\\nb"``), so that a name with a newline cannot forge a second line."""
-    if any(c in '"\\' or ord(c) < 32 or ord(c) == 127 for c in path):
-        return json.dumps(path, ensure_ascii=False)
+    """A path as one readable token: as is when plain, quoted when it holds a quote, a backslash or anything not
+    plainly itself on one line (``a\\nb`` -> ``"a\\\\nb"``, a bidi override as ``\\u202e``: pve_text.printable), so
+    that a name a user chose cannot forge a second line or reorder one."""
+    if any(c in '"\\' or not c.isprintable() for c in path):
+        return '"' + printable(path).replace('"', '\\"') + '"'
     return path
 
 
@@ -203,14 +217,16 @@ def where_head(head, branch):
     """``HEAD is 0123456789ab on main``, ``HEAD is 0123456789ab, detached`` or ``the repository has no commit yet``."""
     if head is None:
         return "the repository has no commit yet"
-    return f"HEAD is {short(head)} on {branch}" if branch else f"HEAD is {short(head)}, detached"
+    return f"HEAD is {short(head)} on {quote(branch)}" if branch else f"HEAD is {short(head)}, detached"
 
 
 # -- the step --------------------------------------------------------------------------------------------------
 def code_problems(label, spec, answer, entries):
     """Why nothing can be done safely (one sentence each): what a run would refuse, found before anything runs."""
     path, commit, git = spec["path"], spec["commit"].lower(), spec["git"]
-    problems = [f"{label}: the training code probe could not read everything: {error}" for error in answer["errors"]]
+    problems = [
+        f"{label}: the training code probe could not read everything: {printable(error)}" for error in answer["errors"]
+    ]
     if answer["git"] is None:
         return [
             f"{label}: git not found in the target (`{git}` on the PATH of a non-login root shell); install it "
@@ -228,8 +244,8 @@ def code_problems(label, spec, answer, entries):
     if not answer["repo"] and answer["toplevel"] is not None:
         return [
             *problems,
-            f"{label}: the work tree of the repository at {path} is {answer['toplevel']}; set training_code_path to "
-            f"the top of the work tree",
+            f"{label}: the work tree of the repository at {path} is {quote(answer['toplevel'])}; set "
+            f"training_code_path to the top of the work tree",
         ]
     if not answer["repo"]:
         return [
@@ -297,8 +313,8 @@ def plan_changes(spec, answer, entries):
     return changes
 
 
-def evaluate_step(spec, answer, node, context):
-    """The training code facts of the fact pass: where HEAD is, what is dirty, what a run would do, the diff.
+def code_facts(spec, answer, label):
+    """The training code facts before the window rule: where HEAD is, what is dirty, what a run would do, the diff.
 
     Returns ``{"path", "exists" (a git work tree at path), "commit", "head", "branch" (None: detached), "detached",
     "at_commit", "commit_present", "remote", "dirty" ({"staged", "unstaged", "untracked"}), "git_version",
@@ -306,7 +322,6 @@ def evaluate_step(spec, answer, node, context):
     "pending"}``. What cannot be done safely (no repository, git missing, a conflict, the commit nowhere to be
     found, ignored files in the way) is a problem: nothing is decided on half the facts.
     """
-    label = context["target"]["label"]
     check_answer(answer)
     commit = spec["commit"].lower()
     entries = parse_status(answer["status"]) if answer["status"] is not None else []
@@ -334,12 +349,140 @@ def evaluate_step(spec, answer, node, context):
     }
 
 
+def evaluate_step(spec, answer, node, context):
+    """The training code facts of the fact pass (and of the module): :func:`code_facts`, then the window rule.
+
+    ``node``: :func:`read_node`'s ``{"users": [...]}`` (unattended with a reset due only) and, from the module in
+    check mode, ``"ending"``: pids (inside the target) the GPU step would end first. Adds ``needs_window`` (one
+    sentence, or none), ``in_use`` (the processes using the repository, those the GPU step ends first left out)
+    and ``ending_pids``. Unattended, a reset due while ``in_use`` is not empty is no change: ``changes`` is empty,
+    the diff shows the repository as it stays, and nothing is pending.
+    """
+    label = context["target"]["label"]
+    facts = code_facts(spec, answer, label)
+    ending = sorted(set(ending_pids_of(context)) | set(node.get("ending") or []))
+    users = [u for u in node.get("users") or [] if u.get("ns_pid") not in ending]
+    facts.update(in_use=users, needs_window=[], ending_pids=ending)
+    if spec.get("unattended") and facts["pending"] and users:
+        facts["needs_window"] = [window_message(label, spec["path"], facts["changes"], users)]
+        stays = facts["diff"]["before"]
+        facts.update(changes=[], pending=False, diff={"before": stays, "after": stays})
+    return facts
+
+
+def describe_user(user):
+    """``pid 516 (python3, pid 41 inside: 'python3 train.py'; cwd /srv/train)``; what the target chose (its name,
+    its command line, its paths) through pve_text.printable."""
+    inside = f", pid {user['ns_pid']} inside" if user.get("ns_pid") not in (None, user["pid"]) else ""
+    command = f": {printable(user['command'], COMMAND_SHOWN)!r}" if user.get("command") else ""
+    how = f"; {user['how']} {printable(user['file'])}" if user.get("how") else f"; {printable(user.get('error'))}"
+    return f"pid {user['pid']} ({printable(user.get('name'))}{inside}{command}{how})"
+
+
+def window_message(label, path, changes, users):
+    """The one sentence of a repository an unattended run does not reset: what it would do, who uses it."""
+    sure = [u for u in users if not u.get("error")]
+    unsure = [u for u in users if u.get("error")]
+    who = []
+    if sure:
+        who.append(f"{', '.join(describe_user(u) for u in sure)} {'uses' if len(sure) == 1 else 'use'} it")
+    if unsure:
+        who.append(f"whether {', '.join(describe_user(u) for u in unsure)} uses it cannot be told")
+    return (
+        f"{label}: the training code at {path} needs a reset ({'; '.join(changes)}) but {' and '.join(who)}: it is "
+        "not reset under a live job; resetting it needs a window (stop the job, or run recover.yml without "
+        "recover_unattended)"
+    )
+
+
+# -- who uses the repository, read on the node -----------------------------------------------------------------
+def uses_repository(pid, roots, proc_root="/proc"):
+    """``(how, path, error)``: how process ``pid`` uses one of ``roots`` (paths as ITS mount namespace names them),
+    cheapest read first; ``how`` is None when it does not.
+
+    1. ``cwd``: its working directory lies in a root (``python train.py`` started in the repository);
+    2. ``open``: a file it holds open does (a log, a config it re-reads);
+    3. ``exe``, ``argv0``, ``mapped``: it runs from a root (pve_process.runs_from: a C extension built in place);
+    4. ``argv``: an absolute path in its command line does (``python /srv/train/train.py`` started elsewhere:
+       python closed the script once read).
+    """
+    base = os.path.join(proc_root, str(pid))
+    try:
+        cwd = os.readlink(os.path.join(base, "cwd"))
+    except OSError:
+        cwd = None
+    if pp.under(cwd, roots):
+        return "cwd", cwd, None
+    try:
+        fds = os.listdir(os.path.join(base, "fd"))
+    except OSError:
+        fds = []
+    for fd in fds:
+        try:
+            target = os.readlink(os.path.join(base, "fd", fd))
+        except OSError:
+            continue
+        if pp.under(target, roots):
+            return "open", target[: -len(pp.DELETED)] if target.endswith(pp.DELETED) else target, None
+    how, path, error = pp.runs_from(pid, roots, proc_root)
+    if how is not None:
+        return how, path, None
+    text, read_error = pp.read_bounded(os.path.join(base, "cmdline"))
+    for arg in (text or "").split("\0"):
+        if pp.under(arg, roots):
+            return "argv", arg, None
+    return None, None, error or read_error
+
+
+def processes_in_repository(owner, roots, proc_root="/proc", exclude=()):
+    """Node-side: ``(users, unreadable)`` of the processes of ``owner`` (``ct:<vmid>``, ``host``) that use one of
+    ``roots`` (:func:`uses_repository`), like pve_process.processes_running_from: one it cannot read is listed."""
+    users, unreadable = [], []
+    for pid in pp.list_pids(proc_root):
+        if pid <= 1 or pid in exclude or pid == os.getpid() or pp.read_owner(pid, proc_root) != owner:
+            continue
+        how, path, error = uses_repository(pid, roots, proc_root)
+        if how is None and error is None:
+            continue
+        info = pp.read_process(pid, proc_root)
+        if info is None:
+            continue
+        if how is not None:
+            users.append((info, how, path))
+        else:
+            unreadable.append((info, error))
+    return users, unreadable
+
+
+def user_of(info):
+    command = " ".join(info.cmdline)
+    return {"pid": info.pid, "ns_pid": info.ns_pid, "name": info.comm, "command": command[: COMMAND_SHOWN * 2]}
+
+
 # -- the fact pass ---------------------------------------------------------------------------------------------
 def probe_payload(spec, timeout=60):
     """What the probe part reads: ``{"path": "/srv/train", "commit": "<sha>", "git": "git", "timeout": 60}``."""
     return {"path": spec["path"], "commit": spec["commit"].lower(), "git": spec["git"], "timeout": timeout}
 
 
-def read_node(spec, target, answer, context):
-    """Nothing on the node: the repository lives inside the target."""
-    return {}
+def read_node(spec, target, answer, context, proc_root="/proc"):
+    """Node-side, unattended only: ``{"users": [...]}``, the target's processes using the repository, read only
+    when a reset is due (a converged repository, or an attended run, reads nothing: ``{}``).
+
+    Each user is ``{"pid", "ns_pid", "name", "command", "how" (cwd, open, exe, argv0, mapped, argv), "file"}``,
+    or, when its files could not be read in time, ``"how": None`` and ``"error"``: an unattended run resets
+    nothing under a process it cannot vouch for.
+    """
+    if not spec.get("unattended") or answer is None:
+        return {}
+    try:
+        facts = code_facts(spec, answer, context["target"]["label"])
+    except CodeError:
+        return {}  # evaluate_step says why
+    if not facts["pending"]:
+        return {}
+    roots = sorted({spec["path"], answer["toplevel"] or spec["path"]})
+    found, unreadable = processes_in_repository(owner_of(context["target"]), roots, proc_root)
+    users = [dict(user_of(info), how=how, file=path) for info, how, path in found]
+    users += [dict(user_of(info), how=None, error=error) for info, error in unreadable]
+    return {"users": sorted(users, key=lambda u: u["pid"])}

@@ -10,24 +10,31 @@ It runs git (never a shell) with a deadline and only reads: ``status`` runs with
 even the index's stat cache is rewritten. How every git call here is made (the acting script makes them the same
 way, see pve_script_training_code):
 
-* ``-C <the repository's real path>`` and ``GIT_CEILING_DIRECTORIES=<its parent>``: a directory that is not a
-  repository is never mistaken for a repository further up (a reset there would hit the wrong tree);
-* ``-c safe.directory=<path>``: a repository owned by another user of the CT is read as root all the same
-  (git >= 2.38 takes this from the command line; an older git's refusal is reported with the fix);
-* ``-c core.fsmonitor=false -c core.hooksPath=/dev/null``: nothing the repository's own config names is run as root;
-* every ``GIT_*`` variable of the environment dropped (``GIT_DIR``, ``GIT_INDEX_FILE``... would point git elsewhere),
+* git never reads a configuration the repository's owner wrote, so nothing they name runs as root (filters,
+  textconv, an fsmonitor, hooks, ssh commands, pagers, credential helpers, includes...). git has no switch to skip
+  a repository's own config, so it is given a VIEW of the repository instead: ``GIT_DIR`` is the real git dir
+  (HEAD and the index are written there), ``GIT_COMMON_DIR`` a private scratch directory whose entries are links
+  to the real common dir's (objects, refs, packed-refs...) except ``config`` and ``hooks``, and whose ``config``
+  holds only the keys of :data:`ALLOWED` copied from the real one (none of them names a program): an allowlist, so
+  a setting git adds tomorrow is left out too. ``GIT_CONFIG_NOSYSTEM``, ``GIT_CONFIG_GLOBAL=/dev/null`` and an
+  empty ``HOME`` leave out the system's and root's config, so every run reads the same. The real config is read
+  with ``git config --file`` (a parser: it follows no include and runs nothing). The view lives in a 0700 temp
+  directory that is removed at the end; nothing of the repository is written;
+* with ``GIT_DIR`` given, git does not look for a repository (a directory that is not one is never mistaken for
+  one further up) nor check its owner (``safe.directory`` is given all the same, for a git that would);
+* submodules are not entered (``--ignore-submodules=dirty``): git would run a submodule's own config;
+* every ``GIT_*`` variable of the environment dropped (``GIT_INDEX_FILE``... would point git elsewhere),
   ``LC_ALL=C`` (messages are matched), ``GIT_TERMINAL_PROMPT=0`` (nothing ever waits for a password).
 """
 
 import os
+import re
 import shutil
 import subprocess
+import tempfile
 import time
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-NOT_A_REPOSITORY = "not a git repository"
-NOT_A_WORK_TREE = "must be run in a work tree"  # a bare repository
-DUBIOUS = "dubious ownership"
 # What an unfinished operation leaves in the git dir, first match wins (rebase-apply/applying is `git am`).
 OPERATIONS = (
     ("MERGE_HEAD", "merge"),
@@ -38,6 +45,10 @@ OPERATIONS = (
     ("REVERT_HEAD", "revert"),
     ("BISECT_LOG", "bisect"),
 )
+
+
+class ViewError(Exception):
+    """The repository's config could not be read to build the view git is shown."""
 
 
 class Stop(Exception):
@@ -51,25 +62,192 @@ def find_git(git, env):
     return shutil.which(git, path=env.get("PATH") or DEFAULT_PATH)
 
 
+# The keys of the repository's own config that git is given (section and key lower case, as `git config --list`
+# writes them): how to read the object database, the work tree's file system, line endings and a remote's URL.
+# None of them names a program to run; everything else (filter.*, diff.*.textconv, core.fsmonitor, core.hooksPath,
+# core.sshCommand, core.pager, credential.*, remote.*.uploadpack, include.*, url.*.insteadOf...) is left out.
+ALLOWED = re.compile(
+    r"(?:core\.(?:repositoryformatversion|filemode|symlinks|ignorecase|precomposeunicode|autocrlf|eol|safecrlf"
+    r"|checkstat|trustctime|sparsecheckout|sparsecheckoutcone)|extensions\.(?:objectformat|refstorage)"
+    r"|remote\..+\.url)",
+    re.DOTALL,
+)
+# What the view's common dir does not link: the config (the view writes its own) and the hooks.
+NOT_LINKED = ("config", "config.worktree", "hooks")
+# Set on every call, over anything else: no program of git's own either (no fsmonitor, no hook, no auto gc, which
+# would pack refs into the view), and no submodule (git would read its config).
+FIXED = (
+    "core.fsmonitor=false",
+    "core.hooksPath=/dev/null",
+    "gc.auto=0",
+    "maintenance.auto=false",
+    "submodule.recurse=false",
+    "diff.ignoreSubmodules=dirty",
+    "protocol.ext.allow=never",
+)
+
+
 def git_env(top, environ=None):
     """The environment of every git call: no ``GIT_*`` of the caller, the C locale, no prompt, no optional lock,
-    and a ceiling at the repository's parent so that git never looks for a repository above ``top``."""
-    env = {k: v for k, v in (os.environ if environ is None else environ).items() if not k.startswith("GIT_")}
+    no system or global config, and a ceiling at the repository's parent."""
+    env = {
+        k: v
+        for k, v in (os.environ if environ is None else environ).items()
+        if not k.startswith("GIT_") and k not in ("XDG_CONFIG_HOME", "HOME")
+    }
     env.update(
         LC_ALL="C",
         LANG="C",
         GIT_TERMINAL_PROMPT="0",
         GIT_OPTIONAL_LOCKS="0",
         GIT_CEILING_DIRECTORIES=os.path.dirname(top),
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_ATTR_NOSYSTEM="1",
     )
     env.setdefault("PATH", DEFAULT_PATH)
     return env
 
 
 def git_argv(git, top, args):
-    """``git -c safe.directory=<top> -c core.fsmonitor=false -c core.hooksPath=/dev/null -C <top> <args...>``."""
-    safe = ["-c", f"safe.directory={top}", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null"]
-    return [git, *safe, "-C", top, *args]
+    """``git -c core.fsmonitor=false -c core.hooksPath=/dev/null ... -C <top> <args...>``."""
+    fixed = [part for setting in FIXED for part in ("-c", setting)]
+    return [git, *fixed, "-C", top, *args]
+
+
+def locate(top):
+    """``(git_dir, common_dir)`` of the work tree at ``top``, read from its ``.git`` (a directory, or a file
+    ``gitdir: <path>``) and the git dir's ``commondir``, without running git; ``(None, None)`` when ``top`` has no
+    ``.git``."""
+    dotgit = os.path.join(top, ".git")
+    if os.path.isdir(dotgit):
+        git_dir = dotgit
+    elif os.path.isfile(dotgit):
+        with open(dotgit, "rb") as handle:
+            text = handle.read(4096).decode("utf-8", "surrogateescape")
+        if not text.startswith("gitdir: "):
+            return None, None
+        git_dir = os.path.normpath(os.path.join(top, text[len("gitdir: ") :].strip()))
+    else:
+        return None, None
+    common = git_dir
+    try:
+        with open(os.path.join(git_dir, "commondir"), "rb") as handle:
+            common = os.path.normpath(
+                os.path.join(git_dir, handle.read(4096).decode("utf-8", "surrogateescape").strip())
+            )
+    except FileNotFoundError:
+        pass
+    return git_dir, common
+
+
+def looks_bare(top):
+    """Whether ``top`` itself is a git dir (a bare repository): HEAD, objects and refs, no work tree."""
+    return all(os.path.exists(os.path.join(top, name)) for name in ("HEAD", "objects", "refs"))
+
+
+def parse_config_list(data):
+    """``git config --list --null`` output -> ``[(key, value)]`` in file order; a key without ``=`` has None.
+
+    ``b"core.bare\nfalse\0remote.origin.url\n/srv/up\0"`` -> ``[("core.bare", "false"), ("remote.origin.url",
+    "/srv/up")]``."""
+    entries = []
+    for item in data.decode("utf-8", "surrogateescape").split("\0"):
+        if item:
+            key, _, value = item.partition("\n")
+            entries.append((key, value if "\n" in item else None))
+    return entries
+
+
+def config_text(entries):
+    """The view's config: the allowed keys of ``entries``, the last value of each (git's rule for one value),
+    quoted so that no value can open a section of its own."""
+
+    def quoted(text):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
+
+    chosen = {}
+    for key, value in entries:
+        if value is not None and ALLOWED.fullmatch(key):
+            chosen[key] = value
+    lines = []
+    for key, value in chosen.items():
+        section, _, rest = key.partition(".")
+        subsection, _, name = rest.rpartition(".")
+        header = f"[{section} {quoted(subsection)}]" if subsection else f"[{section}]"
+        lines += [header, f"\t{name} = {quoted(value)}"]
+    return "\n".join(lines) + "\n"
+
+
+# The fallback scratch directory: root's, sticky, and mkdtemp makes a 0700 directory of its own in it.
+ROOT_TMP = "/tmp"  # noqa: S108
+
+
+def scratch_root():
+    """Where the view and other scratch go: the temp directory when only root can replace what is in it (owned by
+    root, and not writable by others unless sticky), else /tmp. A TMPDIR a user owns would let them swap the view's
+    config under git."""
+    candidate = tempfile.gettempdir()
+    try:
+        info = os.stat(candidate)
+    except OSError:
+        return ROOT_TMP
+    shared = info.st_mode & 0o022 and not info.st_mode & 0o1000
+    return candidate if info.st_uid == os.geteuid() == 0 and not shared else ROOT_TMP
+
+
+class View:
+    """The repository as git is shown it: the real git dir, a common dir of links whose config is only the
+    allowed keys (see the module's docstring). ``env`` is what every git call runs with; ``close()`` removes it."""
+
+    def __init__(self, git, top, git_dir, common, environ=None):
+        self.top = top
+        self.git_dir = git_dir
+        self.common = common
+        self.scratch = tempfile.mkdtemp(prefix="pve-gpu-recover-git-", dir=scratch_root())
+        self.dir = os.path.join(self.scratch, "common")
+        home = os.path.join(self.scratch, "home")
+        os.mkdir(self.dir, 0o700)
+        os.mkdir(home, 0o700)
+        base = git_env(top, environ)
+        # Read the real config with git's parser alone: no repository (GIT_DIR names none), no include followed.
+        done = subprocess.run(
+            [git, "config", "--file", os.path.join(common, "config"), "--list", "--null"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=dict(base, HOME=home, GIT_DIR=os.path.join(self.scratch, "none")),
+            cwd=self.scratch,
+            timeout=60,
+            check=False,
+        )
+        if done.returncode != 0 and os.path.exists(os.path.join(common, "config")):
+            said = done.stderr.decode(errors="replace").strip().splitlines()
+            raise ViewError(f"cannot read {common}/config: {said[-1] if said else 'no output'}")
+        self.config = parse_config_list(done.stdout)
+        for name in os.listdir(common):
+            if name not in NOT_LINKED:
+                os.symlink(os.path.join(common, name), os.path.join(self.dir, name))
+        with open(os.open(os.path.join(self.dir, "config"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(config_text(self.config))
+        self.env = dict(base, HOME=home, GIT_DIR=git_dir, GIT_COMMON_DIR=self.dir, GIT_WORK_TREE=top)
+        # git checks no owner with GIT_DIR given; should a later one, the repository is safe to read: its config is
+        # not read at all. (GIT_CONFIG_COUNT is command-line config, which git takes safe.directory from.)
+        self.env.update(
+            GIT_CONFIG_COUNT="2",
+            GIT_CONFIG_KEY_0="safe.directory",
+            GIT_CONFIG_VALUE_0=top,
+            GIT_CONFIG_KEY_1="safe.directory",
+            GIT_CONFIG_VALUE_1=git_dir,
+        )
+
+    def value(self, key):
+        """The last value of ``key`` in the real config (read, never given to git unless allowed), or None."""
+        found = [value for name, value in self.config if name == key]
+        return found[-1] if found else None
+
+    def close(self):
+        # The links are removed, never followed (rmtree does not follow a link).
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 class Git:
@@ -79,7 +257,7 @@ class Git:
         self.git = git
         self.top = top
         self.deadline = deadline
-        self.env = git_env(top)
+        self.env = git_env(top)  # until the view is open: `git --version` only
 
     def run(self, *args):
         remaining = self.deadline - time.monotonic()
@@ -110,14 +288,8 @@ class Git:
 
 
 def failure(top, args, rc, err):
-    """One sentence for a failed git call; git's refusal of another user's repository says what to do."""
+    """One sentence for a failed git call."""
     lines = [line.strip() for line in err.splitlines() if line.strip()]
-    if DUBIOUS in err:
-        return (
-            f"git refuses {top}: {lines[0] if lines else 'dubious ownership'} (the repository belongs to another "
-            f"user and this git does not take safe.directory from the command line); trust it for root in the "
-            f"target: git config --global --add safe.directory {top}"
-        )
     said = next((line for line in lines if line.startswith(("fatal:", "error:"))), lines[-1] if lines else "")
     return f"`git {' '.join(args)}` in {top} failed (exit {rc}): {said or 'no output'}"
 
@@ -221,28 +393,37 @@ def probe(payload):
         return answer
     answer["git"] = git_path
     git = Git(git_path, top if answer["exists"] else "/", time.monotonic() + float(payload.get("timeout", 60)))
+    view = None
     try:
         version = git.must("--version").decode(errors="replace").split()
         answer["git_version"] = version[2] if len(version) > 2 else None
         if not answer["exists"]:
             return answer
-        rc, out, err = git.run("rev-parse", "--show-toplevel", "--absolute-git-dir")
-        if rc != 0 and (NOT_A_REPOSITORY in err or NOT_A_WORK_TREE in err):
-            answer["bare"] = NOT_A_WORK_TREE in err
+        git_dir, common = locate(top)
+        if git_dir is None:
+            answer["bare"] = looks_bare(top)
             return answer
-        if rc != 0:
-            raise Stop(failure(top, ("rev-parse", "--show-toplevel"), rc, err))
-        toplevel, git_dir = out.decode(errors="surrogateescape").splitlines()[:2]
-        answer["toplevel"] = toplevel
-        if os.path.realpath(toplevel) != top:
-            return answer  # a work tree that starts elsewhere (core.worktree): the module refuses it
+        try:
+            view = View(git_path, top, git_dir, common)
+        except (OSError, subprocess.SubprocessError, ViewError) as error:
+            raise Stop(f"cannot read the repository's config in {common}: {error}") from None
+        git.env = view.env
+        worktree = view.value("core.worktree")
+        if (view.value("core.bare") or "").lower() in ("true", "yes", "on", "1"):
+            answer["bare"] = True
+            return answer
+        if worktree is not None:
+            answer["toplevel"] = os.path.normpath(os.path.join(git_dir, worktree))
+            if os.path.realpath(answer["toplevel"]) != top:
+                return answer  # a work tree that starts elsewhere (core.worktree): the module refuses it
+        answer["toplevel"] = top
         answer["repo"] = True
         answer["operation"] = operation(git_dir)
         rc, out, _ = git.run("rev-parse", "-q", "--verify", "HEAD^{commit}")
         answer["head"] = out.decode().strip() if rc == 0 else None
         rc, out, _ = git.run("symbolic-ref", "-q", "--short", "HEAD")
         answer["branch"] = out.decode(errors="replace").strip() if rc == 0 else None
-        status = git.must("status", "--porcelain=v1", "-z", "--untracked-files=all")
+        status = git.must("status", "--porcelain=v1", "-z", "--untracked-files=all", "--ignore-submodules=dirty")
         answer["status"] = status.decode("utf-8", errors="backslashreplace")
         if answer["head"] == commit:
             answer["commit_present"] = True
@@ -257,4 +438,7 @@ def probe(payload):
             ]
     except Stop as error:
         answer["errors"].append(str(error))
+    finally:
+        if view is not None:
+            view.close()
     return answer

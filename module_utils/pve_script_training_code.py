@@ -5,8 +5,10 @@
 Unlike a probe part, ``probe(payload)`` here changes the target. It is called the same way so that it costs one
 ``pct exec``: ``Target.run_probes`` ships this file's source to the target's python on stdin; on a bare host
 ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, imports nothing of ours,
-the answer is plain JSON. git is called exactly as the probe part calls it (pve_probe_training_code: the
-repository's real path, a ceiling above it, safe.directory, no fsmonitor, no hooks, no ``GIT_*`` of the caller).
+the answer is plain JSON. git is called exactly as the probe part calls it (pve_probe_training_code: through a
+view of the repository whose config is an allowlist of the real one's keys, so nothing the repository's owner
+configured runs as root; no system or global config; no ``GIT_*`` of the caller). Files of the work tree are read
+and removed through directory file descriptors, never through a link.
 
 In this order, and nothing is changed in the work tree, the index, HEAD or any branch before step 5:
 
@@ -21,22 +23,30 @@ In this order, and nothing is changed in the work tree, the index, HEAD or any b
 
    * ``changes.patch``: ``git diff --binary HEAD``, every tracked change (staged or not), binary files included;
    * ``staged.patch``: ``git diff --binary --cached HEAD``, what was staged;
+   * ``changed.tar.gz``: the work tree's BYTES of every changed tracked file, and of every file the checkout
+     rewrites whose bytes differ from its blob although git's stat cache calls it unchanged (a notebook whose
+     outputs a clean filter such as nbstripout kept out of the blob): whatever git's diff makes of a file, its
+     bytes are in the backup;
    * ``untracked.tar.gz``: the untracked files that are not ignored (``git ls-files --others --exclude-standard``);
+   * ``manifest.json``: each tarball's entries with the sha256 of their bytes (a link: of its target);
    * ``HEAD`` (the old sha, then the branch or ``(detached)``), ``status.txt`` (``git status --porcelain``) and
-     ``RESTORE.txt`` (the commands that put it all back).
+     ``RESTORE.txt`` (the commands that put it all back, every name shell-quoted).
 
-   The proof: ``git stash create``, on a copy of the index, records the work tree and the index as trees (only
-   objects are written: no ref, no file of the work tree, not the index); each patch applied to the old HEAD in a
-   throw-away index (``GIT_INDEX_FILE``) must give exactly its tree, and the tarball must list exactly the
-   untracked files. Any failure here removes the backup and ends the run;
+   The proof: ``git stash create``, on a copy of the index, records the work tree and the index as trees (its
+   objects go to a scratch object directory: nothing of the repository is written); each patch applied to the old
+   HEAD in a throw-away index (``GIT_INDEX_FILE``) must give exactly its tree, and each tarball must hold exactly
+   the saved entries with the bytes the work tree has then (read again). Any failure here removes the backup and
+   ends the run;
 5. a detached HEAD that no branch or tag contains gets a ref, ``refs/pve-gpu-recover/detached/<stamp>``, so that
    commits made on it stay reachable (a branch keeps its commits: it is never moved);
 6. ``git checkout --force --detach <commit>`` (or ``git reset --hard`` when HEAD is already the commit: a branch at
    it stays checked out). Detached, because the pin is a commit, not a branch: moving a branch to it would drop the
    commits the branch had beyond it, and leaving a branch name on a tree it no longer describes would mislead;
-7. remove the untracked files that were saved, exactly those (not ``git clean``: after the checkout, clean would
-   read the commit's .gitignore, and a file the old .gitignore ignored, never saved, could be deleted); a
-   directory they leave empty goes too.
+7. remove the untracked files that were saved, exactly those and only while they still have the saved bytes (not
+   ``git clean``: after the checkout, clean would read the commit's .gitignore, and a file the old .gitignore
+   ignored, never saved, could be deleted); never through a link (a directory the checkout turned into a link to
+   elsewhere is not entered); a directory they leave empty goes too;
+8. with ``keep``, remove the oldest backups in ``backup_dir`` beyond the newest ``keep`` (this run's is kept).
 
 Failure answers ``{"error": kind, "message", "cmd", "rc", "stderr_tail", "backup" (the backup directory, or None),
 "touched" (whether step 5 or later had begun)}``.
@@ -44,9 +54,14 @@ Failure answers ``{"error": kind, "message", "cmd", "rc", "stderr_tail", "backup
 
 import contextlib
 import errno
+import hashlib
+import json
 import os
+import re
+import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tarfile
 import tempfile
@@ -79,6 +94,10 @@ SPARE = 1024 * 1024  # bytes the backup's file system keeps free beyond the back
 TAIL_LINES = 40
 TAIL_CHARS = 4000
 KILL_WAIT = 5
+
+
+class ViewError(Exception):
+    """The repository's config could not be read to build the view git is shown."""
 
 
 class ResetError(Exception):
@@ -134,24 +153,192 @@ def find_git(git):
     return shutil.which(git, path=os.environ.get("PATH") or DEFAULT_PATH)
 
 
-def git_env(top):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+# The keys of the repository's own config that git is given (section and key lower case, as `git config --list`
+# writes them): how to read the object database, the work tree's file system, line endings and a remote's URL.
+# None of them names a program to run; everything else (filter.*, diff.*.textconv, core.fsmonitor, core.hooksPath,
+# core.sshCommand, core.pager, credential.*, remote.*.uploadpack, include.*, url.*.insteadOf...) is left out.
+ALLOWED = re.compile(
+    r"(?:core\.(?:repositoryformatversion|filemode|symlinks|ignorecase|precomposeunicode|autocrlf|eol|safecrlf"
+    r"|checkstat|trustctime|sparsecheckout|sparsecheckoutcone)|extensions\.(?:objectformat|refstorage)"
+    r"|remote\..+\.url)",
+    re.DOTALL,
+)
+# What the view's common dir does not link: the config (the view writes its own) and the hooks.
+NOT_LINKED = ("config", "config.worktree", "hooks")
+# Set on every call, over anything else: no program of git's own either (no fsmonitor, no hook, no auto gc, which
+# would pack refs into the view), and no submodule (git would read its config).
+FIXED = (
+    "core.fsmonitor=false",
+    "core.hooksPath=/dev/null",
+    "gc.auto=0",
+    "maintenance.auto=false",
+    "submodule.recurse=false",
+    "diff.ignoreSubmodules=dirty",
+    "protocol.ext.allow=never",
+)
+
+
+def git_env(top, environ=None):
+    """The environment of every git call: no ``GIT_*`` of the caller, the C locale, no prompt, no optional lock,
+    no system or global config, and a ceiling at the repository's parent."""
+    env = {
+        k: v
+        for k, v in (os.environ if environ is None else environ).items()
+        if not k.startswith("GIT_") and k not in ("XDG_CONFIG_HOME", "HOME")
+    }
     env.update(
         LC_ALL="C",
         LANG="C",
         GIT_TERMINAL_PROMPT="0",
         GIT_OPTIONAL_LOCKS="0",
         GIT_CEILING_DIRECTORIES=os.path.dirname(top),
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_ATTR_NOSYSTEM="1",
     )
     env.setdefault("PATH", DEFAULT_PATH)
     return env
 
 
 def git_argv(git, top, args, config=()):
-    safe = ["-c", f"safe.directory={top}", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null"]
-    for setting in config:
-        safe += ["-c", setting]
-    return [git, *safe, "-C", top, *args]
+    """``git -c core.fsmonitor=false -c core.hooksPath=/dev/null ... [-c <config>...] -C <top> <args...>``."""
+    fixed = [part for setting in (*FIXED, *config) for part in ("-c", setting)]
+    return [git, *fixed, "-C", top, *args]
+
+
+def locate(top):
+    """``(git_dir, common_dir)`` of the work tree at ``top``, read from its ``.git`` (a directory, or a file
+    ``gitdir: <path>``) and the git dir's ``commondir``, without running git; ``(None, None)`` when ``top`` has no
+    ``.git``."""
+    dotgit = os.path.join(top, ".git")
+    if os.path.isdir(dotgit):
+        git_dir = dotgit
+    elif os.path.isfile(dotgit):
+        with open(dotgit, "rb") as handle:
+            text = handle.read(4096).decode("utf-8", "surrogateescape")
+        if not text.startswith("gitdir: "):
+            return None, None
+        git_dir = os.path.normpath(os.path.join(top, text[len("gitdir: ") :].strip()))
+    else:
+        return None, None
+    common = git_dir
+    try:
+        with open(os.path.join(git_dir, "commondir"), "rb") as handle:
+            common = os.path.normpath(
+                os.path.join(git_dir, handle.read(4096).decode("utf-8", "surrogateescape").strip())
+            )
+    except FileNotFoundError:
+        pass
+    return git_dir, common
+
+
+def looks_bare(top):
+    """Whether ``top`` itself is a git dir (a bare repository): HEAD, objects and refs, no work tree."""
+    return all(os.path.exists(os.path.join(top, name)) for name in ("HEAD", "objects", "refs"))
+
+
+def parse_config_list(data):
+    """``git config --list --null`` output -> ``[(key, value)]`` in file order; a key without ``=`` has None.
+
+    ``b"core.bare\nfalse\0remote.origin.url\n/srv/up\0"`` -> ``[("core.bare", "false"), ("remote.origin.url",
+    "/srv/up")]``."""
+    entries = []
+    for item in data.decode("utf-8", "surrogateescape").split("\0"):
+        if item:
+            key, _, value = item.partition("\n")
+            entries.append((key, value if "\n" in item else None))
+    return entries
+
+
+def config_text(entries):
+    """The view's config: the allowed keys of ``entries``, the last value of each (git's rule for one value),
+    quoted so that no value can open a section of its own."""
+
+    def quoted(text):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
+
+    chosen = {}
+    for key, value in entries:
+        if value is not None and ALLOWED.fullmatch(key):
+            chosen[key] = value
+    lines = []
+    for key, value in chosen.items():
+        section, _, rest = key.partition(".")
+        subsection, _, name = rest.rpartition(".")
+        header = f"[{section} {quoted(subsection)}]" if subsection else f"[{section}]"
+        lines += [header, f"\t{name} = {quoted(value)}"]
+    return "\n".join(lines) + "\n"
+
+
+# The fallback scratch directory: root's, sticky, and mkdtemp makes a 0700 directory of its own in it.
+ROOT_TMP = "/tmp"  # noqa: S108
+
+
+def scratch_root():
+    """Where the view and other scratch go: the temp directory when only root can replace what is in it (owned by
+    root, and not writable by others unless sticky), else /tmp. A TMPDIR a user owns would let them swap the view's
+    config under git."""
+    candidate = tempfile.gettempdir()
+    try:
+        info = os.stat(candidate)
+    except OSError:
+        return ROOT_TMP
+    shared = info.st_mode & 0o022 and not info.st_mode & 0o1000
+    return candidate if info.st_uid == os.geteuid() == 0 and not shared else ROOT_TMP
+
+
+class View:
+    """The repository as git is shown it: the real git dir, a common dir of links whose config is only the
+    allowed keys (see the module's docstring). ``env`` is what every git call runs with; ``close()`` removes it."""
+
+    def __init__(self, git, top, git_dir, common, environ=None):
+        self.top = top
+        self.git_dir = git_dir
+        self.common = common
+        self.scratch = tempfile.mkdtemp(prefix="pve-gpu-recover-git-", dir=scratch_root())
+        self.dir = os.path.join(self.scratch, "common")
+        home = os.path.join(self.scratch, "home")
+        os.mkdir(self.dir, 0o700)
+        os.mkdir(home, 0o700)
+        base = git_env(top, environ)
+        # Read the real config with git's parser alone: no repository (GIT_DIR names none), no include followed.
+        done = subprocess.run(
+            [git, "config", "--file", os.path.join(common, "config"), "--list", "--null"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=dict(base, HOME=home, GIT_DIR=os.path.join(self.scratch, "none")),
+            cwd=self.scratch,
+            timeout=60,
+            check=False,
+        )
+        if done.returncode != 0 and os.path.exists(os.path.join(common, "config")):
+            said = done.stderr.decode(errors="replace").strip().splitlines()
+            raise ViewError(f"cannot read {common}/config: {said[-1] if said else 'no output'}")
+        self.config = parse_config_list(done.stdout)
+        for name in os.listdir(common):
+            if name not in NOT_LINKED:
+                os.symlink(os.path.join(common, name), os.path.join(self.dir, name))
+        with open(os.open(os.path.join(self.dir, "config"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(config_text(self.config))
+        self.env = dict(base, HOME=home, GIT_DIR=git_dir, GIT_COMMON_DIR=self.dir, GIT_WORK_TREE=top)
+        # git checks no owner with GIT_DIR given; should a later one, the repository is safe to read: its config is
+        # not read at all. (GIT_CONFIG_COUNT is command-line config, which git takes safe.directory from.)
+        self.env.update(
+            GIT_CONFIG_COUNT="2",
+            GIT_CONFIG_KEY_0="safe.directory",
+            GIT_CONFIG_VALUE_0=top,
+            GIT_CONFIG_KEY_1="safe.directory",
+            GIT_CONFIG_VALUE_1=git_dir,
+        )
+
+    def value(self, key):
+        """The last value of ``key`` in the real config (read, never given to git unless allowed), or None."""
+        found = [value for name, value in self.config if name == key]
+        return found[-1] if found else None
+
+    def close(self):
+        # The links are removed, never followed (rmtree does not follow a link).
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def first_error(err):
@@ -264,29 +451,191 @@ def _remove(path):
             os.unlink(path)
 
 
+# -- the work tree's entries, never through a link ---------------------------------------------------------
+def parent_fd(top, path):
+    """``(fd, name)``: the directory that holds ``path`` (relative to ``top``), each component opened with
+    O_NOFOLLOW, so that a directory the checkout turned into a link to elsewhere is never entered (OSError then)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    parts = path.split("/")
+    try:
+        for part in parts[:-1]:
+            deeper = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+class Hashing:
+    """A file object that hashes what is read from it (tarfile reads a member's bytes through it)."""
+
+    def __init__(self, handle, digest):
+        self.handle = handle
+        self.digest = digest
+
+    def read(self, size=-1):
+        data = self.handle.read(size)
+        self.digest.update(data)
+        return data
+
+
+def blob_digest(object_format):
+    """The hash of git's object ids in a repository of ``object_format`` (the caller feeds ``blob <size>\\0``)."""
+    return hashlib.sha256() if object_format == "sha256" else hashlib.sha1(usedforsecurity=False)
+
+
+def entry_digest(top, path, *, blob=None):
+    """``(kind, hex)`` of the work tree's entry at ``path`` now, read without following a link: ``file`` (sha256 of
+    its bytes) or ``link`` (sha256 of its target); None when it is gone or neither. ``blob`` ("sha1" or "sha256"):
+    the git blob id of the bytes instead (what ``git hash-object --no-filters`` prints)."""
+    try:
+        fd, name = parent_fd(top, path)
+    except OSError:
+        return None
+    try:
+        info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISLNK(info.st_mode):
+            data = os.fsencode(os.readlink(name, dir_fd=fd))
+            digest = blob_digest(blob) if blob else hashlib.sha256()
+            if blob:
+                digest.update(b"blob %d\0" % len(data))
+            digest.update(data)
+            return "link", digest.hexdigest()
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        handle = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        with os.fdopen(handle, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            digest = blob_digest(blob) if blob else hashlib.sha256()
+            if blob:
+                digest.update(b"blob %d\0" % size)
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        return "file", digest.hexdigest()
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def add_entry(tar, top, path):
+    """Add the work tree's entry at ``path`` to ``tar``, its bytes as they are on disk, never through a link; its
+    manifest record ``{"path", "kind", "sha256"}``, or None for a directory or anything else neither file nor link
+    (nothing of it is lost: a directory's files are entries of their own)."""
+    fd, name = parent_fd(top, path)
+    try:
+        info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        member = tarfile.TarInfo(path)
+        member.mode, member.mtime = stat.S_IMODE(info.st_mode), int(info.st_mtime)
+        if stat.S_ISLNK(info.st_mode):
+            target = os.readlink(name, dir_fd=fd)
+            member.type, member.linkname = tarfile.SYMTYPE, target
+            tar.addfile(member)
+            return {"path": path, "kind": "link", "sha256": hashlib.sha256(os.fsencode(target)).hexdigest()}
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        handle = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        with os.fdopen(handle, "rb") as f:
+            opened = os.fstat(f.fileno())
+            if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+                raise ResetError("backup", f"{shown(path)} was replaced while it was saved; run again")
+            member.size = opened.st_size
+            reader = Hashing(f, hashlib.sha256())
+            tar.addfile(member, reader)
+        return {"path": path, "kind": "file", "sha256": reader.digest.hexdigest()}
+    finally:
+        os.close(fd)
+
+
+def member_digest(tar, member):
+    """``(kind, sha256)`` of a member of a tarball the backup wrote."""
+    if member.issym():
+        return "link", hashlib.sha256(os.fsencode(member.linkname)).hexdigest()
+    digest = hashlib.sha256()
+    with tar.extractfile(member) as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return "file", digest.hexdigest()
+
+
+def remove_entry(top, path, want):
+    """Remove the file or link at ``path`` when it still is what was saved (``want``: ``(kind, sha256)``), never
+    through a link, and the directories it leaves empty; whether it was removed. A path under a directory that is
+    now a link (the checkout made it one) is left alone: the link's target is not the repository's."""
+    try:
+        fds = [os.open(top, os.O_RDONLY | os.O_DIRECTORY)]
+    except OSError:
+        return False
+    parts = path.split("/")
+    try:
+        for part in parts[:-1]:
+            try:
+                fds.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
+            except OSError:
+                return False  # gone, or a link now
+        if entry_digest(top, path) != want:
+            return False  # changed since it was saved (or a directory now): never removed unsaved
+        try:
+            os.unlink(parts[-1], dir_fd=fds[-1])
+        except OSError:
+            return False
+        for depth in range(len(parts) - 1, 0, -1):
+            try:
+                os.rmdir(parts[depth - 1], dir_fd=fds[depth - 1])
+            except OSError:
+                break
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def restore_text(top, directory, commit, *, head, branch, files):
-    """RESTORE.txt: what was saved and the commands that put it back (run in the repository's top)."""
+    """RESTORE.txt: what was saved and the commands that put it back (run in the repository's top). Every name a
+    user chose (the branch, the paths) is shell-quoted: the commands are pasted into a root shell."""
+    q = shlex.quote
     lines = [
         f"Saved by pve-gpu-recover (training_code) before {top} was reset to {commit}.",
-        f"HEAD was {head} ({f'branch {branch}' if branch else 'detached'}).",
+        f"HEAD was {head} ({'branch ' + q(branch) if branch else 'detached'}).",
         "",
-        f"To put the local changes back, in {top}:",
+        f"To put the local changes back, in {q(top)}:",
         "",
-        f"  git checkout {branch if branch else '--detach ' + head}",
+        f"  git checkout {q(branch) if branch else '--detach ' + q(head or '')}",
     ]
     if "changes.patch" in files:
         lines += [
-            f"  git apply {directory}/changes.patch          # every tracked change, staged or not",
-            f"  git apply --cached {directory}/staged.patch  # optional: stage again what was staged",
+            f"  git apply {q(directory + '/changes.patch')}          # every tracked change, staged or not",
+            f"  git apply --cached {q(directory + '/staged.patch')}  # optional: stage again what was staged",
         ]
+    if "changed.tar.gz" in files:
+        lines.append(
+            f"  tar -xzf {q(directory + '/changed.tar.gz')} -C {q(top)}  # the changed files' exact bytes (also what "
+            "a clean filter hid from the patch)"
+        )
     if "untracked.tar.gz" in files:
-        lines.append(f"  tar -xzf {directory}/untracked.tar.gz -C {top}  # the untracked files")
+        lines.append(f"  tar -xzf {q(directory + '/untracked.tar.gz')} -C {q(top)}  # the untracked files")
     lines += [
         "",
+        "manifest.json holds the sha256 of every saved file's bytes.",
         "To carry the changes onto the pinned commit instead (no checkout), use `git apply -3` for the patch.",
         "",
     ]
     return "\n".join(lines)
+
+
+STAMP_NAME = re.compile(r"(\d{8}T\d{6}Z)(?:-(\d+))?")
+
+
+def backups_in(root):
+    """The backup directories ``make_directory`` names (``<stamp>``, ``<stamp>-2``...) in ``root``, oldest first."""
+    found = []
+    for name in os.listdir(root):
+        match = STAMP_NAME.fullmatch(name)
+        if match:
+            found.append(((match.group(1), int(match.group(2) or 1)), name))
+    return [name for _, name in sorted(found)]
 
 
 class Reset:
@@ -299,13 +648,18 @@ class Reset:
         self.stamp = payload["stamp"]
         self.git_name = payload.get("git") or "git"
         self.budget = float(payload["timeout"])
+        self.keep = payload.get("keep")
         self.deadline = time.monotonic() + self.budget
         self.git = None
         self.git_dir = None
+        self.view = None
         self.backup = None  # the backup directory once written
+        self.saved = {}  # the tarballs' manifest records, by tarball
         self.touched = False  # whether anything of the repository was changed (step 5 on)
         if self.remote and self.remote.startswith("-"):
             raise ResetError("invalid", f"remote {self.remote!r} starts with '-'; give a remote's name or a URL")
+        if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
+            raise ResetError("invalid", f"keep is {self.keep!r}; keep at least the newest backup (1) or all (None)")
 
     # -- 1. re-check -------------------------------------------------------------------------------------------
     def check(self):
@@ -315,18 +669,17 @@ class Reset:
         if not os.path.isdir(self.top):
             raise ResetError("no_repository", f"there is no directory {self.path}")
         self.git = Git(git, self.top, self.deadline, self.budget)
-        rc, out, err = self.git.run("rev-parse", "--show-toplevel", "--absolute-git-dir")
-        if rc != 0:
-            raise ResetError(
-                "no_repository",
-                f"{self.path} is not a git work tree git can use: {first_error(err)}",
-                cmd=git_argv(git, self.top, ("rev-parse", "--show-toplevel", "--absolute-git-dir")),
-                rc=rc,
-                stderr=err,
-            )
-        toplevel, git_dir = out.decode("utf-8", "surrogateescape").splitlines()[:2]
-        if os.path.realpath(toplevel) != self.top:
-            raise ResetError("no_repository", f"the work tree of the repository at {self.path} is {toplevel}")
+        git_dir, common = locate(self.top)
+        if git_dir is None:
+            raise ResetError("no_repository", f"{self.path} is not a git work tree (no .git)")
+        try:
+            self.view = View(git, self.top, git_dir, common)
+        except (OSError, subprocess.SubprocessError, ViewError) as error:
+            raise ResetError("no_repository", f"cannot read the repository's config in {common}: {error}") from None
+        self.git.env = self.view.env
+        worktree = self.view.value("core.worktree")
+        if worktree is not None and os.path.realpath(os.path.join(git_dir, worktree)) != self.top:
+            raise ResetError("no_repository", f"the work tree of the repository at {self.path} is {worktree}")
         self.git_dir = git_dir
         root = os.path.realpath(self.root)
         if root == self.top or root.startswith(self.top.rstrip("/") + "/"):
@@ -339,7 +692,12 @@ class Reset:
         rc, out, _ = self.git.run("symbolic-ref", "-q", "--short", "HEAD")
         branch = out.decode(errors="replace").strip() if rc == 0 else None
         status = self.git.must(
-            "status", "--porcelain=v1", "-z", "--untracked-files=no", what="reading the status (`git status`)"
+            "status",
+            "--porcelain=v1",
+            "-z",
+            "--untracked-files=no",
+            "--ignore-submodules=dirty",
+            what="reading the status (`git status`)",
         )
         entries = status_entries(status)
         conflicts = [shown(path) for code, path, _ in entries if code in UNMERGED]
@@ -373,6 +731,7 @@ class Reset:
             )
         args = ("fetch", "--quiet", "--no-tags", "--no-recurse-submodules", self.remote, self.commit)
         rc, _, err = self.git.run(*args)
+        self.settle()
         if rc != 0:
             raise ResetError(
                 "fetch",
@@ -385,14 +744,67 @@ class Reset:
             raise ResetError("fetch", f"{self.remote} was fetched but it has no commit {self.commit}")
         return True
 
+    def settle(self):
+        """A file git rewrote in the view's common dir (it replaces a file by renaming a new one over it, so the
+        link is replaced, not followed) goes to the real common dir: a fetch into a shallow clone updates
+        ``shallow``."""
+        for name in ("shallow", "packed-refs"):
+            mine = os.path.join(self.view.dir, name)
+            if os.path.isfile(mine) and not os.path.islink(mine):
+                real = os.path.join(self.view.common, name)
+                shutil.copyfile(mine, f"{real}.pve-gpu-recover")
+                os.replace(f"{real}.pve-gpu-recover", real)
+
     # -- 4. save -----------------------------------------------------------------------------------------------
-    def save(self, head, branch, tracked, untracked):
-        """Write the backup directory and prove it restores the work tree; its description."""
+    def hidden(self, head, tracked, untracked):
+        """Files the checkout rewrites whose bytes differ from the index although git, trusting its stat cache,
+        calls them unchanged: a file added through a clean filter (a notebook through nbstripout) keeps its outputs
+        in the work tree while the blob has none. Only the files that differ between HEAD and the commit are
+        rewritten by the checkout, so only those are read."""
+        if head is None or head == self.commit:
+            return []
+        changed = {path for _, path, _ in tracked} | set(untracked)
+        rewritten = split_z(
+            self.git.must(
+                "diff",
+                "--name-only",
+                "-z",
+                "--no-renames",
+                head,
+                self.commit,
+                what="listing what the checkout rewrites",
+            )
+        )
+        rewritten = [p for p in rewritten if p not in changed]
+        if not rewritten:
+            return []
+        index = {}
+        for line in split_z(self.git.must("ls-files", "-s", "-z", what="reading the index (`git ls-files -s`)")):
+            info, _, path = line.partition("\t")
+            mode, sha, _ = info.split(" ", 2)
+            index[path] = (mode, sha)
+        object_format = (self.view.value("extensions.objectformat") or "sha1").lower()
+        found = []
+        for path in rewritten:
+            mode, sha = index.get(path, (None, None))
+            if mode in (None, "160000"):
+                continue
+            now = entry_digest(self.top, path, blob=object_format)
+            if now is not None and now[1] != sha:
+                found.append(path)
+        return found
+
+    def save(self, head, branch, tracked, untracked, hidden):
+        """Write the backup directory and prove it holds the work tree; its description."""
         changes = staged = b""
         if tracked:
-            changes = self.git.must("diff", *PATCH_ARGS, "HEAD", what="saving the changes (`git diff HEAD`)")
-            staged = self.git.must("diff", "--cached", *PATCH_ARGS, "HEAD", what="saving the staged changes")
-            if not changes:
+            changes = self.git.must(
+                "diff", *PATCH_ARGS, "--ignore-submodules=dirty", "HEAD", what="saving the changes (`git diff HEAD`)"
+            )
+            staged = self.git.must(
+                "diff", "--cached", *PATCH_ARGS, "--ignore-submodules=dirty", "HEAD", what="saving the staged changes"
+            )
+            if not changes and not staged:
                 raise ResetError(
                     "backup",
                     f"`git diff HEAD` shows nothing for {len(tracked)} changed paths (changes inside a submodule? "
@@ -402,11 +814,14 @@ class Reset:
             "status",
             "--porcelain=v1",
             "--untracked-files=all",
+            "--ignore-submodules=dirty",
             what="reading the status",
             config=["core.quotePath=false"],
         )
+        # The working tree's bytes of every changed file (a rename: its new name), whatever git's diff made of them.
+        files_of_changes = [path for _, path, _ in tracked] + hidden
         sizes = 0
-        for path in untracked:
+        for path in [*files_of_changes, *untracked]:
             with contextlib.suppress(OSError):
                 sizes += os.lstat(os.path.join(self.top, path)).st_size
         need, free = len(changes) + len(staged) + sizes + SPARE, free_bytes(self.root)
@@ -420,32 +835,37 @@ class Reset:
         directory = self.make_directory()
         self.backup = directory
         try:
-            files = []
+            files, manifest = [], {}
             if tracked:
                 write_file(os.path.join(directory, "changes.patch"), changes)
                 write_file(os.path.join(directory, "staged.patch"), staged)
                 files += ["changes.patch", "staged.patch"]
-            if untracked:
-                self.write_tarball(os.path.join(directory, "untracked.tar.gz"), untracked)
-                files.append("untracked.tar.gz")
+            for name, paths in (("changed.tar.gz", files_of_changes), ("untracked.tar.gz", untracked)):
+                records = self.write_tarball(os.path.join(directory, name), paths) if paths else None
+                if records is not None:
+                    manifest[name] = records
+                    files.append(name)
             write_file(os.path.join(directory, "HEAD"), f"{head or '(no commit)'}\n{branch or '(detached)'}\n".encode())
             write_file(os.path.join(directory, "status.txt"), status)
-            files += ["HEAD", "status.txt", "RESTORE.txt"]
+            write_file(os.path.join(directory, "manifest.json"), json.dumps(manifest, indent=1).encode())
+            files += ["HEAD", "status.txt", "manifest.json", "RESTORE.txt"]
             restore = restore_text(self.top, directory, self.commit, head=head, branch=branch, files=files)
             write_file(os.path.join(directory, "RESTORE.txt"), restore.encode())
             if tracked:
                 self.prove_patches(directory, head)
-            if untracked:
-                self.prove_tarball(os.path.join(directory, "untracked.tar.gz"), untracked)
+            for name, records in manifest.items():
+                self.prove_tarball(os.path.join(directory, name), records)
         except BaseException:
             _remove(directory)
             self.backup = None
             raise
+        self.saved = manifest
         return {
             "dir": directory,
             "files": sorted(files),
             "changed": len(tracked),
             "untracked": len(untracked),
+            "filtered": [shown(p) for p in hidden],
             "restore": os.path.join(directory, "RESTORE.txt"),
         }
 
@@ -461,25 +881,49 @@ class Reset:
             return directory
         raise ResetError("backup", f"{self.root} holds 99 backups named {self.stamp}*; remove some")
 
-    def write_tarball(self, target, untracked):
+    def write_tarball(self, target, paths):
+        """The entries at ``paths``, their bytes as on disk; the manifest's records of what it holds."""
+        records = []
         with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
             with tarfile.open(fileobj=handle, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
-                for path in untracked:
-                    tar.add(os.path.join(self.top, path), arcname=path, recursive=False)
+                for path in paths:
+                    try:
+                        record = add_entry(tar, self.top, path)
+                    except OSError as error:
+                        if error.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                            continue  # deleted, or a directory of it is not one now: the patch holds the deletion
+                        raise ResetError("backup", f"cannot save {shown(path)}: {error.strerror}") from None
+                    if record is not None:
+                        records.append(record)
             handle.flush()
             os.fsync(handle.fileno())
+        return records
 
-    def prove_tarball(self, target, untracked):
+    def prove_tarball(self, target, records):
+        """The tarball holds exactly the recorded entries, each with the bytes the work tree has NOW (read again,
+        never through a link): a file that changed while it was saved stops the run before anything is reset."""
+        want = {r["path"]: (r["kind"], r["sha256"]) for r in records}
         with tarfile.open(target, "r:gz") as tar:
-            names = tar.getnames()
-        if sorted(names) != sorted(untracked):
-            missing = sorted(set(untracked) - set(names))
-            raise ResetError("backup", f"{target} does not hold every untracked file (missing: {missing[:5]})")
+            got = {member.name: member_digest(tar, member) for member in tar.getmembers()}
+        if got != want:
+            wrong = sorted(shown(p) for p in set(got) ^ set(want) | {p for p in want if got.get(p) != want[p]})
+            raise ResetError("backup", f"{target} does not hold exactly the saved files (wrong: {wrong[:5]})")
+        moved = sorted(shown(p) for p, digest in want.items() if entry_digest(self.top, p) != digest)
+        if moved:
+            raise ResetError(
+                "backup", f"{', '.join(moved[:5])} changed while it was saved (a live job writing?); run again"
+            )
 
     def prove_patches(self, directory, head):
         """Each patch applied to the old HEAD in a throw-away index gives exactly the tree git records for the work
-        tree (changes.patch) and for the index (staged.patch)."""
-        with tempfile.TemporaryDirectory(prefix="pve-gpu-recover-") as scratch:
+        tree (changes.patch) and for the index (staged.patch). Every object git writes for this goes to a scratch
+        object directory: the repository is not written."""
+        with tempfile.TemporaryDirectory(prefix="pve-gpu-recover-", dir=scratch_root()) as scratch:
+            objects = {
+                "GIT_OBJECT_DIRECTORY": os.path.join(scratch, "objects"),
+                "GIT_ALTERNATE_OBJECT_DIRECTORIES": os.path.join(self.view.dir, "objects"),
+            }
+            os.mkdir(objects["GIT_OBJECT_DIRECTORY"])
             # On a copy of the index: stash create refreshes and rewrites the index it reads.
             index = os.path.join(scratch, "index")
             if os.path.exists(os.path.join(self.git_dir, "index")):
@@ -489,14 +933,16 @@ class Reset:
                 "create",
                 what="recording the work tree (`git stash create`)",
                 config=IDENTITY,
-                env={"GIT_INDEX_FILE": index},
+                env=dict(objects, GIT_INDEX_FILE=index),
             ).decode()
             if not stash.strip():
                 raise ResetError("backup", "`git stash create` recorded nothing although tracked files changed")
             trees = f"{stash.strip()}^{{tree}}", f"{stash.strip()}^2^{{tree}}"
-            work_tree, index_tree = self.git.must("rev-parse", *trees, what="reading its trees").decode().split()
+            work_tree, index_tree = (
+                self.git.must("rev-parse", *trees, what="reading its trees", env=objects).decode().split()
+            )
             for name, want in (("changes.patch", work_tree), ("staged.patch", index_tree)):
-                env = {"GIT_INDEX_FILE": os.path.join(scratch, f"{name}.index")}
+                env = dict(objects, GIT_INDEX_FILE=os.path.join(scratch, f"{name}.index"))
                 self.git.must("read-tree", head, what="reading the old HEAD into a scratch index", env=env)
                 patch = os.path.join(directory, name)
                 if os.path.getsize(patch):
@@ -540,6 +986,7 @@ class Reset:
                 "checkout",
                 "--quiet",
                 "--force",
+                "--no-recurse-submodules",
                 "--detach",
                 self.commit,
                 what=f"checking out {short(self.commit)}",
@@ -547,23 +994,34 @@ class Reset:
             )
 
     def remove(self, untracked):
-        """Remove the saved untracked files that the commit does not track; prune directories left empty."""
+        """Remove the saved untracked files that the commit does not track, exactly as they were saved, never
+        through a link (see :func:`remove_entry`); prune directories left empty."""
         tracked = set(split_z(self.git.must("ls-files", "-z", what="listing the tracked files")))
+        saved = {r["path"]: (r["kind"], r["sha256"]) for r in self.saved.get("untracked.tar.gz", [])}
         removed = []
         for path in untracked:
-            full = os.path.join(self.top, path)
-            if path in tracked or not os.path.lexists(full) or (os.path.isdir(full) and not os.path.islink(full)):
+            if path in tracked or path not in saved:
                 continue
-            os.unlink(full)
-            removed.append(shown(path))
-            parent = os.path.dirname(full)
-            while parent.startswith(self.top.rstrip("/") + "/"):
-                try:
-                    os.rmdir(parent)
-                except OSError:
-                    break
-                parent = os.path.dirname(parent)
+            if remove_entry(self.top, path, saved[path]):
+                removed.append(shown(path))
         return removed
+
+    def prune(self):
+        """Remove the oldest backups beyond ``keep`` (the newest ``keep`` stay, this run's among them); the names
+        removed."""
+        if self.keep is None or not os.path.isdir(self.root):
+            return []
+        names = backups_in(self.root)
+        current = os.path.basename(self.backup) if self.backup else None
+        older = [name for name in names if name != current]
+        room = self.keep - (1 if current else 0)
+        pruned = []
+        for name in older[: max(0, len(older) - room)]:
+            full = os.path.join(self.root, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+                pruned.append(name)
+        return pruned
 
     def execute(self):
         started = time.monotonic()
@@ -578,13 +1036,16 @@ class Reset:
                     f"{', '.join(shown(p) for p in in_the_way[:5])}; move them out of {self.path}",
                 )
         backup = kept = None
-        removed = []
+        removed, pruned = [], []
         if head != self.commit or tracked or untracked:
-            backup = self.save(head, branch, tracked, untracked) if tracked or untracked else None
+            hidden = self.hidden(head, tracked, untracked)
+            if tracked or untracked or hidden:
+                backup = self.save(head, branch, tracked, untracked, hidden)
             self.touched = True
             kept = self.keep_detached(head, branch)
             self.reset(head)
             removed = self.remove(untracked)
+            pruned = self.prune()
         now = self.git.must("rev-parse", "--verify", "HEAD^{commit}", what="reading HEAD").decode().strip()
         return {
             "head_before": head,
@@ -594,6 +1055,7 @@ class Reset:
             "backup": backup,
             "kept_ref": kept,
             "removed": removed,
+            "pruned": pruned,
             "seconds": round(time.monotonic() - started, 3),
         }
 
@@ -602,11 +1064,11 @@ def probe(payload):
     """ACTS: save the local changes of the repository in ``payload``, then put it at the commit; answer what was done.
 
     ``payload``: ``{"path", "commit" (full sha), "remote" (name, URL or None), "backup_dir", "git", "stamp"
-    ("20261203T101500Z"), "timeout" (s)}``.
+    ("20261203T101500Z"), "timeout" (s), "keep" (backups kept, None: every one)}``.
 
     Success: ``{"head_before", "branch_before", "head", "fetched", "backup" ({"dir", "files", "changed",
-    "untracked", "restore"} or None: nothing was dirty), "kept_ref", "removed", "seconds"}``. Failure: ``{"error",
-    "message", "cmd", "rc", "stderr_tail", "backup", "touched"}``.
+    "untracked", "filtered", "restore"} or None: nothing was dirty), "kept_ref", "removed", "pruned", "seconds"}``.
+    Failure: ``{"error", "message", "cmd", "rc", "stderr_tail", "backup", "touched"}``.
     """
     try:
         reset = Reset(payload)
@@ -629,5 +1091,8 @@ def probe(payload):
         where = f" ({error.filename})" if error.filename else ""
         failure = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
         failure["stderr_tail"] = ""
+    finally:
+        if reset.view is not None:
+            reset.view.close()
     failure.update(backup=reset.backup, touched=reset.touched)
     return failure

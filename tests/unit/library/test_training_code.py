@@ -7,6 +7,7 @@ experiments dirty it (a monkey-patch in the model file, a staged change, an untr
 a second repository as the remote. No network, no sleep.
 """
 
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -48,6 +49,7 @@ RESET_PAYLOAD = {
     "git": "git",
     "stamp": STAMP,
     "timeout": 600,
+    "keep": None,
 }
 
 
@@ -77,7 +79,16 @@ DIRTY = ct_answer(OTHER, status=" M model.py\0M  data.py\0?? notes.txt\0")
 RESET_DONE = ct_answer(PINNED, None)
 SAVED = {
     "dir": f"{BACKUPS}/{STAMP}",
-    "files": ["HEAD", "RESTORE.txt", "changes.patch", "staged.patch", "status.txt", "untracked.tar.gz"],
+    "files": [
+        "HEAD",
+        "RESTORE.txt",
+        "changed.tar.gz",
+        "changes.patch",
+        "manifest.json",
+        "staged.patch",
+        "status.txt",
+        "untracked.tar.gz",
+    ],
     "changed": 2,
     "untracked": 1,
     "restore": f"{BACKUPS}/{STAMP}/RESTORE.txt",
@@ -90,6 +101,7 @@ DONE = {
     "backup": SAVED,
     "kept_ref": None,
     "removed": ["notes.txt"],
+    "pruned": [],
     "seconds": 0.4,
 }
 
@@ -407,11 +419,20 @@ def test_a_dirty_tree_is_saved_restorably_then_reset_and_ignored_files_are_untou
     saved = lab.backups / STAMPS[0]
     assert real["backup"] == {
         "dir": str(saved),
-        "files": ["HEAD", "RESTORE.txt", "changes.patch", "staged.patch", "status.txt", "untracked.tar.gz"],
+        "files": [*SAVED["files"]],
         "changed": 3,
         "untracked": 1,
+        "filtered": [],
         "restore": str(saved / "RESTORE.txt"),
     }
+    # The exact bytes of every changed and untracked file, each one's sha256 in the manifest.
+    with tarfile.open(saved / "changed.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["data.py", "model.py", "vocab.bin"]
+        assert tar.extractfile("model.py").read() == PATCHED.encode()
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert {r["path"]: r["sha256"] for r in manifest["changed.tar.gz"]}["model.py"] == hashlib.sha256(
+        PATCHED.encode()
+    ).hexdigest()
     assert stat.S_IMODE(saved.stat().st_mode) == 0o700
     assert (saved / "HEAD").read_text() == f"{lab.later}\nmain\n"
     assert (saved / "status.txt").read_text().splitlines() == [
@@ -495,7 +516,15 @@ def test_at_the_commit_on_a_branch_the_tree_is_reset_and_the_branch_stays(lab, c
     ]
     assert (result["head"], result["branch"], result["kept_ref"]) == (lab.pinned, "known-good", None)
     assert (lab.repo / "model.py").read_text() == MODEL_V1 and lab.status() == ""
-    assert result["backup"]["files"] == ["HEAD", "RESTORE.txt", "changes.patch", "staged.patch", "status.txt"]
+    assert result["backup"]["files"] == [
+        "HEAD",
+        "RESTORE.txt",
+        "changed.tar.gz",
+        "changes.patch",
+        "manifest.json",
+        "staged.patch",
+        "status.txt",
+    ]
 
 
 def test_commits_on_a_detached_head_stay_reachable_through_a_ref(lab, capsys):

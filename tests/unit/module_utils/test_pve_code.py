@@ -139,6 +139,7 @@ def test_the_spec_validates_with_its_defaults():
         "remote": None,
         "backup_dir": "/var/backups/pve-gpu-recover/training_code",
         "git": "git",
+        "unattended": False,
     }
 
 
