@@ -30,7 +30,7 @@ from pathlib import Path
 PLAYBOOK = "recover.yml"
 UNATTENDED = "recover_unattended"
 # The steps that touch what a live job needs (docs/design.md, "Unattended mode"): their modules must honour it.
-UNATTENDED_STEPS = ("gpu_processes", "training_venv", "compile_cache")
+UNATTENDED_STEPS = ("gpu_processes", "training_code", "training_venv", "compile_cache")
 FACT_PASS = "target_facts"  # noqa: S105 (a module name)
 PROBE_HOST = "unattended-probe"
 PROBE_NODE = "unattended-probe-node"

@@ -145,7 +145,9 @@ class FakeAnsibleRunner:
 
 def probe_events(unattended=True):
     """The stand-in modules' results of drift/unattended.py's check run: what each module got."""
-    steps = {step: {"unattended": unattended} for step in ("gpu_processes", "training_venv", "compile_cache")}
+    from drift.unattended import UNATTENDED_STEPS  # noqa: PLC0415 (after ROOT is on sys.path)
+
+    steps = {step: {"unattended": unattended} for step in UNATTENDED_STEPS}
     calls = [("target_facts", {"steps": {"preflight": {}, **steps}})]
     calls += [(step, {"unattended": unattended}) for step in steps]
     return [

@@ -68,6 +68,7 @@ FILES = {
             locked_by: "{{ locked_by | default(omit) }}"
             steps:
               gpu_processes: {unattended: "{{ recover_unattended | default(false) }}"}
+              training_code: {unattended: "{{ recover_unattended | default(false) }}"}
               training_venv: {unattended: "{{ recover_unattended | default(false) }}"}
               compile_cache: {unattended: "{{ recover_unattended | default(false) }}"}
         - name: Assert no step found a problem
@@ -89,6 +90,13 @@ FILES = {
             window: "{{ venv_window | default([]) }}"
             unattended: "{{ recover_unattended | default(false) }}"
           when: ansible_facts.pve_gpu_recover.training_venv.pending
+        """,
+    "roles/training_code/tasks/main.yml": """\
+        - name: Reset the training code
+          training_code:
+            changes: []
+            unattended: "{{ recover_unattended | default(false) }}"
+          when: ansible_facts.pve_gpu_recover.training_code.pending | default(false)
         """,
     "roles/compile_cache/tasks/main.yml": """\
         - name: Purge stale caches
@@ -112,6 +120,9 @@ FILES = {
             - name: GPU processes
               ansible.builtin.import_role:
                 name: gpu_processes
+            - name: Training code
+              ansible.builtin.import_role:
+                name: training_code
             - name: Training venv
               ansible.builtin.import_role:
                 name: training_venv
@@ -143,7 +154,7 @@ def make_project(tmp_path):
         path = project / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
-    for step in ("training_venv", "compile_cache"):
+    for step in ("training_code", "training_venv", "compile_cache"):
         shutil.copy(project / "library" / "gpu_processes.py", project / "library" / f"{step}.py")
     (project / "plugins" / "callback").mkdir(parents=True)
     shutil.copy(ROOT / "plugins" / "callback" / "recover_report.py", project / "plugins" / "callback")

@@ -33,7 +33,7 @@ def test_unattended_false_anywhere_is_named(unattended):
     problems = contract(unattended, probe_events(unattended="no"))
     assert "the fact pass got gpu_processes's settings with unattended='no'" in problems
     assert "the compile_cache module ran with unattended='no'" in problems
-    assert len(problems) == 6
+    assert len(problems) == 8
 
 
 def test_a_module_that_never_ran_or_a_failed_run_is_refused_never_assumed(unattended):
@@ -47,6 +47,7 @@ def test_a_module_that_never_ran_or_a_failed_run_is_refused_never_assumed(unatte
     assert contract(unattended, []) == [
         "the fact pass (target_facts) never ran",
         "the gpu_processes module never ran with work pending",
+        "the training_code module never ran with work pending",
         "the training_venv module never ran with work pending",
         "the compile_cache module never ran with work pending",
     ]
