@@ -18,6 +18,7 @@ become :class:`TargetError` with one line that says what was found and what to d
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import json
 import os
@@ -26,6 +27,7 @@ import selectors
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -79,7 +81,7 @@ class TargetError(RecoverError):
     """A command could not be run where it should, or failed.
 
     ``kind`` is stable for code (``invalid``, ``missing``, ``stopped``, ``no_pct``, ``not_found``, ``timeout``,
-    ``failed``, ``probe``); ``str(error)`` is the message for ``fail_json(msg=...)``.
+    ``failed``, ``probe``, ``too_large``); ``str(error)`` is the message for ``fail_json(msg=...)``.
     """
 
     @classmethod
@@ -394,18 +396,18 @@ class Target:
     def run_probes(self, parts, *, python="python3", timeout=None):
         """Run several probe parts in the target in ONE process and return ``{name: {"answer"|"error", "seconds"}}``.
 
-        ``parts`` maps a name to ``(probe_module, payload)``. In a CT the modules' sources travel on stdin to the
-        CT's python through ONE ``pct exec``, each executed in a namespace of its own (so their helpers never
-        clash) and called in order; a part that raises reports its error without stopping the others. On a bare
-        host each part runs in this process (the module already runs there). The answer of a CT is untrusted:
-        anything but the expected JSON shape is a TargetError naming what came back.
+        ``parts`` maps a name to ``(probe_module, payload)``. In a CT the modules' sources and their payloads
+        travel as one JSON document on stdin to the CT's python through ONE ``pct exec`` (argv holds only the
+        fixed PROBES_MAIN: a payload such as a hashed lock can pass Linux's 128 KiB limit on one argument), each
+        executed in a namespace of its own (so their helpers never clash) and called in order; a part that raises
+        reports its error without stopping the others. On a bare host the parts run in this process, in a thread
+        waited for ``timeout`` + KILL_GRACE seconds at most: a part stuck on a hung mount or in the driver is an
+        error of kind ``wedged`` instead of a hung run. The answer of a CT is untrusted: anything but the expected
+        JSON shape is a TargetError naming what came back.
         """
         if not self.is_container:
-            return {name: run_part(module.probe, payload) for name, (module, payload) in parts.items()}
-        sources = {name: inspect.getsource(module) for name, (module, _) in parts.items()}
-        payloads = {name: payload for name, (_, payload) in parts.items()}
-        program = PROBES_MAIN.replace("SOURCES", repr(json.dumps(sources)))
-        result = self.run([python, "-I", "-", json.dumps(payloads)], stdin=program, timeout=timeout, check=False)
+            return run_parts_bounded(parts, int(timeout or self.timeout) + KILL_GRACE, self.label)
+        result = self.run(probes_argv(python), stdin=probes_input(parts), timeout=timeout, check=False)
         try:
             answer = json.loads(result.stdout)
         except ValueError:
@@ -446,6 +448,18 @@ class Target:
                 f"`{argv[0]}` with a deadline)",
                 kind="not_found",
                 cmd=wrapped,
+            ) from None
+        except OSError as error:
+            if error.errno != errno.E2BIG:
+                raise
+            # A size limit is an error that says so, never a traceback (large data goes on stdin).
+            longest = max(len(str(a).encode()) for a in wrapped)
+            raise TargetError(
+                f"{self.label}: the command line of `{argv[0]}` is too large for the kernel (E2BIG: "
+                f"{sum(len(str(a).encode()) + 1 for a in wrapped)} bytes, the longest argument {longest} bytes; "
+                f"Linux allows 128 KiB per argument): send large data on stdin",
+                kind="too_large",
+                cmd=[str(a)[:200] for a in wrapped],
             ) from None
 
     @staticmethod
@@ -513,14 +527,63 @@ def run_part(function, payload):
         return {"error": f"{type(error).__name__}: {error}", "seconds": round(time.monotonic() - started, 3)}
 
 
-# What the CT's python runs (fed on stdin): each part's source in a module of its own, then probe(payload) of
-# each, in order; the answers as one JSON object on stdout. Standard library only, Python 3.9+.
+def run_parts_bounded(parts, seconds, label, clock=time.monotonic):
+    """The bare host's run_probes: each part of ``parts`` in order in a daemon thread, waited for ``seconds``.
+
+    A part that has not answered by then (and every part after it) gets ``{"error": "wedged: ...", "wedged":
+    True}``; the thread is left behind (a daemon: the module's exit ends it; a wait on a hung NFS or FUSE mount
+    is killable).
+    """
+    answers = {}
+    worker = threading.Thread(
+        target=lambda: answers.update((n, run_part(m.probe, p)) for n, (m, p) in parts.items()),
+        name="probe parts",
+        daemon=True,
+    )
+    started = clock()
+    worker.start()
+    worker.join(seconds)
+    if not worker.is_alive():
+        return answers
+    done = dict(answers)  # a copy: the stuck thread may still add to answers
+    for name in parts:
+        if name not in done:
+            done[name] = {
+                "error": f"wedged: no answer within {seconds} s on {label} (a hung NFS/FUSE mount or a device stuck "
+                f"in the driver: look for processes in state D); the part was abandoned",
+                "wedged": True,
+                "seconds": round(clock() - started, 3),
+            }
+    return done
+
+
+def probes_argv(python):
+    """``[python, "-I", "-c", PROBES_MAIN]``: the probe program's argv, fixed whatever the payloads (pure)."""
+    return [python, "-I", "-c", PROBES_MAIN]
+
+
+def probes_input(parts):
+    """The stdin of PROBES_MAIN for ``parts`` (``{name: (module, payload)}``): one JSON document holding each
+    part's source and payload. Data, never argv: a hashed lock of a full ML stack is larger than one argument
+    may be (MAX_ARG_STRLEN, 128 KiB)."""
+    return json.dumps(
+        {
+            "sources": {name: inspect.getsource(module) for name, (module, _) in parts.items()},
+            "payloads": {name: payload for name, (_, payload) in parts.items()},
+        }
+    )
+
+
+# What the CT's python runs (``-c``; the parts come on stdin, see probes_input): each part's source in a module
+# of its own, then probe(payload) of each, in order; the answers as one JSON object on stdout. Standard library
+# only, Python 3.9+.
 PROBES_MAIN = """
 import json, sys, time, types
 
 answers = {}
-payloads = json.loads(sys.argv[1])
-for name, source in json.loads(SOURCES).items():
+given = json.loads(sys.stdin.buffer.read())
+payloads = given["payloads"]
+for name, source in given["sources"].items():
     started = time.monotonic()
     try:
         module = types.ModuleType("pve_probe_" + name)
