@@ -273,6 +273,11 @@ def evaluate_steps(specs, target, answers, context, *, clock=time.monotonic, nod
     return context["steps"]
 
 
+def lock_who(lock):
+    """The lock's record of who runs this run, beside its run id: ``{owner, controller, controller_pid}``."""
+    return {key: lock.get(key) for key in ("owner", "controller", "controller_pid")}
+
+
 def fact_pass(target, specs, *, lock, python="python3", check_mode=False, warn=None, clock=time.monotonic):
     """The fact pass of one target: take its run lock, read every step's facts in ONE probe, decide the lock.
 
@@ -301,18 +306,19 @@ def fact_pass(target, specs, *, lock, python="python3", check_mode=False, warn=N
     except BaseException:
         for read in node_reads.values():
             read.finish()  # nothing of this pass is left running once it has failed, but a wedged read
-        pve_lock.change_lock("absent", vmid=target.vmid, lock_dir=lock["lock_dir"], run_id=lock["run_id"])
+        pve_lock.change_lock("absent", vmid=target.vmid, **lock)  # released as the very run that took it
         raise
     problems = [problem for facts in steps.values() for problem in facts["problems"]]
     pending = [name for name, facts in steps.items() if facts["pending"]]
     keep = bool(pending) and not problems
     if not keep:
-        pve_lock.change_lock("absent", vmid=target.vmid, lock_dir=lock["lock_dir"], run_id=lock["run_id"])
+        pve_lock.change_lock("absent", vmid=target.vmid, **lock)
     preflight = steps[pve_preflight.NAME]
     return {
         "run_id": lock["run_id"],
         "target": dict(context["target"], hostname=preflight.get("hostname")),
-        "lock": {"path": taken["path"], "held": keep, "action": taken["action"]},
+        # `who`: what the release must name besides the run id (module_utils/pve_lock: "One run").
+        "lock": {"path": taken["path"], "held": keep, "action": taken["action"], "who": lock_who(lock)},
         "pending": pending,
         "problems": problems,
         "seconds": round(clock() - started, 3),

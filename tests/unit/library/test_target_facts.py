@@ -85,7 +85,12 @@ def test_preflight_cases(case, check_mode, tmp_path, monkeypatch, capsys):
     # A preflight-only pass has no work: the lock is released in the same execution, failed or not.
     assert list(tmp_path.iterdir()) == []
     if facts:
-        assert facts["lock"] == {"path": str(tmp_path / "ct-200.lock"), "held": False, "action": "taken"}
+        assert facts["lock"] == {
+            "path": str(tmp_path / "ct-200.lock"),
+            "held": False,
+            "action": "taken",
+            "who": {"owner": "alice@ctl", "controller": None, "controller_pid": None},
+        }
         assert facts["problems"] == facts["preflight"]["problems"]
         assert facts["preflight"]["problems"] == [c["detail"] for c in facts["preflight"]["checks"] if not c["ok"]]
         assert result["changed"] is False
