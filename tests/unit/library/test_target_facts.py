@@ -92,7 +92,9 @@ def test_preflight_cases(case, check_mode, tmp_path, monkeypatch, capsys):
             "who": {"owner": "alice@ctl", "controller": None, "controller_pid": None},
         }
         assert facts["problems"] == facts["preflight"]["problems"]
-        assert facts["preflight"]["problems"] == [c["detail"] for c in facts["preflight"]["checks"] if not c["ok"]]
+        failed = [c for c in facts["preflight"]["checks"] if not c["ok"]]
+        assert facts["preflight"]["problems"] == [c["detail"] for c in failed if c["severity"] == "fail"]
+        assert facts["preflight"]["warnings"] == [c["detail"] for c in failed if c["severity"] == "warn"]
         assert result["changed"] is False
         # A problem fails the pass itself, with every problem at once; the facts come back all the same.
         if facts["problems"]:

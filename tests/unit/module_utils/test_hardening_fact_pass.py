@@ -6,11 +6,12 @@ import threading
 import time
 from pathlib import Path
 
+import target_facts
 import yaml
 from ansible.module_utils import pve_gpu_cleanup, pve_preflight, pve_steps
 from ansible.module_utils.pve_target import Target
 
-from tests.fakes import FakeRunner
+from tests.fakes import FakeRunner, run_module
 
 ROOT = Path(__file__).resolve().parents[3]
 ANCHORS = yaml.safe_load((ROOT / "tests/unit/library/test_target_facts.yaml").read_text())["anchors"]
@@ -49,3 +50,20 @@ def test_a_wedged_node_read_is_a_named_problem_and_the_lock_is_released(tmp_path
     assert facts["lock"]["held"] is False
     assert list(tmp_path.iterdir()) == []  # the lock is gone now, not after its 2 h ttl
     runner.assert_done()
+
+
+def test_low_disk_is_a_warning_of_the_pass_before_it_is_a_failure(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(pve_preflight, "read_node_driver_version", lambda path: "580.159.04")
+    answer = dict(ANCHORS["healthy"], space={"path": "/opt", "existing": "/", "free_bytes": 30 * 1024**3})
+    argv = [*ANCHORS["probe_argv"], json.dumps({"preflight": ANCHORS["payload"]})]
+    runner = FakeRunner((argv, (0, json.dumps({"preflight": {"answer": answer}}), "")))
+    args = {"run_id": "run-1", "owner": "alice@ctl", "lock_dir": str(tmp_path), "vmid": 200}
+    result = run_module(
+        target_facts, dict(args, steps={"preflight": {"expected_gpu_count": 2}}), runner, monkeypatch, capsys
+    )
+    assert not result.get("failed")
+    facts = result["ansible_facts"]["pve_gpu_recover"]
+    assert facts["problems"] == []
+    shown = [w["event"]["msg"] if isinstance(w, dict) else w for w in result["warnings"]]
+    assert shown == facts["preflight"]["warnings"]
+    assert "below the warning threshold of 40 GiB (preflight_warn_free_gib)" in shown[0]
