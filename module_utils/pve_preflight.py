@@ -42,8 +42,8 @@ SPEC = {
     "space_path": {"type": "path", "default": "/opt"},
     "min_free_gib": {"type": "float", "default": 20.0},
     # Below this (and above min_free_gib) the disk check warns: an unattended run sees space going before a
-    # rebuild fails for it. None: no warning.
-    "warn_free_gib": {"type": "float", "default": 40.0},
+    # rebuild fails for it. None: twice min_free_gib; 0: no warning.
+    "warn_free_gib": {"type": "float"},
     "expected_gpu_count": {"type": "int"},
     "kernel_version_file": {"type": "path", "default": KERNEL_VERSION_FILE},
     "library_globs": {"type": "list", "elements": "str", "default": list(LIBRARY_GLOBS)},
@@ -57,12 +57,18 @@ BASIC_GPU_FIELDS = tuple(f for f in GPU_FIELDS if f[0] not in OPTIONAL_GPU_FIELD
 def check_spec(spec):
     """A sentence when the settings cannot work, else None."""
     warn, low = spec.get("warn_free_gib"), spec["min_free_gib"]
-    if warn is not None and warn < low:
+    if warn and warn < low:
         return (
             f"warn_free_gib {warn:g} is below min_free_gib {low:g}: the warning would never come before the "
-            f"failure; set preflight_warn_free_gib above preflight_min_free_gib (or null for no warning)"
+            f"failure; set preflight_warn_free_gib above preflight_min_free_gib (null: twice it, 0: no warning)"
         )
     return None
+
+
+def warn_threshold(spec):
+    """The free GiB under which the disk check warns: ``warn_free_gib``, or twice ``min_free_gib`` when unset."""
+    warn = spec.get("warn_free_gib")
+    return 2 * spec["min_free_gib"] if warn is None else warn
 
 
 def probe_payload(spec, timeout=60):
@@ -145,7 +151,7 @@ def evaluate_step(spec, answer, node, context):
         min_free_gib=spec["min_free_gib"],
         expected_gpu_count=spec["expected_gpu_count"],
         space_path=spec["space_path"],
-        warn_free_gib=spec.get("warn_free_gib"),
+        warn_free_gib=warn_threshold(spec),
     )
     failure = facts.pop("nvidia_smi_failure")
     return dict(
@@ -270,7 +276,7 @@ def evaluate(
 
 
 def disk_check(label, space, space_path, min_free_gib, warn_free_gib):
-    """The disk check: a problem under ``min_free_gib``, a warning under ``warn_free_gib`` (None: none), so that an
+    """The disk check: a problem under ``min_free_gib``, a warning under ``warn_free_gib`` (0 or None: none), so that an
     unattended run reports the space going before a rebuild fails for want of it; pure.
 
     >>> disk_check("CT 200", {"free_bytes": 30 * GIB, "existing": "/"}, "/opt", 20, 40)["severity"]
@@ -281,7 +287,7 @@ def disk_check(label, space, space_path, min_free_gib, warn_free_gib):
     if free_gib < min_free_gib:
         detail = where + f"a new venv needs {min_free_gib:g} GiB: free space there or lower preflight_min_free_gib"
         return {"name": "disk", "ok": False, "severity": "fail", "detail": detail}
-    if warn_free_gib is not None and free_gib < warn_free_gib:
+    if warn_free_gib and free_gib < warn_free_gib:
         detail = where + (
             f"below the warning threshold of {warn_free_gib:g} GiB (preflight_warn_free_gib); a new venv fails "
             f"under {min_free_gib:g} GiB: free space there (old venv versions, caches) before it runs out"

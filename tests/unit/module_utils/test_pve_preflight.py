@@ -77,8 +77,8 @@ def test_free_disk_between_the_thresholds_is_a_named_warning_not_a_problem():
 
 @pytest.mark.parametrize(
     ("gib", "warn", "problems", "warnings"),
-    [(10, 40.0, 1, 0), (50, 40.0, 0, 0), (30, None, 0, 0), (20, 40.0, 0, 1)],
-    ids=["below_min_is_a_problem_only", "above_warn", "warning_off", "at_min_warns"],
+    [(10, 40.0, 1, 0), (50, 40.0, 0, 0), (30, 0.0, 0, 0), (20, 40.0, 0, 1), (39, None, 0, 1), (41, None, 0, 0)],
+    ids=["below_min_is_a_problem_only", "above_warn", "warning_off", "at_min_warns", "twice_min", "above_twice"],
 )
 def test_disk_thresholds(gib, warn, problems, warnings):
     spec = dict(SPEC, warn_free_gib=warn)
@@ -89,3 +89,4 @@ def test_disk_thresholds(gib, warn, problems, warnings):
 def test_a_warning_threshold_below_the_minimum_is_refused():
     assert "warn_free_gib 10 is below min_free_gib 20" in pve_preflight.check_spec(dict(SPEC, warn_free_gib=10.0))
     assert pve_preflight.check_spec(SPEC) is None
+    assert pve_preflight.check_spec(dict(SPEC, min_free_gib=100000.0)) is None  # unset: twice the minimum
