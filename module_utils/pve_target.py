@@ -101,6 +101,7 @@ class CommandResult:
     seconds: float = 0.0
     timed_out: bool = field(default=False)
     truncated: bool = field(default=False)  # a stream was longer than run_local's output_cap: only its head is kept
+    abandoned: bool = field(default=False)  # it outlived SIGKILL (state D) and was left behind unreaped
 
 
 def validate_vmid(value):
@@ -156,6 +157,7 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap
             kill_group(proc)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(REAP_GRACE)
+    abandoned = proc.returncode is None  # never waited for again: a D-state process may never exit
     return CommandResult(
         argv=list(argv),
         rc=proc.returncode if proc.returncode is not None else -signal.SIGKILL,
@@ -164,6 +166,7 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap
         seconds=round(time.monotonic() - started, 3),
         timed_out=timed_out,
         truncated=out.dropped > 0 or err.dropped > 0,
+        abandoned=abandoned,
     )
 
 
@@ -495,8 +498,13 @@ class Target:
     def _raise_for_wrapper(self, result, argv, seconds):
         self._raise_for_pct(result)
         if result.timed_out or (result.rc == EXIT_TIMEOUT and result.seconds >= seconds - 0.5):
+            left = (
+                "; it did not exit after SIGKILL (stuck in the kernel or the driver, state D) and was left behind"
+                if getattr(result, "abandoned", False)
+                else ""
+            )
             raise TargetError.of(
-                f"{self.label}: `{' '.join(map(str, argv))}` timed out after {seconds} s and was killed",
+                f"{self.label}: `{' '.join(map(str, argv))}` timed out after {seconds} s and was killed{left}",
                 result,
                 kind="timeout",
             )

@@ -208,3 +208,14 @@ def state_of(pid):
             return handle.read().rsplit(") ", 1)[1][0]
     except OSError:
         return "gone"
+
+
+def test_a_command_that_outlives_sigkill_is_left_behind_and_named(monkeypatch):
+    monkeypatch.setattr(pve_target.subprocess, "Popen", UnkillablePopen)
+    monkeypatch.setattr(UnkillablePopen, "poll", lambda self: None)  # never exits, as in state D
+    started = time.monotonic()
+    result = pve_target.run_local(["sleep", "30"], timeout=1)
+    assert time.monotonic() - started < 5
+    assert (result.timed_out, result.abandoned, result.rc) == (True, True, -9)
+    with pytest.raises(TargetError, match=r"did not exit after SIGKILL \(stuck in the kernel or the driver"):
+        Target(node="gpu1", runner=lambda argv, **kwargs: result).run(["nvidia-smi"])
