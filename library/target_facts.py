@@ -65,7 +65,9 @@ options:
       - Pid of the process that runs the play on the controller, recorded in the lock.
       - Unset, the action records C(PVE_GPU_RECOVER_CONTROLLER_PID) from the environment, which the
         C(recover_report) callback sets to the pid of ansible-playbook (the drift runner clears any value it
-        inherited).
+        inherited), else the pid of the worker's parent (ansible-playbook, which forks its workers).
+      - With I(run_id), I(owner) and I(controller) it makes the run's identity in the lock: two runs under one
+        run id are told apart by it.
     type: int
   lock_ttl:
     description:
