@@ -66,7 +66,7 @@ options:
       - Unset, the action records C(PVE_GPU_RECOVER_CONTROLLER_PID) from the environment, which the
         C(recover_report) callback sets to the pid of ansible-playbook (the drift runner clears any value it
         inherited), else the pid of the worker's parent (ansible-playbook, which forks its workers).
-      - With I(run_id), I(owner) and I(controller) it makes the run's identity in the lock: two runs under one
+      - With I(run_id), I(owner) and I(controller) it makes the run's identity in the lock; two runs under one
         run id are told apart by it.
     type: int
   lock_ttl:
