@@ -10,8 +10,9 @@ Every module of this project that touches a container or a host goes through :cl
   hangs is killed in the CT too, not only the ``pct`` client on the node);
 * without a vmid, the same command runs on this host (the module already runs there).
 
-argv is always a list and never reaches a shell; the vmid is an integer in Proxmox's range before it is ever
-formatted. Failures of ``pct`` itself (container missing or stopped, ``pct`` missing, a command missing inside)
+argv is always a list and never reaches a shell, and it carries no data: anything large (probe payloads, a hashed
+lock, file content) goes on stdin, since Linux refuses one argument over 128 KiB (an argv it refuses all the same
+is a TargetError of kind ``too_large``). The vmid is an integer in Proxmox's range before it is ever formatted. Failures of ``pct`` itself (container missing or stopped, ``pct`` missing, a command missing inside)
 become :class:`TargetError` with one line that says what was found and what to do.
 """
 
@@ -129,7 +130,8 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap
     is killed and what is left in the pipes is read for at most DRAIN_GRACE more, so a detached child (one that
     called setsid and keeps stdout open) or a process stuck in the driver cannot hold the run. Each stream keeps
     its first ``output_cap`` bytes; the rest is read and dropped (``truncated`` says so), so a command that prints
-    without end never grows memory. A leader that outlives SIGKILL (state D) is left unreaped with rc -9.
+    without end never grows memory. A leader that outlives SIGKILL (state D) is left unreaped with rc -9 and
+    ``abandoned`` set: no wait here is without a deadline.
 
     Raises FileNotFoundError when argv[0] does not exist (the caller turns it into a clear TargetError).
     """

@@ -127,3 +127,10 @@ def test_target_lock_releases_only_the_very_run_that_took_it(tmp_path, capsys):
     assert held_by(tmp_path)["controller_pid"] == 4101
     mine = run_target_lock(dict(base, controller="runner1", controller_pid=4101, state="absent"), capsys)
     assert mine["action"] == "released"
+
+
+def test_the_start_time_is_the_one_the_node_side_process_reads_use():
+    from ansible.module_utils import pve_process  # noqa: PLC0415 (only this test needs it)
+
+    assert pve_lock.process_start(os.getpid()) == pve_process.read_stat(os.getpid())[2]
+    assert pve_lock.process_start(dead_pid()) is None
