@@ -12,8 +12,9 @@ Every module of this project that touches a container or a host goes through :cl
 
 argv is always a list and never reaches a shell, and it carries no data: anything large (probe payloads, a hashed
 lock, file content) goes on stdin, since Linux refuses one argument over 128 KiB (an argv it refuses all the same
-is a TargetError of kind ``too_large``). The vmid is an integer in Proxmox's range before it is ever formatted. Failures of ``pct`` itself (container missing or stopped, ``pct`` missing, a command missing inside)
-become :class:`TargetError` with one line that says what was found and what to do.
+is a TargetError of kind ``too_large``). The vmid is an integer in Proxmox's range before it is ever formatted.
+Failures of ``pct`` itself (container missing or stopped, ``pct`` missing, a command missing inside) become
+:class:`TargetError` with one line that says what was found and what to do.
 """
 
 from __future__ import annotations
