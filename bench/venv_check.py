@@ -13,8 +13,8 @@ machines keep torch 2.13.0+cpu for Python 3.11 in /opt/wheels) and its runtime d
 Interleaved in one loop, medians of ``--runs``:
 
 * ``check``: the fact pass's venv part as a converged run ships it: module_utils/pve_probe_training_venv.py fed to
-  ``python3 -I -`` with the probe runner (Target.run_probes' program), then ``pve_venv.evaluate_step`` against a
-  lock made from the venv itself (in spec);
+  ``python3 -I -c PROBES_MAIN`` with the probe runner (Target.run_probes' program), then
+  ``pve_venv.evaluate_step`` against a lock made from the venv itself (in spec);
 * ``import``: ``<venv>/bin/python -c "import torch"``, what a check that imports torch costs.
 """
 
@@ -60,11 +60,9 @@ def timed(argv, stdin=None):
 
 def read_venv(venv, python):
     """The probe part's answer for ``venv``, run as the fact pass runs it: ``(seconds, answer)``."""
-    program = PROBES_MAIN.replace(
-        "SOURCES", repr(json.dumps({"training_venv": inspect.getsource(pve_probe_training_venv)}))
-    )
-    payload = json.dumps({"training_venv": {"path": venv, "timeout": 60}})
-    seconds, out = timed([python, "-I", "-", payload], stdin=program)
+    sources = {"training_venv": inspect.getsource(pve_probe_training_venv)}
+    program = json.dumps({"sources": sources, "payloads": {"training_venv": {"path": venv, "timeout": 60}}})
+    seconds, out = timed([python, "-I", "-c", PROBES_MAIN], stdin=program)
     return seconds, json.loads(out)["training_venv"]["answer"]
 
 

@@ -65,7 +65,9 @@ options:
       - Pid of the process that runs the play on the controller, recorded in the lock.
       - Unset, the action records C(PVE_GPU_RECOVER_CONTROLLER_PID) from the environment, which the
         C(recover_report) callback sets to the pid of ansible-playbook (the drift runner clears any value it
-        inherited).
+        inherited), else the pid of the worker's parent (ansible-playbook, which forks its workers).
+      - With I(run_id), I(owner) and I(controller) it makes the run's identity in the lock; two runs under one
+        run id are told apart by it.
     type: int
   lock_ttl:
     description:
@@ -154,11 +156,14 @@ ansible_facts:
   contains:
     pve_gpu_recover:
       description:
-        - C(run_id), C(target) (label, vmid, node, hostname), C(lock) (path, held, action), C(pending) (the steps
+        - C(run_id), C(target) (label, vmid, node, hostname), C(lock) (path, held, action, and C(who), the owner,
+          controller and controller_pid the lock was taken with, which its release must name), C(pending) (the steps
           with work, in order), C(problems) (every step's, in order), C(seconds) (the whole pass).
         - Then one key per step read. Every step has C(changes) (one line per thing a run would change),
           C(problems) (one sentence per thing that stops the step), C(diff) (before/after), C(pending) (its acting
-          task has work) and C(seconds); a step whose facts could not be read has C(error) instead of its own keys.
+          task has work) and C(seconds); a step whose facts could not be read has C(error) instead of its own keys,
+          and C(error_kind=wedged) when a read never answered within the target's budget (a hung mount, a process
+          stuck in the driver; the pass goes on without it and releases the lock).
         - C(preflight) adds C(checks) (name, ok, detail), C(gpus) (every field of the GPU query, as the target
           numbers them), C(gpu_uuids), C(devices), C(node_driver_version), C(target_driver_version),
           C(nvml_library_versions), C(space), C(python_version), C(hostname) and C(nvidia_smi_error).
@@ -179,7 +184,8 @@ ansible_facts:
       sample:
         run_id: 20261203T101500Z-3f2a1c
         target: {label: CT 200 on pve1, vmid: 200, node: pve1, hostname: ct200}
-        lock: {path: /run/lock/pve-gpu-recover/ct-200.lock, held: false, action: taken}
+        lock: {path: /run/lock/pve-gpu-recover/ct-200.lock, held: false, action: taken,
+               who: {owner: alice@controller, controller: controller, controller_pid: 4242}}
         pending: []
         problems: []
         seconds: 0.21

@@ -15,11 +15,14 @@ description:
     symlink; a FIFO, a directory or unreadable content at the lock's name is reported as found, never waited on.
     Every change happens under C(flock) of the directory, so two runs that find the same stale lock cannot both
     take it.
-  - I(state=present) takes the lock for I(run_id); the same run taking it again is a no-op. Another run's lock
+  - A lock is a run's only when I(run_id), I(owner), I(controller) and I(controller_pid) all match the lock
+    file; two runs sharing a run id (a ticket id, a retried CI job) are two runs.
+  - I(state=present) takes the lock for the run; the same run taking it again is a no-op. Another run's lock
     fails the task with who holds it, since when, from which controller, why it still holds and what to do. A lock
     older than I(ttl) seconds, dated more than a minute in the future, or whose controller is this machine and
-    whose pid is gone, is taken over with a warning; the stale file is renamed aside, not deleted.
-  - I(state=absent) releases the lock of I(run_id); a lock of another run is left alone.
+    whose pid is gone, is taken over with a warning; the stale file is renamed aside, not deleted. Never while the
+    node-side module that wrote it still runs (its pid and start time are in the lock).
+  - I(state=absent) releases the lock of the run; a lock of another run is left alone.
   - The lock lives on the node in C(/run/lock), so a node reboot clears it.
 version_added: "0.1.0"
 author: pve-gpu-recover contributors
@@ -64,6 +67,15 @@ options:
       - Directory on the node that holds the lock files.
     type: path
     default: /run/lock/pve-gpu-recover
+  controller:
+    description:
+      - Host name of the controller that runs the play, recorded in (or compared with) the lock.
+      - To release the lock the fact pass took, give what it recorded (C(ansible_facts.pve_gpu_recover.lock.who)).
+    type: str
+  controller_pid:
+    description:
+      - Pid of the process that runs the play on the controller, recorded in (or compared with) the lock.
+    type: int
 notes:
   - "recover.yml takes the lock in its fact pass (M(target_facts), same rules, same file), which also releases it
     when a run has nothing to do or a step found a problem. Otherwise this module releases it after the last
@@ -84,6 +96,9 @@ EXAMPLES = r"""
   target_lock:
     vmid: 200
     run_id: "{{ ansible_facts.pve_gpu_recover.run_id }}"
+    owner: "{{ ansible_facts.pve_gpu_recover.lock.who.owner }}"
+    controller: "{{ ansible_facts.pve_gpu_recover.lock.who.controller | default(omit, true) }}"
+    controller_pid: "{{ ansible_facts.pve_gpu_recover.lock.who.controller_pid | default(omit, true) }}"
     state: absent
   delegate_to: pve1
 """
@@ -147,6 +162,8 @@ def main():
             "owner": {"type": "str", "default": "unknown"},
             "ttl": {"type": "int", "default": DEFAULT_TTL},
             "lock_dir": {"type": "path", "default": DEFAULT_LOCK_DIR},
+            "controller": {"type": "str"},
+            "controller_pid": {"type": "int"},
         },
         supports_check_mode=True,
     )
@@ -161,6 +178,8 @@ def main():
             ttl=p["ttl"],
             check_mode=module.check_mode,
             warn=module.warn,
+            controller=p["controller"],
+            controller_pid=p["controller_pid"],
         )
     except RecoverError as error:
         # Under one key: a top-level `path` makes Ansible add that file's attributes to the failed result.

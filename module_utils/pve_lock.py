@@ -13,11 +13,13 @@ Rules (the role README copies them):
   as (root), and writable by nobody else (no group or world write bit). A missing one is created with mode 0755.
   Anything else is refused with ``LockError(kind="unsafe")`` naming what was found and how to fix it, in check
   mode too: whoever can write there could forge or remove locks, or plant a symlink for root to follow.
-* **The lock file.** A JSON object ``{run_id, owner, created, ttl, pid}``, plus ``controller`` (host name) and
-  ``controller_pid`` when the caller gives them. It is written to a new temporary file (``O_CREAT|O_EXCL|
-  O_NOFOLLOW``) and hard-linked to its name, so the name appears with its whole content or not at all, and only
-  if no lock exists. It is read with ``O_NOFOLLOW|O_NONBLOCK`` and must be a regular file of at most 64 KiB.
-  All names are opened relative to the checked directory (no path is resolved twice).
+* **The lock file.** A JSON object ``{run_id, owner, created, ttl, pid, pid_start}`` (``pid`` and ``pid_start``:
+  the node-side module that wrote it and its start time, field 22 of /proc/<pid>/stat, which tells a reused pid
+  apart), plus ``controller`` (host name) and ``controller_pid`` when the caller gives them. It is written to a
+  new temporary file (``O_CREAT|O_EXCL|O_NOFOLLOW``) and hard-linked to its name, so the name appears with its
+  whole content or not at all, and only if no lock exists. It is read with ``O_NOFOLLOW|O_NONBLOCK`` and must be
+  a regular file of at most 64 KiB. All names are opened relative to the checked directory (no path is resolved
+  twice).
 * **Not a lock file.** A symlink, directory, FIFO, socket or device at the lock's name is ``LockError(kind=
   "unsafe")``: never read through, never taken over; a person removes it.
 * **Unreadable content.** A regular file that is not such an object (not JSON, a JSON list or string, NaN or
@@ -32,11 +34,19 @@ Rules (the role README copies them):
   - it names this machine as ``controller`` (same host name) and ``controller_pid`` no longer exists: the run
     that took it is provably gone, whatever its ttl. A reused pid only makes the lock live until its ttl.
 
+* **One run.** A lock is this run's only when ``run_id``, ``owner``, ``controller`` and ``controller_pid`` all
+  match: two runs that share a run id (a ticket or pipeline id, a retried CI job) are two runs, and the second is
+  refused as ``locked`` like any other. Release compares the same four, so the first run's release never
+  removes the second's lock.
+* **Never under a live module.** Before a stale lock is taken over, its ``pid`` is checked: while that process
+  runs on this node with the same start time (the module of a run whose controller was stopped by Ctrl-C or a
+  runner timeout, still working), the lock holds, whatever its ttl says.
 * **One taker.** Every change (take, take over, release) runs under ``flock`` of the lock directory, so two runs
   on the node never interleave. A takeover also renames the stale file to a unique name first and checks that
   what it moved is the very file it read (same inode and bytes); if not, it puts that file back without
   replacing anything and fails as ``locked``. The stale file stays aside as ``<lock>.stale.<time>``.
-* **Release** removes the lock only when its run_id is the caller's; another run's lock is left alone.
+* **Release** removes the lock only when it is the caller's run's (see "One run"); another run's lock is left
+  alone.
 """
 
 from __future__ import annotations
@@ -116,10 +126,36 @@ def content_problem(data):
     for key in ("owner", "controller"):
         if key in data and not (isinstance(data[key], str) and len(data[key]) <= MAX_TEXT):
             return f"{key} {shown(data[key])} is not a string"
-    pid = data.get("controller_pid")
-    if pid is not None and not (isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid <= MAX_PID):
-        return f"controller_pid {shown(pid)} is not a process id"
+    for key in ("controller_pid", "pid"):
+        pid = data.get(key)
+        if pid is not None and not is_pid(pid):
+            return f"{key} {shown(pid)} is not a process id"
+    start = data.get("pid_start")
+    if start is not None and not (isinstance(start, int) and not isinstance(start, bool) and start >= 0):
+        return f"pid_start {shown(start)} is not a start time"
     return None
+
+
+def is_pid(value):
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_PID
+
+
+IDENTITY = ("run_id", "owner", "controller", "controller_pid")
+
+
+def same_run(current, mine):
+    """Whether the lock ``current`` is the run ``mine`` (both dicts with IDENTITY's keys; absent is None); pure.
+
+    >>> same_run({"run_id": "r", "owner": "a", "controller_pid": 7}, {"run_id": "r", "owner": "a", "controller_pid": 8})
+    False
+    """
+    return all(current.get(key) == mine.get(key) for key in IDENTITY)
+
+
+def module_runs(current, alive):
+    """Whether the node-side module that wrote ``current`` still runs (``alive(pid, start)``, injected); pure."""
+    pid, start = current.get("pid"), current.get("pid_start")
+    return is_pid(pid) and isinstance(start, int) and not isinstance(start, bool) and bool(alive(pid, start))
 
 
 def reject_constant(name):
@@ -174,23 +210,28 @@ def stale_reason(current, now, ttl, *, hostname=None, pid_exists=None):
     return None
 
 
-def plan_lock(state, current, run_id, now, ttl=7200, *, hostname=None, pid_exists=None):
+def plan_lock(state, current, run_id, now, ttl=7200, *, hostname=None, pid_exists=None, who=None, module_alive=None):
     """What to do with the lock: ``(action, changed)``; pure, so every branch is unit tested.
 
-    ``current`` is the parsed lock file or None; another run's lock is taken over when :func:`stale_reason` gives
-    a reason (its own ttl, or ``ttl`` when it has none, as for an unreadable lock file).
+    ``current`` is the parsed lock file or None; it is this run's when :func:`same_run` says so for ``run_id`` and
+    ``who`` (``owner``, ``controller``, ``controller_pid``). Another run's lock is taken over when
+    :func:`stale_reason` gives a reason (its own ttl, or ``ttl`` when it has none, as for an unreadable lock file)
+    and its node-side module no longer runs (``module_alive(pid, start)``, injected).
     """
+    mine = dict(who or {}, run_id=run_id)
     if state == "present":
         if current is None:
             return "taken", True
-        if current.get("run_id") == run_id:
+        if same_run(current, mine):
             return "already_held", False
-        if stale_reason(current, now, ttl, hostname=hostname, pid_exists=pid_exists):
+        if stale_reason(current, now, ttl, hostname=hostname, pid_exists=pid_exists) and not (
+            module_alive is not None and module_runs(current, module_alive)
+        ):
             return "taken_over", True
         return "locked", False
     if current is None:
         return "not_held", False
-    if current.get("run_id") == run_id:
+    if same_run(current, mine):
         return "released", True
     return "held_by_other", False
 
@@ -208,16 +249,23 @@ def describe_holder(holder, now):
     return f"run {holder.get('run_id')} of {holder.get('owner')} (started {started}, {minutes} min ago{where}{problem})"
 
 
-def why_held(holder, now, ttl, hostname, alive):
+def why_held(holder, now, ttl, hostname, alive, *, module_alive=None):
     """Why another run's lock still holds, and when it stops: what a person needs before removing it by hand.
 
     ``alive(pid)`` says whether a pid of this machine lives. A run whose controller is this machine and alive is
     still working; one whose controller is elsewhere may have been cut off (the node became unreachable, the
-    controller died), which nothing here can see, so the lock holds until its ttl.
+    controller died), which nothing here can see, so the lock holds until its ttl. A lock whose node-side module
+    still runs (``module_alive(pid, start)``) holds whatever its ttl: that module is still changing the target.
     """
     created = holder.get("created", now)
     created = created if in_range(created, 0, MAX_CREATED) else now
     left = max(0, int((created + (holder.get("ttl") or ttl) - now) // 60))
+    stale = stale_reason(holder, now, ttl, hostname=hostname, pid_exists=alive)
+    if stale and module_alive is not None and module_runs(holder, module_alive):
+        return (
+            f"{stale}, but its node-side module, pid {holder['pid']} on this node, still runs: its controller may be "
+            f"gone (Ctrl-C, a runner timeout), its work is not; wait for that process to end"
+        )
     pid = holder.get("controller_pid")
     if holder.get("controller") == hostname and isinstance(pid, int) and alive(pid):
         return f"that run is still working (its controller pid {pid} lives on this machine)"
@@ -451,6 +499,22 @@ def pid_exists(pid):
     return True
 
 
+def process_start(pid, proc_root="/proc"):
+    """Start time of ``pid`` (clock ticks after boot, field 22 of /proc/<pid>/stat), or None when it is gone."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat"), "rb") as handle:
+            text = handle.read().decode(errors="replace")
+        return int(text.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def module_alive(pid, start):
+    """Whether process ``pid`` of this node, not this one, runs with start time ``start`` (a reused pid has
+    another); this very process wrote no other run's lock."""
+    return pid != os.getpid() and process_start(pid) == start
+
+
 def what_of(vmid):
     return f"CT {vmid}" if vmid is not None else "this host"
 
@@ -531,16 +595,28 @@ def change_in_dir(state, dir_fd, path, name, *, vmid, run_id, owner, ttl, check_
     now = time.time()
     current, identity = read_entry(dir_fd, name, path) if dir_fd is not None else (None, None)
     hostname = socket.gethostname()
-    action, changed = plan_lock(state, current, run_id, now, ttl, hostname=hostname, pid_exists=pid_exists)
+    who = {"owner": owner, **extra}
+    action, changed = plan_lock(
+        state, current, run_id, now, ttl, hostname=hostname, pid_exists=pid_exists, who=who, module_alive=module_alive
+    )
     if action == "locked":
+        shared = (
+            " under this run's own run id (a run id given twice: each run needs its own)"
+            if current.get("run_id") == run_id
+            else ""
+        )
         raise LockError(
-            f"{what} is locked by {describe_holder(current, now)}: another recover run is working on it "
-            f"({why_held(current, now, ttl, hostname, pid_exists)}); wait for it to finish or, if you know it is "
-            f"gone, remove {path} on this node",
+            f"{what} is locked by {describe_holder(current, now)}: another recover run is working on it{shared} "
+            f"({why_held(current, now, ttl, hostname, pid_exists, module_alive=module_alive)}); wait for it to "
+            f"finish or, if you know it is gone, remove {path} on this node",
             kind="locked",
             details={"path": path, "holder": current, "action": action},
         )
-    mine = {"run_id": run_id, "owner": owner, "created": now, "ttl": ttl, "pid": os.getpid(), **extra}
+    pid = os.getpid()
+    mine = {"run_id": run_id, "owner": owner, "created": now, "ttl": ttl, "pid": pid, **extra}
+    start = process_start(pid)
+    if start is not None:
+        mine["pid_start"] = start
     if check_mode or not changed:
         holder = mine if (state == "present" and current is None) else current
         return {"changed": changed, "path": path, "holder": holder if state == "present" else None, "action": action}

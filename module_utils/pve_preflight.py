@@ -41,6 +41,9 @@ LIBRARY_GLOBS = (
 SPEC = {
     "space_path": {"type": "path", "default": "/opt"},
     "min_free_gib": {"type": "float", "default": 20.0},
+    # Below this (and above min_free_gib) the disk check warns: an unattended run sees space going before a
+    # rebuild fails for it. None: twice min_free_gib; 0: no warning.
+    "warn_free_gib": {"type": "float"},
     "expected_gpu_count": {"type": "int"},
     "kernel_version_file": {"type": "path", "default": KERNEL_VERSION_FILE},
     "library_globs": {"type": "list", "elements": "str", "default": list(LIBRARY_GLOBS)},
@@ -49,6 +52,23 @@ SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 PROBE = pve_probe_preflight
 # Asked without the fields an older driver may not know when it rejects them (exit 2).
 BASIC_GPU_FIELDS = tuple(f for f in GPU_FIELDS if f[0] not in OPTIONAL_GPU_FIELDS)
+
+
+def check_spec(spec):
+    """A sentence when the settings cannot work, else None."""
+    warn, low = spec.get("warn_free_gib"), spec["min_free_gib"]
+    if warn and warn < low:
+        return (
+            f"warn_free_gib {warn:g} is below min_free_gib {low:g}: the warning would never come before the "
+            f"failure; set preflight_warn_free_gib above preflight_min_free_gib (null: twice it, 0: no warning)"
+        )
+    return None
+
+
+def warn_threshold(spec):
+    """The free GiB under which the disk check warns: ``warn_free_gib``, or twice ``min_free_gib`` when unset."""
+    warn = spec.get("warn_free_gib")
+    return 2 * spec["min_free_gib"] if warn is None else warn
 
 
 def probe_payload(spec, timeout=60):
@@ -131,6 +151,7 @@ def evaluate_step(spec, answer, node, context):
         min_free_gib=spec["min_free_gib"],
         expected_gpu_count=spec["expected_gpu_count"],
         space_path=spec["space_path"],
+        warn_free_gib=warn_threshold(spec),
     )
     failure = facts.pop("nvidia_smi_failure")
     return dict(
@@ -138,19 +159,35 @@ def evaluate_step(spec, answer, node, context):
         node_driver_version=node["driver_version"],
         nvidia_smi_error=failure.to_result() if failure else None,
         checks=checks,
-        problems=[c["detail"] for c in checks if not c["ok"]],
+        problems=[c["detail"] for c in checks if not c["ok"] and c["severity"] == "fail"],
+        # Shown as the fact pass's warnings (no task of their own); the run goes on.
+        warnings=[c["detail"] for c in checks if not c["ok"] and c["severity"] == "warn"],
         changes=[],
         diff={"before": "", "after": ""},
         pending=False,  # preflight only reads: it never has work of its own
     )
 
 
-def evaluate(label, node, facts, *, container, node_driver_version, min_free_gib, expected_gpu_count, space_path):
-    """Preflight checks as ``[{name, ok, detail}]``: pure, so every verdict and message is unit tested."""
+def evaluate(
+    label,
+    node,
+    facts,
+    *,
+    container,
+    node_driver_version,
+    min_free_gib,
+    expected_gpu_count,
+    space_path,
+    warn_free_gib=None,
+):
+    """Preflight checks as ``[{name, ok, severity, detail}]``: pure, so every verdict and message is unit tested.
+
+    ``severity`` is ``fail`` (a problem: the run stops) or ``warn`` (a warning: the run goes on).
+    """
     checks = []
 
-    def check(name, ok, detail):
-        checks.append({"name": name, "ok": bool(ok), "detail": detail})
+    def check(name, ok, detail, severity="fail"):
+        checks.append({"name": name, "ok": bool(ok), "severity": severity, "detail": detail})
 
     # 1. The node's kernel module: what everything else is compared with.
     node = f"node {node}" if container else f"host {node}"
@@ -234,16 +271,26 @@ def evaluate(label, node, facts, *, container, node_driver_version, min_free_gib
             + (f", with {len(facts['gpu_uuids'])} GPUs visible" if facts["gpu_uuids"] else ""),
         )
     # 4. Disk: the new venv is built beside the old one, which is kept.
-    space = facts["space"]
-    free_gib = space["free_bytes"] / GIB
-    check(
-        "disk",
-        free_gib >= min_free_gib,
-        f"{label} has {free_gib:.1f} GiB free at {space_path} (its filesystem at {space['existing']}); "
-        + (
-            "enough for a new venv"
-            if free_gib >= min_free_gib
-            else f"a new venv needs {min_free_gib:g} GiB: free space there or lower preflight_min_free_gib"
-        ),
-    )
+    checks.append(disk_check(label, facts["space"], space_path, min_free_gib, warn_free_gib))
     return checks
+
+
+def disk_check(label, space, space_path, min_free_gib, warn_free_gib):
+    """The disk check: a problem under ``min_free_gib``, a warning under ``warn_free_gib`` (0 or None: none), so that an
+    unattended run reports the space going before a rebuild fails for want of it; pure.
+
+    >>> disk_check("CT 200", {"free_bytes": 30 * GIB, "existing": "/"}, "/opt", 20, 40)["severity"]
+    'warn'
+    """
+    free_gib = space["free_bytes"] / GIB
+    where = f"{label} has {free_gib:.1f} GiB free at {space_path} (its filesystem at {space['existing']}); "
+    if free_gib < min_free_gib:
+        detail = where + f"a new venv needs {min_free_gib:g} GiB: free space there or lower preflight_min_free_gib"
+        return {"name": "disk", "ok": False, "severity": "fail", "detail": detail}
+    if warn_free_gib and free_gib < warn_free_gib:
+        detail = where + (
+            f"below the warning threshold of {warn_free_gib:g} GiB (preflight_warn_free_gib); a new venv fails "
+            f"under {min_free_gib:g} GiB: free space there (old venv versions, caches) before it runs out"
+        )
+        return {"name": "disk", "ok": False, "severity": "warn", "detail": detail}
+    return {"name": "disk", "ok": True, "severity": "fail", "detail": where + "enough for a new venv"}

@@ -7,9 +7,11 @@ on a bare host ``probe()`` runs in the module's own process. So: standard librar
 imports from ansible, and the answer is plain JSON. It only reads; the module decides what is wrong.
 """
 
+import contextlib
 import glob
 import os
 import platform
+import signal
 import socket
 import stat
 import subprocess
@@ -51,15 +53,43 @@ def _space(path):
     }
 
 
+# Seconds a killed command may take to exit before it is left behind (a process in state D never exits).
+REAP_GRACE = 2
+
+
 def _run(argv, timeout):
+    """Run ``argv`` within ``timeout`` s; past it, kill its whole process group and wait REAP_GRACE s at most.
+
+    Not subprocess.run: after killing the child it waits without a deadline, and an nvidia-smi stuck in the
+    driver (a GPU fallen off the bus) survives SIGKILL: on a bare host that wait would hang the run.
+    """
     env = dict(os.environ, LC_ALL="C", LANG="C")
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,  # its own group: what it starts is killed with it
+        )
     except FileNotFoundError:
         return {"rc": 127, "stdout": "", "stderr": f"{argv[0]}: command not found", "missing": True}
+    try:
+        out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"rc": 124, "stdout": "", "stderr": f"{argv[0]} timed out after {timeout} s", "timed_out": True}
-    return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+        with contextlib.suppress(OSError):  # gone already
+            os.killpg(process.pid, signal.SIGKILL)
+        said = f"{argv[0]} timed out after {timeout} s"
+        try:
+            process.communicate(timeout=REAP_GRACE)
+        except subprocess.TimeoutExpired:
+            # Left behind (Popen reaps it later if it ever exits); named so the report says why.
+            said += f" and did not exit after SIGKILL within {REAP_GRACE} s (stuck in the kernel or the driver)"
+            return {"rc": 124, "stdout": "", "stderr": said, "timed_out": True, "abandoned": True}
+        return {"rc": 124, "stdout": "", "stderr": said, "timed_out": True}
+    return {"rc": process.returncode, "stdout": out, "stderr": err}
 
 
 def _nvidia_smi(payload):

@@ -23,7 +23,8 @@ process, its open files and its GPU memory; :func:`still_there` and the state of
 Bounded reads: of the files read here only ``cmdline`` takes the process's mmap lock, which a thread stuck in the
 driver can hold for ever; it is read by a child process (``head -c``) under run_local's hard deadline
 (CMDLINE_TIMEOUT), so a stuck process costs seconds, never the run. ``stat``, ``status``, ``cgroup`` and the
-``fd`` entries do not take that lock and are read directly. A file that cannot be read (gone, permission,
+``fd`` links do not take that lock and are read directly; an fd is only ever readlink'ed, never stat'ed (a stat
+asks the open file's filesystem, which may be a hung NFS or FUSE mount). A file that cannot be read (gone, permission,
 I/O error, garbage) is None, never a traceback; ProcessInfo.read_error says what could not be read.
 """
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import stat as stat_module
 from dataclasses import asdict, dataclass
 
 from ansible.module_utils.pve_target import run_local
@@ -65,6 +65,9 @@ STAT = re.compile(r"^\d+ \((.*)\) (\S) ", re.DOTALL)
 # Character device major of /dev/nvidia<N> and /dev/nvidiactl; nvidia-uvm and nvidia-caps get dynamic majors
 # that /proc/devices names.
 NVIDIA_MAJOR = 195
+# The device files a GPU process holds, as a /proc/<pid>/fd link names them: /dev/nvidia0, /dev/nvidiactl,
+# /dev/nvidia-uvm, /dev/nvidia-caps/nvidia-cap1 ...
+NVIDIA_DEVICE = re.compile(r"^/dev/nvidia[^/]*(?:/|$)")
 STATES = {
     "R": "running",
     "S": "sleeping",
@@ -331,26 +334,29 @@ def nvidia_device_majors(proc_root="/proc"):
     return parse_proc_devices(_read(os.path.join(proc_root, "devices")))
 
 
-def device_fds(pid, majors, proc_root="/proc"):
-    """``[(major, minor), ...]`` of the NVIDIA character devices ``pid`` has open.
+def device_fds(pid, proc_root="/proc"):
+    """The NVIDIA device files ``pid`` has open (``["/dev/nvidia0", "/dev/nvidiactl"]``), sorted, once each.
 
-    Compares the devices themselves (st_rdev of each /proc/<pid>/fd/N), like fuser does, so it works for a
-    process in a CT whose /dev is not the node's.
+    Matched by the text of each /proc/<pid>/fd/N link (os.readlink), never by stat: stat follows the link to the
+    open file and asks its filesystem, so one fd on a hung NFS or FUSE mount would block the read for ever, while
+    readlink of a /proc fd only prints the path the kernel keeps. The kernel writes that path as the process's
+    own mount namespace names it, so a CT's /dev/nvidiaN reads as such on the node.
     """
     fd_dir = os.path.join(proc_root, str(pid), "fd")
     try:
         fds = os.listdir(fd_dir)
     except OSError:
         return []
-    found = []
+    found = set()
     for fd in fds:
         try:
-            info = os.stat(os.path.join(fd_dir, fd))
+            link = os.readlink(os.path.join(fd_dir, fd))
         except OSError:
             continue
-        if stat_module.S_ISCHR(info.st_mode) and os.major(info.st_rdev) in majors:
-            found.append((os.major(info.st_rdev), os.minor(info.st_rdev)))
-    return sorted(set(found))
+        link = link[: -len(DELETED)] if link.endswith(DELETED) else link
+        if NVIDIA_DEVICE.match(link):
+            found.add(link)
+    return sorted(found)
 
 
 def list_pids(proc_root="/proc"):
@@ -366,13 +372,13 @@ def read_owner(pid, proc_root="/proc"):
 
 
 def device_holders(owner, proc_root="/proc", exclude=()):
-    """ProcessInfo and NVIDIA device fds of every process of ``owner`` that holds one; ``exclude`` pids skipped."""
-    majors = nvidia_device_majors(proc_root)
+    """ProcessInfo and NVIDIA device files (:func:`device_fds`) of every process of ``owner`` that holds one;
+    ``exclude`` pids skipped."""
     holders = []
     for pid in list_pids(proc_root):
         if pid in exclude or read_owner(pid, proc_root) != owner:
             continue
-        devices = device_fds(pid, majors, proc_root)
+        devices = device_fds(pid, proc_root)
         if devices:
             info = read_process(pid, proc_root)
             if info is not None:

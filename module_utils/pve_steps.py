@@ -15,7 +15,9 @@ A step is a module in module_utils that exposes (docs/design.md, "Adding a step"
   the facts of other steps. The fact pass then runs it in a thread while the probe runs in the target, with
   ``answer`` None and a ``context`` of ``target`` and ``check_mode`` only, so the node's reads (an ``nvidia-smi``
   query) take no time of their own. They run even when preflight then finds problems, and the pass waits for
-  them (each command in them has its deadline) before it releases the lock;
+  them before it releases the lock, but never longer than :func:`node_read_budget` of the target's timeout: a
+  read stuck in the kernel (a /proc read of a process on a hung mount) becomes the step's problem, of kind
+  ``wedged``, and the thread is left behind (a daemon, ended with the module);
 * ``evaluate_step(spec, answer, node, context)``: pure; the step's facts, with at least ``changes`` (one line per
   thing a run would change), ``problems`` (one sentence per thing that makes the step fail), ``diff``
   (``{before, after}``) and ``pending`` (the acting task has work: it runs only then).
@@ -33,7 +35,7 @@ import time
 from ansible.module_utils import pve_lock, pve_preflight
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible.module_utils.pve_errors import RecoverError
-from ansible.module_utils.pve_target import probe_name
+from ansible.module_utils.pve_target import KILL_GRACE, probe_name
 
 
 class StepSpecError(RecoverError):
@@ -153,9 +155,10 @@ def probe_parts(specs, timeout):
     return parts
 
 
-def failed_step(step, target_label, why):
+def failed_step(step, target_label, why, kind=None):
     """The facts of a step that could not be read: a problem that names it, nothing pending, nothing found that
-    needs a window (``needs_window`` is in every step's facts that has an unattended mode)."""
+    needs a window (``needs_window`` is in every step's facts that has an unattended mode). ``kind`` (``wedged``:
+    a read that never answered) goes in ``error_kind``."""
     facts = {
         "changes": [],
         "problems": [f"{target_label}: the {step.NAME} facts could not be read: {why}"],
@@ -163,19 +166,45 @@ def failed_step(step, target_label, why):
         "pending": False,
         "error": why,
     }
+    if kind:
+        facts["error_kind"] = kind
     if "unattended" in step.SPEC:
         facts["needs_window"] = []
     return facts
 
 
-class NodeRead(threading.Thread):
-    """A step's ``read_node`` run in a thread, beside the probe (``NODE_READ_NEEDS_ANSWER`` False)."""
+def node_read_budget(timeout):
+    """Seconds the pass waits for node reads run beside the probe: their commands' deadline (``timeout`` +
+    KILL_GRACE, plus run_local's reaping) and as long again for their /proc reads."""
+    return 2 * timeout + KILL_GRACE + 10
 
-    def __init__(self, step, spec, target, context, clock=time.monotonic):
+
+class NodeRead(threading.Thread):
+    """A step's ``read_node`` run in a thread, beside the probe (``NODE_READ_NEEDS_ANSWER`` False), waited for
+    ``budget`` seconds after it started at most."""
+
+    def __init__(self, step, spec, target, context, clock=time.monotonic, *, budget=None):
         super().__init__(name=f"read_node {step.NAME}", daemon=True)
         self.step, self.spec, self.target, self.context, self.clock = step, spec, target, context, clock
         self.node = self.error = None
         self.seconds = 0.0
+        self.budget = node_read_budget(target.timeout) if budget is None else budget
+        self.deadline = None
+
+    def start(self):
+        self.deadline = self.clock() + self.budget
+        super().start()
+
+    def finish(self):
+        """Wait for the read until its deadline; whether it ended (False: it is wedged and left behind)."""
+        self.join(max(0.0, self.deadline - self.clock()))
+        return not self.is_alive()
+
+    def wedged_reason(self):
+        return (
+            f"wedged: its node-side reads gave no answer within {self.budget:g} s (something on node "
+            f"{self.target.node} is stuck: a process in state D, a hung NFS/FUSE mount); they were abandoned"
+        )
 
     def run(self):
         started = self.clock()
@@ -186,14 +215,13 @@ class NodeRead(threading.Thread):
         self.seconds = self.clock() - started
 
     def outcome(self):
-        """The node reads (the thread has ended); what they raised, raised here."""
-        self.join()
+        """The node reads (the thread has ended: :meth:`finish` said so); what they raised, raised here."""
         if self.error is not None:
             raise self.error
         return self.node
 
 
-def start_node_reads(specs, target, context, reads, clock=time.monotonic):
+def start_node_reads(specs, target, context, reads, clock=time.monotonic, *, budget=None):
     """Start a NodeRead for each step in ``specs`` whose node reads need no probe answer, into ``reads`` (by step
     name) as each starts, so a caller that fails half-way still joins every one that started.
 
@@ -202,7 +230,7 @@ def start_node_reads(specs, target, context, reads, clock=time.monotonic):
     alone = {"target": context["target"], "check_mode": context["check_mode"]}
     for step in steps_in(specs):
         if not getattr(step, "NODE_READ_NEEDS_ANSWER", True):
-            read = NodeRead(step, specs[step.NAME], target, dict(alone), clock)
+            read = NodeRead(step, specs[step.NAME], target, dict(alone), clock, budget=budget)
             read.start()
             reads[step.NAME] = read
 
@@ -210,15 +238,15 @@ def start_node_reads(specs, target, context, reads, clock=time.monotonic):
 def evaluate_steps(specs, target, answers, context, *, clock=time.monotonic, node_reads=None):
     """Each step's facts in STEP_NAMES order, from the probe answers (``{part: {"answer"|"error"}}``) and node reads.
 
-    ``node_reads`` are the reads :func:`start_node_reads` started beside the probe (waited for here). A step whose
-    probe part failed, or whose preflight found problems (its node reads, if it ran any beside the probe, are not
-    looked at), gets facts that say so instead of raising: the fact pass fails with every reason at once.
+    ``node_reads`` are the reads :func:`start_node_reads` started beside the probe (waited for here, each until its
+    deadline). A step whose probe part failed or never answered, whose node reads are wedged, or whose preflight
+    found problems (its node reads, if it ran any beside the probe, are not looked at), gets facts that say so
+    instead of raising: the fact pass fails with every reason at once.
     """
     node_reads = node_reads or {}
     for step in steps_in(specs):
         early = node_reads.get(step.NAME)
-        if early is not None:
-            early.join()  # each command in it has its own deadline
+        wedged = early is not None and not early.finish()
         started = clock()
         spec = specs[step.NAME]
         # A step without a part this time (no probe, or a payload of None) reads nothing inside: its answer is None.
@@ -228,8 +256,11 @@ def evaluate_steps(specs, target, answers, context, *, clock=time.monotonic, nod
         if step is not pve_preflight and preflight is not None and preflight["problems"]:
             facts = dict(failed_step(step, context["target"]["label"], "preflight found problems"), skipped=True)
             facts["problems"] = []
+        elif wedged:
+            facts = failed_step(step, context["target"]["label"], early.wedged_reason(), kind="wedged")
         elif "error" in part:
-            facts = failed_step(step, context["target"]["label"], part["error"])
+            kind = "wedged" if part.get("wedged") else None
+            facts = failed_step(step, context["target"]["label"], part["error"], kind=kind)
         else:
             try:
                 node = early.outcome() if early else step.read_node(spec, target, part["answer"], context)
@@ -240,6 +271,11 @@ def evaluate_steps(specs, target, answers, context, *, clock=time.monotonic, nod
         facts["seconds"] = round(clock() - started + part.get("seconds", 0) + (early.seconds if early else 0), 3)
         context["steps"][step.NAME] = facts
     return context["steps"]
+
+
+def lock_who(lock):
+    """The lock's record of who runs this run, beside its run id: ``{owner, controller, controller_pid}``."""
+    return {key: lock.get(key) for key in ("owner", "controller", "controller_pid")}
 
 
 def fact_pass(target, specs, *, lock, python="python3", check_mode=False, warn=None, clock=time.monotonic):
@@ -264,24 +300,25 @@ def fact_pass(target, specs, *, lock, python="python3", check_mode=False, warn=N
     node_reads = {}
     try:
         # The node reads that need no probe answer run while the probe runs in the target.
-        start_node_reads(specs, target, context, node_reads, clock=clock)
+        start_node_reads(specs, target, context, node_reads, clock=clock, budget=node_read_budget(target.timeout))
         answers = target.run_probes(probe_parts(specs, target.timeout), python=python)
         steps = evaluate_steps(specs, target, answers, context, clock=clock, node_reads=node_reads)
     except BaseException:
         for read in node_reads.values():
-            read.join()  # nothing of this pass is left running once it has failed
-        pve_lock.change_lock("absent", vmid=target.vmid, lock_dir=lock["lock_dir"], run_id=lock["run_id"])
+            read.finish()  # nothing of this pass is left running once it has failed, but a wedged read
+        pve_lock.change_lock("absent", vmid=target.vmid, **lock)  # released as the very run that took it
         raise
     problems = [problem for facts in steps.values() for problem in facts["problems"]]
     pending = [name for name, facts in steps.items() if facts["pending"]]
     keep = bool(pending) and not problems
     if not keep:
-        pve_lock.change_lock("absent", vmid=target.vmid, lock_dir=lock["lock_dir"], run_id=lock["run_id"])
+        pve_lock.change_lock("absent", vmid=target.vmid, **lock)
     preflight = steps[pve_preflight.NAME]
     return {
         "run_id": lock["run_id"],
         "target": dict(context["target"], hostname=preflight.get("hostname")),
-        "lock": {"path": taken["path"], "held": keep, "action": taken["action"]},
+        # `who`: what the release must name besides the run id (module_utils/pve_lock: "One run").
+        "lock": {"path": taken["path"], "held": keep, "action": taken["action"], "who": lock_who(lock)},
         "pending": pending,
         "problems": problems,
         "seconds": round(clock() - started, 3),

@@ -10,14 +10,17 @@ Every module of this project that touches a container or a host goes through :cl
   hangs is killed in the CT too, not only the ``pct`` client on the node);
 * without a vmid, the same command runs on this host (the module already runs there).
 
-argv is always a list and never reaches a shell; the vmid is an integer in Proxmox's range before it is ever
-formatted. Failures of ``pct`` itself (container missing or stopped, ``pct`` missing, a command missing inside)
-become :class:`TargetError` with one line that says what was found and what to do.
+argv is always a list and never reaches a shell, and it carries no data: anything large (probe payloads, a hashed
+lock, file content) goes on stdin, since Linux refuses one argument over 128 KiB (an argv it refuses all the same
+is a TargetError of kind ``too_large``). The vmid is an integer in Proxmox's range before it is ever formatted.
+Failures of ``pct`` itself (container missing or stopped, ``pct`` missing, a command missing inside) become
+:class:`TargetError` with one line that says what was found and what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import json
 import os
@@ -26,6 +29,7 @@ import selectors
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -79,7 +83,7 @@ class TargetError(RecoverError):
     """A command could not be run where it should, or failed.
 
     ``kind`` is stable for code (``invalid``, ``missing``, ``stopped``, ``no_pct``, ``not_found``, ``timeout``,
-    ``failed``, ``probe``); ``str(error)`` is the message for ``fail_json(msg=...)``.
+    ``failed``, ``probe``, ``too_large``); ``str(error)`` is the message for ``fail_json(msg=...)``.
     """
 
     @classmethod
@@ -99,6 +103,7 @@ class CommandResult:
     seconds: float = 0.0
     timed_out: bool = field(default=False)
     truncated: bool = field(default=False)  # a stream was longer than run_local's output_cap: only its head is kept
+    abandoned: bool = field(default=False)  # it outlived SIGKILL (state D) and was left behind unreaped
 
 
 def validate_vmid(value):
@@ -126,7 +131,8 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap
     is killed and what is left in the pipes is read for at most DRAIN_GRACE more, so a detached child (one that
     called setsid and keeps stdout open) or a process stuck in the driver cannot hold the run. Each stream keeps
     its first ``output_cap`` bytes; the rest is read and dropped (``truncated`` says so), so a command that prints
-    without end never grows memory. A leader that outlives SIGKILL (state D) is left unreaped with rc -9.
+    without end never grows memory. A leader that outlives SIGKILL (state D) is left unreaped with rc -9 and
+    ``abandoned`` set: no wait here is without a deadline.
 
     Raises FileNotFoundError when argv[0] does not exist (the caller turns it into a clear TargetError).
     """
@@ -154,6 +160,7 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap
             kill_group(proc)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(REAP_GRACE)
+    abandoned = proc.returncode is None  # never waited for again: a D-state process may never exit
     return CommandResult(
         argv=list(argv),
         rc=proc.returncode if proc.returncode is not None else -signal.SIGKILL,
@@ -162,6 +169,7 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap
         seconds=round(time.monotonic() - started, 3),
         timed_out=timed_out,
         truncated=out.dropped > 0 or err.dropped > 0,
+        abandoned=abandoned,
     )
 
 
@@ -394,18 +402,18 @@ class Target:
     def run_probes(self, parts, *, python="python3", timeout=None):
         """Run several probe parts in the target in ONE process and return ``{name: {"answer"|"error", "seconds"}}``.
 
-        ``parts`` maps a name to ``(probe_module, payload)``. In a CT the modules' sources travel on stdin to the
-        CT's python through ONE ``pct exec``, each executed in a namespace of its own (so their helpers never
-        clash) and called in order; a part that raises reports its error without stopping the others. On a bare
-        host each part runs in this process (the module already runs there). The answer of a CT is untrusted:
-        anything but the expected JSON shape is a TargetError naming what came back.
+        ``parts`` maps a name to ``(probe_module, payload)``. In a CT the modules' sources and their payloads
+        travel as one JSON document on stdin to the CT's python through ONE ``pct exec`` (argv holds only the
+        fixed PROBES_MAIN: a payload such as a hashed lock can pass Linux's 128 KiB limit on one argument), each
+        executed in a namespace of its own (so their helpers never clash) and called in order; a part that raises
+        reports its error without stopping the others. On a bare host the parts run in this process, in a thread
+        waited for ``timeout`` + KILL_GRACE seconds at most: a part stuck on a hung mount or in the driver is an
+        error of kind ``wedged`` instead of a hung run. The answer of a CT is untrusted: anything but the expected
+        JSON shape is a TargetError naming what came back.
         """
         if not self.is_container:
-            return {name: run_part(module.probe, payload) for name, (module, payload) in parts.items()}
-        sources = {name: inspect.getsource(module) for name, (module, _) in parts.items()}
-        payloads = {name: payload for name, (_, payload) in parts.items()}
-        program = PROBES_MAIN.replace("SOURCES", repr(json.dumps(sources)))
-        result = self.run([python, "-I", "-", json.dumps(payloads)], stdin=program, timeout=timeout, check=False)
+            return run_parts_bounded(parts, int(timeout or self.timeout) + KILL_GRACE, self.label)
+        result = self.run(probes_argv(python), stdin=probes_input(parts), timeout=timeout, check=False)
         try:
             answer = json.loads(result.stdout)
         except ValueError:
@@ -447,6 +455,18 @@ class Target:
                 kind="not_found",
                 cmd=wrapped,
             ) from None
+        except OSError as error:
+            if error.errno != errno.E2BIG:
+                raise
+            # A size limit is an error that says so, never a traceback (large data goes on stdin).
+            longest = max(len(str(a).encode()) for a in wrapped)
+            raise TargetError(
+                f"{self.label}: the command line of `{argv[0]}` is too large for the kernel (E2BIG: "
+                f"{sum(len(str(a).encode()) + 1 for a in wrapped)} bytes, the longest argument {longest} bytes; "
+                f"Linux allows 128 KiB per argument): send large data on stdin",
+                kind="too_large",
+                cmd=[str(a)[:200] for a in wrapped],
+            ) from None
 
     @staticmethod
     def _pct_lacks_keep_env(result):
@@ -481,8 +501,13 @@ class Target:
     def _raise_for_wrapper(self, result, argv, seconds):
         self._raise_for_pct(result)
         if result.timed_out or (result.rc == EXIT_TIMEOUT and result.seconds >= seconds - 0.5):
+            left = (
+                "; it did not exit after SIGKILL (stuck in the kernel or the driver, state D) and was left behind"
+                if getattr(result, "abandoned", False)
+                else ""
+            )
             raise TargetError.of(
-                f"{self.label}: `{' '.join(map(str, argv))}` timed out after {seconds} s and was killed",
+                f"{self.label}: `{' '.join(map(str, argv))}` timed out after {seconds} s and was killed{left}",
                 result,
                 kind="timeout",
             )
@@ -513,14 +538,63 @@ def run_part(function, payload):
         return {"error": f"{type(error).__name__}: {error}", "seconds": round(time.monotonic() - started, 3)}
 
 
-# What the CT's python runs (fed on stdin): each part's source in a module of its own, then probe(payload) of
-# each, in order; the answers as one JSON object on stdout. Standard library only, Python 3.9+.
+def run_parts_bounded(parts, seconds, label, clock=time.monotonic):
+    """The bare host's run_probes: each part of ``parts`` in order in a daemon thread, waited for ``seconds``.
+
+    A part that has not answered by then (and every part after it) gets ``{"error": "wedged: ...", "wedged":
+    True}``; the thread is left behind (a daemon: the module's exit ends it; a wait on a hung NFS or FUSE mount
+    is killable).
+    """
+    answers = {}
+    worker = threading.Thread(
+        target=lambda: answers.update((n, run_part(m.probe, p)) for n, (m, p) in parts.items()),
+        name="probe parts",
+        daemon=True,
+    )
+    started = clock()
+    worker.start()
+    worker.join(seconds)
+    if not worker.is_alive():
+        return answers
+    done = dict(answers)  # a copy: the stuck thread may still add to answers
+    for name in parts:
+        if name not in done:
+            done[name] = {
+                "error": f"wedged: no answer within {seconds} s on {label} (a hung NFS/FUSE mount or a device stuck "
+                f"in the driver: look for processes in state D); the part was abandoned",
+                "wedged": True,
+                "seconds": round(clock() - started, 3),
+            }
+    return done
+
+
+def probes_argv(python):
+    """``[python, "-I", "-c", PROBES_MAIN]``: the probe program's argv, fixed whatever the payloads (pure)."""
+    return [python, "-I", "-c", PROBES_MAIN]
+
+
+def probes_input(parts):
+    """The stdin of PROBES_MAIN for ``parts`` (``{name: (module, payload)}``): one JSON document holding each
+    part's source and payload. Data, never argv: a hashed lock of a full ML stack is larger than one argument
+    may be (MAX_ARG_STRLEN, 128 KiB)."""
+    return json.dumps(
+        {
+            "sources": {name: inspect.getsource(module) for name, (module, _) in parts.items()},
+            "payloads": {name: payload for name, (_, payload) in parts.items()},
+        }
+    )
+
+
+# What the CT's python runs (``-c``; the parts come on stdin, see probes_input): each part's source in a module
+# of its own, then probe(payload) of each, in order; the answers as one JSON object on stdout. Standard library
+# only, Python 3.9+.
 PROBES_MAIN = """
 import json, sys, time, types
 
 answers = {}
-payloads = json.loads(sys.argv[1])
-for name, source in json.loads(SOURCES).items():
+given = json.loads(sys.stdin.buffer.read())
+payloads = given["payloads"]
+for name, source in given["sources"].items():
     started = time.monotonic()
     try:
         module = types.ModuleType("pve_probe_" + name)

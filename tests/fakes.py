@@ -26,6 +26,7 @@ class FakeRunner:
         self.unexpected = []
 
     def __call__(self, argv, *, stdin=None, timeout=None, env=None):
+        argv = as_pinned(argv, stdin)
         with self.lock:
             if threading.current_thread() is threading.main_thread():
                 assert self.calls, f"unexpected extra call {argv}"
@@ -53,6 +54,16 @@ class FakeRunner:
     def assert_done(self):
         assert self.unexpected == [], f"unexpected calls from other threads: {self.unexpected}"
         assert self.calls == [], f"expected calls not made: {[c[0] for c in self.calls]}"
+
+
+def as_pinned(argv, stdin):
+    """The argv a test pins for a call: a probes call (``python -I -c PROBES_MAIN``, its parts as JSON on stdin) is
+    pinned as ``[..., python, "-I", "-", json.dumps(payloads)]``, so each test still asserts every payload exactly
+    (tests/unit/module_utils/test_pve_target.py asserts the real argv and stdin)."""
+    if len(argv) < 2 or argv[-2:] != ["-c", pve_target.PROBES_MAIN]:
+        return argv
+    payloads = json.loads(stdin)["payloads"]
+    return [*argv[:-2], "-", json.dumps(payloads)]
 
 
 def run_module(module, args, runner, monkeypatch, capsys, *, check_mode=False):

@@ -124,17 +124,23 @@ def shared_run_id(directory):
             os.unlink(temporary)
 
 
-def controller_defaults(environ=None):
+def controller_defaults(environ=None, parent_pid=None):
     """The lock's record of who runs this, for the options the task leaves out: ``owner`` (USER@host, as the
-    preflight role documents it), ``controller`` (this host's name) and ``controller_pid``."""
+    preflight role documents it), ``controller`` (this host's name) and ``controller_pid``.
+
+    ``controller_pid`` is CONTROLLER_PID_ENV's, else this worker's parent (``parent_pid``, default os.getppid():
+    Ansible forks its workers from ansible-playbook): never absent, since two runs under one run id, owner and
+    controller are told apart by it alone (module_utils/pve_lock.py, "One run").
+    """
     environ = os.environ if environ is None else environ
     host = platform.node() or "unknown"
     user = environ.get("USER") or _login_name() or "unknown"
-    defaults = {"owner": f"{user}@{host}", "controller": host}
     pid = environ.get(CONTROLLER_PID_ENV, "")
-    if pid.isdigit():
-        defaults["controller_pid"] = int(pid)
-    return defaults
+    return {
+        "owner": f"{user}@{host}",
+        "controller": host,
+        "controller_pid": int(pid) if pid.isdigit() else (parent_pid or os.getppid()),
+    }
 
 
 def _login_name():

@@ -205,7 +205,7 @@ def test_ct_check_mode_reports_the_purge_and_the_real_run_does_it_in_one_more_pc
     assert (real["size_before"], real["size_after"]) == (164 * MB, 1 * MB)
     # What travels on stdin: the script's and the reader's sources, run in that order in one process.
     sources = {"act": inspect.getsource(script), "compile_cache": inspect.getsource(pve_probe_compile_cache)}
-    assert runner.stdin[1] == PROBES_MAIN.replace("SOURCES", repr(json.dumps(sources)))
+    assert json.loads(runner.stdin[1])["sources"] == sources
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -594,10 +594,8 @@ def test_the_probe_and_script_run_as_shipped_on_python_3_9(host, capsys):
         "compile_cache": read,
     }
     sources = {"act": inspect.getsource(script), "compile_cache": inspect.getsource(pve_probe_compile_cache)}
-    program = PROBES_MAIN.replace("SOURCES", repr(json.dumps(sources)))
-    done = subprocess.run(
-        [python, "-I", "-", json.dumps(payloads)], input=program, capture_output=True, text=True, check=True
-    )
+    program = json.dumps({"sources": sources, "payloads": payloads})  # Target.run_probes' stdin
+    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
     answers = json.loads(done.stdout)
     assert "error" not in answers["act"], answers["act"]
     assert "error" not in answers["act"]["answer"], answers["act"]["answer"]

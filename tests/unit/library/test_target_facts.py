@@ -85,9 +85,16 @@ def test_preflight_cases(case, check_mode, tmp_path, monkeypatch, capsys):
     # A preflight-only pass has no work: the lock is released in the same execution, failed or not.
     assert list(tmp_path.iterdir()) == []
     if facts:
-        assert facts["lock"] == {"path": str(tmp_path / "ct-200.lock"), "held": False, "action": "taken"}
+        assert facts["lock"] == {
+            "path": str(tmp_path / "ct-200.lock"),
+            "held": False,
+            "action": "taken",
+            "who": {"owner": "alice@ctl", "controller": None, "controller_pid": None},
+        }
         assert facts["problems"] == facts["preflight"]["problems"]
-        assert facts["preflight"]["problems"] == [c["detail"] for c in facts["preflight"]["checks"] if not c["ok"]]
+        failed = [c for c in facts["preflight"]["checks"] if not c["ok"]]
+        assert facts["preflight"]["problems"] == [c["detail"] for c in failed if c["severity"] == "fail"]
+        assert facts["preflight"]["warnings"] == [c["detail"] for c in failed if c["severity"] == "warn"]
         assert result["changed"] is False
         # A problem fails the pass itself, with every problem at once; the facts come back all the same.
         if facts["problems"]:

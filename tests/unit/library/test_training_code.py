@@ -164,7 +164,7 @@ def test_ct_check_mode_reports_the_reset_and_the_real_run_does_it_in_one_more_pc
         "reset": inspect.getsource(script),
         "training_code": inspect.getsource(pve_probe_training_code),
     }
-    assert runner.stdin[1] == PROBES_MAIN.replace("SOURCES", repr(json.dumps(sources)))
+    assert json.loads(runner.stdin[1])["sources"] == sources
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -742,10 +742,8 @@ def test_the_parts_run_as_shipped_on_python_3_9(lab):
         },
         "training_code": {"path": str(lab.repo), "commit": lab.pinned, "git": "git", "timeout": 60},
     }
-    program = PROBES_MAIN.replace("SOURCES", repr(json.dumps(sources)))
-    done = subprocess.run(
-        [python, "-I", "-", json.dumps(payloads)], input=program, capture_output=True, text=True, check=True
-    )
+    program = json.dumps({"sources": sources, "payloads": payloads})  # Target.run_probes' stdin
+    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
     answers = json.loads(done.stdout)
     assert answers["reset"]["answer"]["head"] == lab.pinned, answers
     assert answers["reset"]["answer"]["backup"]["dir"] == str(lab.backups / STAMP)

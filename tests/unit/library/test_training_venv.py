@@ -381,7 +381,7 @@ def test_ct_check_mode_reports_the_rebuild_and_the_real_run_does_it_in_one_more_
     )
     # What travels on stdin: the build script's and the reader's sources, run in that order in one process.
     sources = {"build": inspect.getsource(script), "training_venv": inspect.getsource(pve_probe_training_venv)}
-    assert runner.stdin[1] == PROBES_MAIN.replace("SOURCES", repr(json.dumps(sources)))
+    assert json.loads(runner.stdin[1])["sources"] == sources
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -745,9 +745,9 @@ def test_an_interrupted_build_is_removed_by_the_next_run(host, capsys):
     host.indexes.server.hang["idna-3.10-py3-none-any.whl"] = (requested, release)
     spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[1])
-    program = PROBES_MAIN.replace("SOURCES", repr(json.dumps({"build": inspect.getsource(script)})))
+    program = json.dumps({"sources": {"build": inspect.getsource(script)}, "payloads": {"build": payload}})
     build = subprocess.Popen(
-        [SYSTEM_PYTHON, "-I", "-", json.dumps({"build": payload})],
+        [SYSTEM_PYTHON, "-I", "-c", PROBES_MAIN],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -883,10 +883,8 @@ def test_the_script_runs_as_shipped_on_python_3_9(host, capsys):
         pytest.skip("no python3.9 here")
     spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[0])
-    program = PROBES_MAIN.replace("SOURCES", repr(json.dumps({"build": inspect.getsource(script)})))
-    done = subprocess.run(
-        [python, "-I", "-", json.dumps({"build": payload})], input=program, capture_output=True, text=True, check=True
-    )
+    program = json.dumps({"sources": {"build": inspect.getsource(script)}, "payloads": {"build": payload}})
+    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
     answer = json.loads(done.stdout)["build"]["answer"]
     assert answer["current"] == str(host.version(STAMPS[0])), answer
     assert host.run(capsys)["changed"] is False

@@ -193,7 +193,7 @@ def test_the_controller_host_and_pid_are_recorded(tmp_path):
 
 def test_without_controller_the_lock_is_as_before(tmp_path):
     take(tmp_path)
-    assert set(json.loads(lock_file(tmp_path).read_text())) == {"run_id", "owner", "created", "ttl", "pid"}
+    assert set(json.loads(lock_file(tmp_path).read_text())) == {"run_id", "owner", "created", "ttl", "pid", "pid_start"}
 
 
 def test_a_lock_whose_controller_on_this_machine_is_gone_is_taken_over_before_its_ttl(tmp_path):

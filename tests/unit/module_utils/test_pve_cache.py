@@ -648,12 +648,9 @@ def test_the_probe_runs_as_the_fact_pass_ships_it_on_python_3_9(tmp_path):
     payloads = {
         "compile_cache": pve_cache.probe_payload(dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root)]), 30)
     }
-    program = PROBES_MAIN.replace(
-        "SOURCES", repr(json.dumps({"compile_cache": inspect.getsource(pve_probe_compile_cache)}))
-    )
-    done = subprocess.run(
-        [python, "-I", "-", json.dumps(payloads)], input=program, capture_output=True, text=True, check=True
-    )
+    sources = {"compile_cache": inspect.getsource(pve_probe_compile_cache)}
+    program = json.dumps({"sources": sources, "payloads": payloads})
+    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
     answer = json.loads(done.stdout)["compile_cache"]
     assert "error" not in answer, answer
     assert answer["answer"]["roots"][0]["stamp"]["fingerprint"] == CU130

@@ -56,3 +56,37 @@ def test_the_node_part_reads_the_node_kernel_module(tmp_path: Path):
     version.write_text((ROOT / "tests/fixtures/h200/proc_driver_nvidia_version.txt").read_text())
     spec = dict(SPEC, kernel_version_file=str(version))
     assert pve_preflight.read_node(spec, None, None, CONTEXT) == {"driver_version": "580.159.04"}
+
+
+# -- disk: a warning before a failure (issue 25 item 13) -------------------------------------------------------
+def with_free(gib):
+    return dict(ANCHORS["healthy"], space={"path": "/opt", "existing": "/", "free_bytes": int(gib * 1024**3)})
+
+
+def test_free_disk_between_the_thresholds_is_a_named_warning_not_a_problem():
+    facts = pve_preflight.evaluate_step(SPEC, with_free(30), {"driver_version": "580.159.04"}, CONTEXT)
+    assert facts["problems"] == []
+    assert facts["warnings"] == [
+        "CT 200 on pve1 has 30.0 GiB free at /opt (its filesystem at /); below the warning threshold of 40 GiB "
+        "(preflight_warn_free_gib); a new venv fails under 20 GiB: free space there (old venv versions, caches) "
+        "before it runs out"
+    ]
+    [disk] = [c for c in facts["checks"] if c["name"] == "disk"]
+    assert (disk["ok"], disk["severity"]) == (False, "warn")
+
+
+@pytest.mark.parametrize(
+    ("gib", "warn", "problems", "warnings"),
+    [(10, 40.0, 1, 0), (50, 40.0, 0, 0), (30, 0.0, 0, 0), (20, 40.0, 0, 1), (39, None, 0, 1), (41, None, 0, 0)],
+    ids=["below_min_is_a_problem_only", "above_warn", "warning_off", "at_min_warns", "twice_min", "above_twice"],
+)
+def test_disk_thresholds(gib, warn, problems, warnings):
+    spec = dict(SPEC, warn_free_gib=warn)
+    facts = pve_preflight.evaluate_step(spec, with_free(gib), {"driver_version": "580.159.04"}, CONTEXT)
+    assert (len(facts["problems"]), len(facts["warnings"])) == (problems, warnings)
+
+
+def test_a_warning_threshold_below_the_minimum_is_refused():
+    assert "warn_free_gib 10 is below min_free_gib 20" in pve_preflight.check_spec(dict(SPEC, warn_free_gib=10.0))
+    assert pve_preflight.check_spec(SPEC) is None
+    assert pve_preflight.check_spec(dict(SPEC, min_free_gib=100000.0)) is None  # unset: twice the minimum

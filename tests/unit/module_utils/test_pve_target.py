@@ -1,5 +1,6 @@
 """The one target: exact pct argvs, Proxmox's failures as clear errors, payloads that stay inert."""
 
+import json
 import subprocess
 import sys
 import time
@@ -174,14 +175,20 @@ def test_write_file_keeps_the_path_an_argument():
     assert runner.stdin == ["data"]
 
 
-def test_probe_in_a_container_is_one_pct_exec_with_the_sources_on_stdin():
-    runner = FakeRunner(
-        ([*CT_PREFIX, "python3", "-I", "-", '{"preflight": {"a": 1}}'], (0, '{"preflight": {"answer": {"ok": 1}}}', ""))
-    )
+def test_probe_in_a_container_is_one_pct_exec_with_sources_and_payloads_on_stdin():
+    calls = []
+
+    def runner(argv, *, stdin=None, timeout=None, env=None):
+        calls.append((argv, stdin))
+        return pve_target.CommandResult(argv=argv, rc=0, stdout='{"preflight": {"answer": {"ok": 1}}}', stderr="")
+
     assert ct(runner).run_probe(pve_probe_preflight, {"a": 1}) == {"ok": 1}
-    program = runner.stdin[0]
-    assert "def probe(payload):" in program  # the part's source travels inside the program
-    assert program.startswith("\nimport json, sys, time, types")
+    [(argv, stdin)] = calls
+    # The argv is fixed, whatever the payload: the data travels on stdin (issue 25 item 8).
+    assert argv == [*CT_PREFIX, "python3", "-I", "-c", pve_target.PROBES_MAIN]
+    given = json.loads(stdin)
+    assert given["payloads"] == {"preflight": {"a": 1}}
+    assert "def probe(payload):" in given["sources"]["preflight"]
 
 
 def test_probe_failure_says_which_probe_and_why():

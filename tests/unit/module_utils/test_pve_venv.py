@@ -715,13 +715,11 @@ def test_the_probe_runs_as_the_fact_pass_ships_it_on_old_pythons(tmp_path, minor
     if python is None:
         pytest.skip(f"no python{minor} here")
     venv = fake_torch_venv(tmp_path, "2.11.0", VERSION_PY_CU130)
-    # What Target.run_probes feeds a CT's python3 on stdin: the part's source, exec'd, then probe(payload).
+    # What Target.run_probes feeds a CT's python3 -c PROBES_MAIN on stdin: the part's source and payload.
     sources = {pve_venv.NAME: inspect.getsource(pve_probe_training_venv)}
     payloads = {pve_venv.NAME: pve_venv.probe_payload(dict(SPEC, path=str(venv)), 30)}
-    program = PROBES_MAIN.replace("SOURCES", repr(json.dumps(sources)))
-    done = subprocess.run(
-        [python, "-I", "-", json.dumps(payloads)], input=program, capture_output=True, text=True, check=True
-    )
+    program = json.dumps({"sources": sources, "payloads": payloads})
+    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
     answer = json.loads(done.stdout)[pve_venv.NAME]["answer"]
     assert answer == json.loads(json.dumps(probe(venv)))
     assert answer["torch_version_py"]["version"] == "2.11.0+cu130"

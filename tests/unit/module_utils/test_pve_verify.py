@@ -693,9 +693,9 @@ def test_the_probe_part_runs_as_the_fact_pass_ships_it(tmp_path, minor):
     if python is None:
         pytest.skip(f"no python{minor} here")
     venv = make_venv_dir(tmp_path / "train")
-    program = PROBES_MAIN.replace("SOURCES", repr(json.dumps({"verify": inspect.getsource(pve_probe_verify)})))
-    payload = json.dumps({"verify": pve_verify.probe_payload(KNOWN_GOOD | {"venv": str(venv)})})
-    done = subprocess.run([python, "-I", "-", payload], input=program, capture_output=True, text=True, check=True)
+    payload = {"verify": pve_verify.probe_payload(KNOWN_GOOD | {"venv": str(venv)})}
+    program = json.dumps({"sources": {"verify": inspect.getsource(pve_probe_verify)}, "payloads": payload})
+    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
     answer = json.loads(done.stdout)["verify"]["answer"]
     assert answer == pve_probe_verify.probe({"venv": str(venv)})
     assert pve_verify.evaluate_step(dict(KNOWN_GOOD, venv=str(venv)), answer, {}, context())["problems"] == []

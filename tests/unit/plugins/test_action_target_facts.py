@@ -182,7 +182,9 @@ def test_who_runs_it_is_filled_in_from_the_controller(action):
     defaults = action.controller_defaults({"USER": "alice", action.CONTROLLER_PID_ENV: "4242"})
     assert defaults["controller"] and defaults["owner"] == f"alice@{defaults['controller']}"
     assert defaults["controller_pid"] == 4242
-    assert "controller_pid" not in action.controller_defaults({"USER": "alice", action.CONTROLLER_PID_ENV: "x"})
+    # Without the callback's variable, the worker's parent (ansible-playbook): a run is never without its pid.
+    assert action.controller_defaults({"USER": "alice", action.CONTROLLER_PID_ENV: "x"}, 77)["controller_pid"] == 77
+    assert action.controller_defaults({})["controller_pid"] == os.getppid()
     assert action.controller_defaults({})["owner"].endswith(f"@{defaults['controller']}")
 
 
