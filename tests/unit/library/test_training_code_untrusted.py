@@ -122,6 +122,7 @@ def test_the_view_gives_git_only_allowed_keys_and_the_real_config_is_untouched(l
             "core.repositoryformatversion=0",
             "remote.evil.url=ext::" + str(tmp_path / "mark.sh") + " ext",
             'remote.origin.url=/srv/up "quoted"\\path',
+            "remote.sshy.url=ssh://127.0.0.1:9/nowhere.git",
         ]
         assert not os.path.exists(os.path.join(view.dir, "hooks"))
     finally:
