@@ -95,22 +95,28 @@ def _header(path):
     return found
 
 
-def record_tops(lines, site_packages):
-    """The top-level entries of site-packages a RECORD's lines list: ``["torch/__init__.py,sha256=..,1",
-    "../../../bin/torchrun,,", "six.py,,"]`` -> ``{"torch", "six.py"}`` (paths outside site-packages left out)."""
+def record_tops(text, site_packages):
+    """The top-level entries of site-packages a RECORD's text lists: ``"torch/__init__.py,sha256=..,1\n"
+    "../../../bin/torchrun,,\nsix.py,,\n"`` -> ``{"torch", "six.py"}`` (paths outside site-packages left out).
+
+    torch's RECORD alone is 12,000 lines, grouped by directory: a line under the directory of the line before
+    costs one ``startswith``."""
     prefix = site_packages.rstrip("/") + "/"
-    tops = set()
-    for line in lines:
-        # A path with a comma or a quote is CSV-quoted; every other line is cut at its first comma (fast).
-        path = next(csv.reader([line]))[0] if line.startswith('"') else line.partition(",")[0]
-        if path.startswith("/"):
+    tops, under = set(), None
+    for line in text.split("\n"):
+        if under is not None and line.startswith(under):
+            continue
+        if line.startswith(('"', "/")):  # a CSV-quoted path (a comma in it) or an absolute one
+            path = next(csv.reader([line]))[0] if line.startswith('"') else line.partition(",")[0]
             if not path.startswith(prefix):
                 continue
-            path = path[len(prefix) :]
-        top = path.split("/", 1)[0].strip()
-        if top and top not in (".", ".."):
-            tops.add(top)
-    return tops
+            path = path[len(prefix) :] if path.startswith("/") else path
+        else:
+            path = line.partition(",")[0]
+        top, sep, _ = path.partition("/")
+        tops.add(top)
+        under = f"{top}/" if sep and not line.startswith(('"', "/")) else None
+    return tops - {"", ".", ".."}
 
 
 def import_name(entry):
@@ -128,7 +134,7 @@ def _owned(record, names, site_packages, is_dist_info):
     if is_dist_info and "RECORD" in names:
         try:
             with open(os.path.join(record, "RECORD"), encoding="utf-8", errors="replace") as handle:
-                return record_tops(handle, site_packages), ()
+                return record_tops(handle.read(), site_packages), ()
         except OSError:
             return set(), ()
     if not is_dist_info and "top_level.txt" in names:

@@ -892,7 +892,7 @@ def test_a_record_lists_quoted_and_absolute_paths_and_paths_outside_site_package
         "six.py,,\n",
         "\n",
     ]
-    tops = pve_probe_training_venv.record_tops(lines, "/opt/venvs/train/lib/python3.11/site-packages")
+    tops = pve_probe_training_venv.record_tops("".join(lines), "/opt/venvs/train/lib/python3.11/site-packages")
     assert tops == {"torch", "odd,name", "abs.py", "six.py"}
 
 
