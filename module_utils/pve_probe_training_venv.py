@@ -108,9 +108,10 @@ def record_tops(text, site_packages):
             continue
         if line.startswith(('"', "/")):  # a CSV-quoted path (a comma in it) or an absolute one
             path = next(csv.reader([line]))[0] if line.startswith('"') else line.partition(",")[0]
-            if not path.startswith(prefix):
-                continue
-            path = path[len(prefix) :] if path.startswith("/") else path
+            if path.startswith("/"):
+                if not path.startswith(prefix):
+                    continue
+                path = path[len(prefix) :]
         else:
             path = line.partition(",")[0]
         top, sep, _ = path.partition("/")
