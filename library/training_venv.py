@@ -530,12 +530,13 @@ def install_uv(target, wheel_path):
     """Put the wheel's uv into the target at a versioned path (kept when already there); return that path.
 
     Never a ``curl | sh``: the binary comes from the wheel the controller handed to the node, over the same
-    ``pct exec`` as everything else.
+    ``pct exec`` as everything else. The temporary file is mktemp's (O_EXCL, a name nobody can guess).
     """
     version, binary = uv_from_wheel(wheel_path)
     path = f"{UV_HOME}/uv-{version}/uv"
     script = (
-        'set -e; [ -x "$1" ] && exit 0; mkdir -p "${1%/*}"; t="$1.tmp.$$"; cat > "$t"; chmod 755 "$t"; mv -f "$t" "$1"'
+        'set -e; [ -x "$1" ] && exit 0; mkdir -p "${1%/*}"; t=$(mktemp "$1.XXXXXX"); cat > "$t"; chmod 755 "$t"; '
+        'mv -f "$t" "$1"'
     )
     target.run(["sh", "-c", script, "sh", path], stdin=binary)
     return path

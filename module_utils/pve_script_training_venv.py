@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 
 MARKER = ".pve-gpu-recover-building"
@@ -401,17 +402,31 @@ def build_env():
 
 
 def write_atomic(path, text):
-    """Write ``text`` to ``path`` through a temporary file renamed over it (never a half-written file)."""
-    temporary = f"{path}.tmp{os.getpid()}"
+    """Write ``text`` to ``path`` through a temporary file renamed over it (never a half-written file).
+
+    The venv's parent may be writable by others in the target: the temporary file gets a name nobody can guess
+    and is created exclusively (mkstemp: O_EXCL, so a link planted there is never followed), and the rename
+    replaces a link at ``path`` itself rather than writing through it."""
+    directory, name = os.path.split(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     try:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(temporary, 0o644)  # mkstemp's 0600: the lock and freeze beside a venv are for every user to read
         os.replace(temporary, path)
     except BaseException:
         _remove(temporary)
         raise
+
+
+def create_new(path, text, mode=0o644):
+    """Write ``text`` to a file that must not exist yet (O_EXCL | O_NOFOLLOW: a planted link is an error, never
+    followed)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    with os.fdopen(os.open(path, flags, mode), "w", encoding="utf-8") as stream:
+        stream.write(text)
 
 
 def _remove(path):
@@ -460,6 +475,7 @@ class Build:
         self.parent = os.path.dirname(self.path)
         self.new = version_dir(self.path, self.stamp)
         self.lock_file = lock_path(self.new)
+        self.private = None  # a root-only directory holding the lock the installer reads (made by execute)
         self.env = build_env()
         self.created = False  # this run made self.new (so a failure removes it)
         self.swapped = False  # self.new is the current venv (so nothing of it is ever removed)
@@ -574,7 +590,7 @@ class Build:
         # --allow-existing: the directory exists already, holding the marker that says "unfinished".
         self.must_run([uv, "venv", "--allow-existing", "--python", python, self.new], f"`uv venv` with {python}")
         self.must_run(
-            [uv, "pip", "sync", "--python", f"{self.new}/bin/python", "--require-hashes", self.lock_file],
+            [uv, "pip", "sync", "--python", f"{self.new}/bin/python", "--require-hashes", self.install_lock()],
             "installing the lock with `uv pip sync`",
         )
         version = self.must_run([uv, "--version"], "`uv --version`").split()
@@ -603,9 +619,9 @@ class Build:
                 rc=rc,
                 stderr=text,
             )
-        pip = [f"{self.new}/bin/python", "-m", "pip"]
+        pip = [f"{self.new}/bin/python", "-B", "-m", "pip"]  # pip's own modules stay uncompiled, as uv leaves them
         self.must_run(
-            [*pip, "install", "--no-deps", "--require-hashes", "--no-input", "-r", self.lock_file],
+            [*pip, "install", "--no-deps", "--require-hashes", "--no-input", "-r", self.install_lock()],
             "installing the lock with pip",
         )
         version = self.must_run([*pip, "--version"], "`pip --version`").split()
@@ -622,7 +638,8 @@ class Build:
 
     def check(self):
         """The new venv's interpreter runs, is the expected minor, and it holds exactly the lock."""
-        out = self.must_run([f"{self.new}/bin/python", "-c", PYTHON_CHECK], "running the new venv's python")
+        # -B: the check leaves no __pycache__ behind (what runs inside a venv to look at it writes nothing).
+        out = self.must_run([f"{self.new}/bin/python", "-B", "-c", PYTHON_CHECK], "running the new venv's python")
         found = _PYTHON_TUPLE.search(out)
         if not found:
             raise BuildError("check", f"the new venv's python printed {out.strip()!r}, not its version")
@@ -690,6 +707,20 @@ class Build:
                 skipped.append({"path": version, "pids": [], "reason": f"cannot remove: {error.strerror}"})
         return removed, skipped
 
+    def install_lock(self):
+        """The lock the installer reads: a copy in a directory of root's own (mkdtemp: mode 0700), since another
+        user able to write the venv's parent could swap ``<version>.lock.txt`` between its writing and its
+        reading."""
+        if self.private is None:
+            self.private = tempfile.mkdtemp(prefix="pve-gpu-recover-build-")
+            create_new(os.path.join(self.private, "lock.txt"), self.lock, 0o600)
+        return os.path.join(self.private, "lock.txt")
+
+    def drop_private(self):
+        if self.private is not None:
+            shutil.rmtree(self.private, ignore_errors=True)
+            self.private = None
+
     def discard(self):
         """Remove what this run built; None when done, else the path left behind (its marker says unfinished)."""
         left = None
@@ -713,8 +744,9 @@ class Build:
         os.makedirs(self.parent, exist_ok=True)
         os.mkdir(self.new)
         self.created = True
-        with open(os.path.join(self.new, MARKER), "w", encoding="utf-8") as handle:
-            handle.write(f"being built since {self.stamp}; removed when the build is checked\n")
+        create_new(
+            os.path.join(self.new, MARKER), f"being built since {self.stamp}; removed when the build is checked\n"
+        )
         write_atomic(self.lock_file, self.lock)
         name, where = self.builder()
         builder = self.make_venv_with_uv(where) if name == "uv" else self.make_venv_with_pip(where)
@@ -790,5 +822,7 @@ def probe(payload):
         where = f" ({error.filename})" if error.filename else ""
         failure = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
         failure["stderr_tail"] = ""
+    finally:
+        build.drop_private()
     failure.update(cleaned=build.cleaned, left_behind=build.discard())
     return failure

@@ -876,6 +876,41 @@ def test_retention_keeps_the_newest_and_never_a_version_a_process_uses(host, cap
     ]
 
 
+def test_no_file_is_written_through_a_link_planted_beside_the_venv(host, capsys, tmp_path):
+    """The venv's parent may be writable by a user of the target: links planted at every name the build once
+    wrote with a fixed temporary name (``<file>.tmp<pid>``) point at a victim, which stays untouched."""
+    host.run(capsys, SMALLER)
+    host.pollute(host.path)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    old, new = host.version(STAMPS[0]), host.version(STAMPS[1])
+    for name in (f"{new}.lock.txt", f"{old}.freeze.txt"):
+        os.symlink(victim, f"{name}.tmp{os.getpid()}")
+    result = host.run(capsys)
+    assert result["changed"] is True and result["current"] == str(new), result.get("msg")
+    assert victim.read_text() == "precious\n"
+    assert Path(f"{new}.lock.txt").read_text() == host.indexes.lock(GOOD)
+    assert not Path(f"{new}.lock.txt").is_symlink()
+    assert Path(f"{old}.freeze.txt").read_text() == "idna==3.10\nsglang==0.5.4\nsix==1.17.0\ntorch==2.11.0+cu130\n"
+
+
+def test_a_link_planted_at_the_lock_or_freeze_name_is_replaced_never_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    planted = tmp_path / "train.20261203T101500Z.lock.txt"
+    planted.symlink_to(victim)
+    script.write_atomic(str(planted), "six==1.17.0\n")
+    assert victim.read_text() == "precious\n"
+    assert (planted.is_symlink(), planted.read_text()) == (False, "six==1.17.0\n")
+    assert stat.S_IMODE(planted.stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.20261203T101500Z.lock.txt", "victim"]
+    marker = tmp_path / "marker"
+    marker.symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        script.create_new(str(marker), "unfinished\n")
+    assert victim.read_text() == "precious\n"
+
+
 def test_the_script_runs_as_shipped_on_python_3_9(host, capsys):
     candidates = [Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9", Path("/usr/bin/python3.9")]
     python = next((str(p) for p in candidates if p.exists()), None)
@@ -916,7 +951,8 @@ def test_a_file_that_is_no_uv_wheel_is_a_clear_error(tmp_path):
 
 def test_uv_goes_into_the_ct_at_a_versioned_path_over_one_pct_exec(tmp_path):
     script = (
-        'set -e; [ -x "$1" ] && exit 0; mkdir -p "${1%/*}"; t="$1.tmp.$$"; cat > "$t"; chmod 755 "$t"; mv -f "$t" "$1"'
+        'set -e; [ -x "$1" ] && exit 0; mkdir -p "${1%/*}"; t=$(mktemp "$1.XXXXXX"); cat > "$t"; chmod 755 "$t"; '
+        'mv -f "$t" "$1"'
     )
     path = "/usr/local/lib/pve-gpu-recover/uv-0.13.9/uv"
     runner = FakeRunner(
