@@ -36,6 +36,8 @@ IMPORTABLE_SUFFIXES = (".py", ".pyc", ".pyo", ".so", ".pyd", ".pth")
 START_UP_MODULES = ("sitecustomize", "usercustomize")
 # Records and bytecode: __pycache__ is read only for a source beside it, never by itself (PEP 3147).
 _NOT_ENTRIES = re.compile(r"(?:\.dist-info|\.egg-info|^__pycache__)$")
+MARKER = ".pve-gpu-recover-building"  # in a version the build has not finished (pve_script_training_venv)
+_STAMP = r"\d{8}T\d{6}Z"
 HOOK_TEXT = 200  # characters of an unowned .pth file the answer carries (the module recognizes a venv creator's)
 
 
@@ -210,6 +212,23 @@ def _site_packages(path, python):
     return chosen, minors, python
 
 
+def finished_versions(path):
+    """The finished versions beside ``path`` that the build made: ``<path>.<UTC stamp>`` real directories without
+    the build's marker, sorted (oldest first); what retention may remove."""
+    parent, base = os.path.split(path.rstrip("/"))
+    pattern = re.compile(rf"^{re.escape(base)}\.{_STAMP}$")
+    try:
+        names = sorted(name for name in os.listdir(parent or "/") if pattern.match(name))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        full = os.path.join(parent, name)
+        if os.path.isdir(full) and not os.path.islink(full) and not os.path.lexists(os.path.join(full, MARKER)):
+            found.append(full)
+    return found
+
+
 def start_up_and_unowned(site_packages, listing, distributions):
     """``(hooks, unowned)`` of a site-packages listing, given each distribution's ``owns``/``owns_names``.
 
@@ -253,7 +272,8 @@ def probe(payload):
     "hooks" ([{"entry", "owners", "text"}]: every ``.pth`` file and ``sitecustomize``/``usercustomize`` module in
     site-packages, with the Names of the distributions whose RECORD lists it; ``text``, the start of an unowned
     ``.pth``), "unowned" (importable top-level entries no RECORD or top_level.txt owns),
-    "torch_version_py" (parse_torch_version_py() or None), "errors" (what could not be read)}``.
+    "torch_version_py" (parse_torch_version_py() or None), "versions" (:func:`finished_versions`), "errors" (what
+    could not be read)}``.
     """
     path = payload["path"]
     deadline = time.monotonic() + float(payload.get("timeout", 60))
@@ -271,6 +291,7 @@ def probe(payload):
         "hooks": [],
         "unowned": [],
         "torch_version_py": None,
+        "versions": finished_versions(path),
         "errors": [],
     }
     text = _read(os.path.join(path, "pyvenv.cfg"))

@@ -340,9 +340,10 @@ def read_venv(venv, python=None):
     return {"records": records, "broken": broken, "torch_build": torch_build}
 
 
-def processes_using(directories, proc="/proc"):
+def processes_using(directories, proc="/proc", cwd=False):
     """``{directory: [pids]}``: live processes whose executable, script interpreter path (argv[0], directory
-    resolved) or a mapped file (a loaded C extension) lies in one of ``directories``.
+    resolved), a mapped file (a loaded C extension) or, with ``cwd`` (before a removal), working directory lies in
+    one of ``directories``.
 
     /proc/<pid>/exe alone is not enough: a venv's bin/python is a symlink to the base interpreter, so a job's exe is
     /usr/bin/python3.X whatever venv it runs in.
@@ -354,7 +355,7 @@ def processes_using(directories, proc="/proc"):
     except OSError:
         return using
     for pid in pids:
-        for found in _paths_of(os.path.join(proc, str(pid))):
+        for found in _paths_of(os.path.join(proc, str(pid)), cwd):
             for root, directory in roots.items():
                 if found.startswith(root) and pid not in using.setdefault(directory, []):
                     using[directory].append(pid)
@@ -370,11 +371,15 @@ def comm_of(pid, proc="/proc"):
         return "?"
 
 
-def _paths_of(proc_pid):
-    """The files a process runs from: its exe, its argv[0] (directory resolved) and its mapped files."""
+def _paths_of(proc_pid, cwd=False):
+    """The files a process runs from: its exe, its argv[0] (directory resolved), its mapped files and, with
+    ``cwd``, its working directory."""
     paths = []
     with contextlib.suppress(OSError):
         paths.append(os.readlink(os.path.join(proc_pid, "exe")))
+    if cwd:  # a shell cd'd into a version: removing it would pull the directory from under it
+        with contextlib.suppress(OSError):
+            paths.append(os.path.join(os.readlink(os.path.join(proc_pid, "cwd")), ""))
     try:
         with open(os.path.join(proc_pid, "cmdline"), "rb") as handle:
             argv0 = handle.read().split(b"\0", 1)[0].decode(errors="replace")
@@ -481,6 +486,7 @@ class Build:
         self.swapped = False  # self.new is the current venv (so nothing of it is ever removed)
         self.cleaned = []
         self.window_check = bool(payload.get("window_check"))  # unattended: never swap under a live process
+        self.prune_only = bool(payload.get("prune_only"))  # in spec, only old versions beyond keep to remove
 
     # -- commands ------------------------------------------------------------------------------------------
     def run(self, argv, what):
@@ -677,10 +683,12 @@ class Build:
         _fsync_dir(self.parent)
         return moved_to
 
-    def retention(self):
-        """Remove finished versions beyond ``keep`` that no live process uses; say what was skipped.
+    def retention(self, current):
+        """Remove finished versions beyond ``keep`` that no live process uses (nor has as its working directory),
+        never ``current``; say what was skipped.
 
-        Runs after the swap: what fails here is reported in ``retention_skipped``, never as a failed build.
+        Runs after the swap (or alone, ``prune_only``): what fails here is reported in ``retention_skipped``, never
+        as a failed build.
         """
         if self.keep is None:
             return [], []
@@ -695,8 +703,8 @@ class Build:
             real_dir = os.path.isdir(full) and not os.path.islink(full)
             if pattern.match(name) and real_dir and not os.path.exists(os.path.join(full, MARKER)):
                 finished.append(full)
-        candidates, _ = plan_retention(finished, self.new, self.keep, {})
-        remove, skipped = plan_retention(finished, self.new, self.keep, processes_using(candidates))
+        candidates, _ = plan_retention(finished, current, self.keep, {})
+        remove, skipped = plan_retention(finished, current, self.keep, processes_using(candidates, cwd=True))
         removed = []
         for version in remove:
             try:
@@ -735,7 +743,21 @@ class Build:
                 left = left or path
         return left
 
+    def prune(self):
+        """Retention alone (the venv is in spec, old versions are beyond ``keep``): nothing is built."""
+        started = time.monotonic()
+        _, current = self.current()
+        removed, skipped = self.retention(current)
+        return {
+            "pruned": True,
+            "removed": removed,
+            "retention_skipped": skipped,
+            "seconds": round(time.monotonic() - started, 3),
+        }
+
     def execute(self):
+        if self.prune_only:
+            return self.prune()
         started = time.monotonic()
         kind, old_dir = self.current()
         self.clean_leftovers(old_dir)
@@ -777,7 +799,7 @@ class Build:
                 if moved_to
                 else f"unchanged in place; to go back: ln -sfn {os.path.basename(old_dir)} {self.path}"
             )
-        removed, skipped = self.retention()
+        removed, skipped = self.retention(self.new)
         return {
             "path": self.path,
             "current": self.new,
@@ -798,13 +820,14 @@ def probe(payload):
     ``payload``: ``{"path", "lock" (its text), "python" ("3.11" or None), "stamp" ("20261203T101500Z"), "uv" (path
     or name), "keep" (int or None), "timeout" (s), "expected" ({canonical name: version}, the lock's pins),
     "ignore" (tooling names not compared), "drop_tooling" (seeded tooling a pip build removes), "window_check"
-    (unattended: no swap while a live process uses the current venv; optional)}``.
+    (unattended: no swap while a live process uses the current venv; optional), "prune_only" (build nothing, only
+    remove versions beyond ``keep``; optional)}``.
 
     Success: ``{"path", "current", "previous" ({"path", "freeze", "moved", "note"} or None), "builder" ({"name",
     "path", "version"[, "fallback"]}), "python", "lock_file", "cleaned", "removed", "retention_skipped",
     "seconds"}``. Failure: ``{"error", "message", "cmd", "rc", "stderr_tail", "cleaned", "left_behind"}``. Not
     swapped because a live process uses the current venv (``window_check``): ``{"needs_window", "cleaned",
-    "left_behind", "seconds"}``.
+    "left_behind", "seconds"}``. ``prune_only``: ``{"pruned": true, "removed", "retention_skipped", "seconds"}``.
     """
     try:
         build = Build(payload)

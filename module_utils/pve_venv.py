@@ -29,7 +29,7 @@ import re
 from ansible.module_utils import pve_probe_training_venv
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_gpu_cleanup import ending_pids_of, owner_of
-from ansible.module_utils.pve_process import processes_running_from
+from ansible.module_utils.pve_process import processes_running_from, under
 from ansible.module_utils.pve_text import printable
 from ansible.module_utils.pve_torch_build import variant
 
@@ -51,6 +51,10 @@ SPEC = {
     "tooling": {"type": "str", "default": "ignore", "choices": ["ignore", "exact"]},
     # The scheduled drift corrector: never swap the venv under a live process of the target (needs_window).
     "unattended": {"type": "bool", "default": False},
+    # Versions (<path>.<stamp>) that stay, the current one counted; None: all of them (attended) or
+    # unattended_keep (unattended: nobody watches the disk fill with a GB-sized venv per rebuild).
+    "keep": {"type": "int"},
+    "unattended_keep": {"type": "int", "default": 3},
 }
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 
@@ -237,6 +241,9 @@ def expected_python(spec, lock):
 
 def check_spec(spec):
     """Why the step's settings cannot work (one sentence), or ``""``: called once the SPEC types are checked."""
+    for name in ("keep", "unattended_keep"):
+        if spec.get(name) is not None and spec[name] < 1:
+            return f"{name} is {spec[name]}; the current venv counts, so {name} is at least 1"
     try:
         lock = parse_lock(spec["lock"])
     except VenvError as error:
@@ -579,7 +586,54 @@ def evaluate_step(spec, answer, node, context):
         facts["needs_window"] = [window_message(label, spec["path"], facts["changes"], users)]
         stays = facts["diff"]["before"]
         facts.update(changes=[], pending=False, diff={"before": stays, "after": stays})
+    facts["rebuild"] = bool(facts["changes"]) and not facts["problems"]
+    # Retention: old versions beyond keep go, never the current one nor one a live process uses.
+    version_users = node.get("version_users") or {}
+    prune, kept = [], []
+    for path in prune_candidates(spec, answer, facts["rebuild"]) if not facts["problems"] else []:
+        using = [u for u in version_users.get(path, []) if u.get("ns_pid") not in ending]
+        if using:
+            kept.append({"path": path, "pids": sorted(u["pid"] for u in using), "reason": "in use"})
+        else:
+            prune.append(path)
+    facts.update(prune=prune, prune_kept=kept, keep=effective_keep(spec))
+    facts["changes"] = facts["changes"] + [prune_line(path) for path in prune]
+    facts["pending"] = bool(facts["changes"]) and not facts["problems"]
     return facts
+
+
+# -- retention -------------------------------------------------------------------------------------------------
+def effective_keep(spec):
+    """How many versions stay, the current one counted: ``keep``; unset, ``unattended_keep`` in an unattended run
+    and None (every one) in an attended one."""
+    if spec.get("keep") is not None:
+        return spec["keep"]
+    return spec.get("unattended_keep", SPEC_DEFAULTS["unattended_keep"]) if spec.get("unattended") else None
+
+
+def plan_prune(versions, current, keep):
+    """The finished versions retention removes, oldest first; the same rule as the build script's plan_retention.
+
+    ``current``: the version that counts as current after this run (the one a rebuild makes, any name not in
+    ``versions``; else the one ``path`` resolves to), or None when there is none. ``plan_prune(["/v/t.1", "/v/t.2",
+    "/v/t.3"], "/v/t.3", 2)`` -> ``["/v/t.1"]``; ``keep`` None -> ``[]``.
+    """
+    if keep is None:
+        return []
+    older = [v for v in sorted(versions, reverse=True) if v != current]
+    return sorted(older[max(keep - (1 if current else 0), 0) :])
+
+
+def prune_candidates(spec, answer, rebuilding):
+    """The versions retention would remove in this run, before asking who uses them."""
+    versions = [v for v in answer.get("versions") or [] if isinstance(v, str) and v.startswith("/")]
+    # A rebuild makes the newest version, which counts as current; else the one path resolves to counts.
+    current = f"{spec['path']}.<new>" if rebuilding else (answer.get("real_path") if answer.get("exists") else None)
+    return plan_prune(versions, current, effective_keep(spec))
+
+
+def prune_line(path):
+    return f"remove old venv version {shown(path)} (retention: training_venv_keep)"
 
 
 # -- the fact pass ---------------------------------------------------------------------------------------------
@@ -589,22 +643,43 @@ def probe_payload(spec, timeout=60):
 
 
 def read_node(spec, target, answer, context):
-    """Node-side, unattended only: ``{"users": [...]}``, the target's processes running from the venv, read only
-    when the venv needs a rebuild (a venv in spec, or an attended run, reads nothing: ``{}``).
+    """Node-side: ``{"users": [...]}``, the target's processes running from the venv, read only unattended when the
+    venv needs a rebuild; ``{"version_users": {version: [...]}}``, who uses each old version retention would remove,
+    read only when there is one. A venv in spec within ``keep`` reads nothing: ``{}``.
 
     Each user is ``{"pid", "ns_pid", "name", "command" (shortened), "how" (exe, argv0, mapped), "file"}``, or,
     when its files could not be read in time, the same with ``"how": None`` and ``"error"``: an unattended run
     swaps nothing under a process it cannot vouch for.
     """
-    if not spec.get("unattended"):
-        return {}
     facts = venv_facts(spec, answer, context["target"]["label"])
-    if not facts["changes"] or facts["problems"]:
+    if facts["problems"]:
         return {}
-    found, unreadable = processes_running_from(owner_of(context["target"]), venv_roots(spec, answer))
-    users = [dict(user_of(info), how=how, file=path) for info, how, path in found]
-    users += [dict(user_of(info), how=None, error=error) for info, error in unreadable]
-    return {"users": sorted(users, key=lambda u: u["pid"])}
+    owner = owner_of(context["target"])
+    node = {}
+    if spec.get("unattended") and facts["changes"]:
+        found, unreadable = processes_running_from(owner, venv_roots(spec, answer))
+        users = [dict(user_of(info), how=how, file=path) for info, how, path in found]
+        users += [dict(user_of(info), how=None, error=error) for info, error in unreadable]
+        node["users"] = sorted(users, key=lambda u: u["pid"])
+    rebuilding = bool(facts["changes"]) and not node.get("users")
+    candidates = prune_candidates(spec, answer, rebuilding)
+    if candidates:  # only when retention has work: a converged venv within keep reads nothing more
+        node["version_users"] = version_users(owner, candidates)
+    return node
+
+
+def version_users(owner, versions):
+    """``{version: [user]}``: who runs from (or sits in: cwd) each old version; a process whose files could not
+    be read counts for every one of them (nothing is removed under a process nobody can vouch for)."""
+    found, unreadable = processes_running_from(owner, versions, cwd=True)
+    using = {}
+    for info, how, path in found:
+        root = under(path, versions)
+        using.setdefault(root, []).append(dict(user_of(info), how=how, file=path))
+    for info, error in unreadable:
+        for version in versions:
+            using.setdefault(version, []).append(dict(user_of(info), how=None, error=error))
+    return using
 
 
 def user_of(info):

@@ -180,8 +180,8 @@ def test_the_script_imports_only_the_standard_library():
 
 
 def test_the_payload_carries_what_the_lock_means():
-    spec = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore"}
-    params = {"uv": "/root/.local/bin/uv", "keep": 2, "build_timeout": 900}
+    spec = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore", "keep": 2}
+    params = {"uv": "/root/.local/bin/uv", "build_timeout": 900}
     assert training_venv.build_payload(spec, params, "20261203T101500Z") == {
         "path": "/opt/venvs/train",
         "lock": SMALL_LOCK,
@@ -193,6 +193,7 @@ def test_the_payload_carries_what_the_lock_means():
         "expected": {"six": "1.17.0", "torch": "2.11.0+cu128"},
         "ignore": ["pip", "setuptools", "wheel"],
         "drop_tooling": [],
+        "prune_only": False,
     }
     exact = training_venv.build_payload(dict(spec, tooling="exact", python="3.11"), params, "20261203T101500Z")
     assert (exact["ignore"], exact["drop_tooling"]) == ([], ["pip", "setuptools", "wheel"])
@@ -203,6 +204,7 @@ def test_the_payload_carries_what_the_lock_means():
     [
         ({}, ""),
         ({"keep": 0}, "keep is 0; the current venv counts, so keep is at least 1"),
+        ({"unattended_keep": 0}, "unattended_keep is 0; the current venv counts, so unattended_keep is at least 1"),
         ({"build_timeout": 0}, "build_timeout is 0; give the build at least 1 second"),
         ({"lock": "torch>=2\n"}, "the lock, line 1: `torch>=2` is not an exact pin"),
         ({"python": "3.12"}, "python is 3.12 but the lock was compiled for 3.11"),
@@ -210,7 +212,7 @@ def test_the_payload_carries_what_the_lock_means():
 )
 def test_options_that_cannot_work_are_named(changed, message):
     params = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore"}
-    params.update({"keep": None, "build_timeout": 1800, **changed})
+    params.update({"keep": None, "unattended_keep": 3, "unattended": False, "build_timeout": 1800, **changed})
     assert training_venv.check_options(params).startswith(message)
     assert bool(training_venv.check_options(params)) == bool(message)
 
@@ -257,6 +259,7 @@ BUILD_PAYLOAD = {
     "expected": {"six": "1.17.0", "torch": "2.11.0+cu128"},
     "ignore": ["pip", "setuptools", "wheel"],
     "drop_tooling": [],
+    "prune_only": False,
 }
 
 
@@ -1037,3 +1040,47 @@ def test_bare_host_the_script_removes_the_new_version_when_a_job_started_during_
     assert Path(host.path).resolve() == current
     assert not host.version(STAMPS[1]).exists()  # the version it built is gone, and so is its lock
     assert not Path(f"{host.version(STAMPS[1])}.lock.txt").exists()
+
+
+# -- unattended runs cannot fill the disk (issue 25 item 13) ---------------------------------------------------
+def test_an_unattended_run_keeps_the_current_and_two_old_versions_and_check_mode_names_the_rest(host, capsys):
+    for pins in (GOOD, SMALLER, GOOD, SMALLER):  # attended, keep unset: every version stays
+        assert host.run(capsys, pins)["removed"] == []
+    versions = [host.version(stamp) for stamp in STAMPS[:4]]
+    assert all(version.is_dir() for version in versions)
+    # In spec: an attended run has nothing to do, an unattended one removes what is beyond the default keep of 3.
+    assert host.run(capsys, SMALLER)["changed"] is False
+    before = snapshot(host.path.parent)
+    check = host.run(capsys, SMALLER, check_mode=True, unattended=True)
+    assert snapshot(host.path.parent) == before
+    real = host.run(capsys, SMALLER, unattended=True)
+    line = f"remove old venv version {versions[0]} (retention: training_venv_keep)"
+    assert check["changed"] is real["changed"] is True
+    assert check["changes"] == real["changes"] == [line]
+    assert (real["current"], real["builder"], real["removed"]) == (None, None, [str(versions[0])])
+    assert not versions[0].exists() and all(version.is_dir() for version in versions[1:])
+    assert works(host.path, "six") == str(host.path)
+    # Converged again: nothing more to remove.
+    assert host.run(capsys, SMALLER, check_mode=True, unattended=True)["changed"] is False
+
+
+def test_a_rebuild_counts_the_version_it_makes_and_never_removes_one_a_shell_sits_in(host, capsys):
+    for pins in (GOOD, SMALLER, GOOD):
+        host.run(capsys, pins)
+    oldest = host.version(STAMPS[0])
+    # A shell cd'd into the oldest version: removing it would pull the directory from under it.
+    shell = subprocess.Popen(["sleep", "60"], cwd=oldest)
+    try:
+        check = host.run(capsys, SMALLER, check_mode=True, unattended=True)
+        real = host.run(capsys, SMALLER, unattended=True)
+    finally:
+        shell.kill()
+        shell.wait()
+    # The new version and the 2 newest old ones stay; the oldest is beyond keep but in use, so it stays too.
+    assert check["changes"] == real["changes"] == ["remove idna 3.10 (not in the lock)"]
+    assert real["current"] == str(host.version(STAMPS[3]))
+    assert (real["removed"], real["retention_skipped"]) == (
+        [],
+        [{"path": str(oldest), "pids": [shell.pid], "reason": f"in use by pid {shell.pid}"}],
+    )
+    assert oldest.is_dir()

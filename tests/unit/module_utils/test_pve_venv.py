@@ -312,6 +312,10 @@ def test_the_facts_have_the_documented_keys():
             "needs_window",
             "in_use",
             "ending_pids",
+            "rebuild",
+            "prune",
+            "prune_kept",
+            "keep",
         ]
     )
     json.dumps(facts)  # facts travel as ansible_facts: plain JSON
@@ -457,6 +461,8 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
         "python": None,
         "tooling": "ignore",
         "unattended": False,
+        "keep": None,
+        "unattended_keep": 3,
     }
     assert ArgumentSpecValidator(pve_venv.SPEC).validate({}).error_messages == ["missing required arguments: lock"]
     assert "tooling" in ArgumentSpecValidator(pve_venv.SPEC).validate({"lock": LOCK, "tooling": "x"}).error_messages[0]
@@ -589,6 +595,7 @@ def test_no_venv_and_a_directory_that_is_not_one(tmp_path):
         "hooks": [],
         "unowned": [],
         "torch_version_py": None,
+        "versions": [],
         "errors": [],
     }
     assert (probe(tmp_path)["exists"], probe(tmp_path)["directory"]) == (False, True)
@@ -909,3 +916,67 @@ def test_names_the_venv_chose_are_escaped_in_changes_and_the_diff(tmp_path):
     ]
     assert "bad\\u202eline==1.0\\x1b[31m\n" in facts["diff"]["before"]
     assert all("\x1b" not in change and "\n" not in change for change in facts["changes"])
+
+
+# -- retention: what the fact pass predicts (issue 25 item 13) ---------------------------------------------------
+VERSIONS = [f"{PATH}.2026120{day}T101500Z" for day in range(1, 6)]
+
+
+@pytest.mark.parametrize(
+    ("keep", "unattended", "expected"),
+    [(None, False, None), (None, True, 3), (5, True, 5), (2, False, 2)],
+)
+def test_keep_is_all_when_attended_and_three_when_unattended_unless_set(keep, unattended, expected):
+    assert pve_venv.effective_keep(dict(SPEC, keep=keep, unattended=unattended)) == expected
+
+
+def test_plan_prune_counts_the_current_one_and_removes_the_oldest():
+    assert pve_venv.plan_prune(VERSIONS, VERSIONS[-1], 3) == VERSIONS[:2]
+    assert pve_venv.plan_prune(VERSIONS, f"{PATH}.<new>", 3) == VERSIONS[:3]  # a rebuild's version counts
+    assert pve_venv.plan_prune(VERSIONS, VERSIONS[1], 1) == [VERSIONS[0], *VERSIONS[2:]]
+    assert pve_venv.plan_prune(VERSIONS, VERSIONS[-1], None) == []
+    assert pve_venv.plan_prune(VERSIONS[:2], VERSIONS[1], 3) == []
+
+
+def test_an_in_spec_venv_with_old_versions_beyond_keep_is_pending_unattended_only():
+    answer = dict(IN_SPEC, versions=VERSIONS, real_path=VERSIONS[-1])
+    attended = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    assert (attended["changes"], attended["pending"], attended["prune"]) == ([], False, [])
+    facts = pve_venv.evaluate_step(dict(SPEC, unattended=True), answer, {}, CONTEXT)
+    assert facts["changes"] == [
+        f"remove old venv version {VERSIONS[0]} (retention: training_venv_keep)",
+        f"remove old venv version {VERSIONS[1]} (retention: training_venv_keep)",
+    ]
+    assert (facts["pending"], facts["rebuild"], facts["keep"]) == (True, False, 3)
+    assert facts["diff"]["before"] == facts["diff"]["after"]
+
+
+def test_a_version_a_process_uses_is_kept_unless_the_gpu_step_ends_that_process():
+    answer = dict(IN_SPEC, versions=VERSIONS, real_path=VERSIONS[-1])
+    job = {"pid": 516, "ns_pid": 41, "name": "bash", "command": "bash", "how": "cwd", "file": VERSIONS[0]}
+    node = {"version_users": {VERSIONS[0]: [job]}}
+    facts = pve_venv.evaluate_step(dict(SPEC, unattended=True), answer, node, CONTEXT)
+    assert facts["prune"] == [VERSIONS[1]]
+    assert facts["prune_kept"] == [{"path": VERSIONS[0], "pids": [516], "reason": "in use"}]
+    ending = pve_venv.evaluate_step(dict(SPEC, unattended=True), answer, dict(node, ending=[41]), CONTEXT)
+    assert ending["prune"] == VERSIONS[:2]
+
+
+def test_a_converged_venv_within_keep_costs_no_node_read(monkeypatch):
+    monkeypatch.setattr(pve_venv, "processes_running_from", lambda *a, **k: pytest.fail("read the node"))
+    answer = dict(IN_SPEC, versions=VERSIONS[-3:], real_path=VERSIONS[-1])
+    assert pve_venv.read_node(dict(SPEC, unattended=True), None, answer, CONTEXT) == {}
+
+
+def test_the_probe_lists_finished_versions_only(tmp_path):
+    venv = tmp_path / "train"
+    for name in ("train.20261201T101500Z", "train.20261202T101500Z", "train.20261203T101500Z", "train.backup"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "train.20261203T101500Z" / ".pve-gpu-recover-building").write_text("unfinished\n")
+    (tmp_path / "train.20261204T101500Z").symlink_to(tmp_path / "train.backup")
+    (tmp_path / "train.20261201T101500Z.lock.txt").write_text("")
+    venv.symlink_to("train.20261202T101500Z")
+    assert probe(venv)["versions"] == [
+        str(tmp_path / "train.20261201T101500Z"),
+        str(tmp_path / "train.20261202T101500Z"),
+    ]
