@@ -13,6 +13,12 @@ description:
   - When the venv is anything but the lock (missing, polluted by other packages, another torch build, another
     python minor, a broken record), it builds a new venv from the lock BESIDE the old one, checks it, and swaps
     it in; all of it in ONE C(pct exec) (a build script sent to the target's python on stdin).
+  - The venv is the lock only when it imports nothing else - C(include-system-site-packages = true) in its
+    C(pyvenv.cfg), a C(.pth) file or a C(sitecustomize)/C(usercustomize) module in site-packages that no locked
+    distribution's RECORD lists (setuptools' C(distutils-precedence.pth) is fine while its tooling is ignored), or
+    an importable top-level entry no RECORD (an C(.egg-info)'s C(top_level.txt)) owns is drift too, and rebuilt.
+  - Temporary files are never written under a fixed name in a directory others may write - C(mkstemp) beside the
+    venv, renamed over the target name; the lock the installer reads lies in a root-only C(mkdtemp) directory.
   - Layout, since a venv embeds its own path and cannot be moved. Each version is built at C(<path>.<stamp>)
     (UTC, C(20261203T101500Z)) and never moved. I(path) becomes a symlink to the current version, swapped by
     renaming a new symlink over it (rename(2), atomic, so a job sees the old venv or the new one, never half of either).
@@ -156,7 +162,9 @@ notes:
   - A job started through I(path) (C(<path>/bin/python)) reads files through the symlink; after a swap, what it
     imports later comes from the new version. Console scripts of a version (C(<path>/bin/torchrun)) name that
     version's own python and stay on it.
-  - Retention runs only when the module builds; a converged run makes no change at all.
+  - Retention (I(keep), I(unattended_keep)) is predicted by the fact pass and in check mode (C(remove old venv
+    version ...) lines in I(changes)); a venv in spec with versions beyond it is pruned without a build. A converged
+    run within I(keep) makes no change at all.
 """
 
 EXAMPLES = r"""
@@ -228,7 +236,7 @@ cleaned:
   type: list
   elements: str
 removed:
-  description: Older versions removed by retention (I(keep)).
+  description: Older versions removed by retention (I(keep), or I(unattended_keep) in an unattended run).
   returned: always
   type: list
   elements: str
