@@ -343,6 +343,7 @@ from ansible.module_utils import pve_probe_training_venv, pve_script_training_ve
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
+from ansible.module_utils.pve_text import printable
 from ansible.module_utils.pve_venv import (
     NAME,
     SPEC,
@@ -433,8 +434,10 @@ def built_of(answer, path):
     if isinstance(answer, dict) and isinstance(answer.get("error"), str):
         return_text = answer.get("stderr_tail")
         raise VenvError(
-            f"building the venv failed ({answer['error']}): {answer.get('message')}; {path} was left as it was",
-            kind=answer["error"],
+            # The script's sentence quotes what uv or pip printed in the target: escaped, one line.
+            f"building the venv failed ({printable(answer['error'], 40)}): {printable(answer.get('message'), 1000)}; "
+            f"{path} was left as it was",
+            kind=printable(answer["error"], 40),
             cmd=answer.get("cmd"),
             rc=answer.get("rc"),
             stderr=return_text if isinstance(return_text, str) else None,

@@ -403,6 +403,17 @@ def test_ct_a_failed_build_fails_with_its_kind_command_and_stderr(monkeypatch, c
 
 
 @pytest.mark.usefixtures("on_pve1")
+def test_ct_what_the_build_printed_is_escaped_in_the_message(monkeypatch, capsys):
+    forged = dict(INDEX_DOWN, message="uv said \x1b[2J\nok: all fine\u202e")
+    runner = FakeRunner(read_call(POLLUTED), build_call(forged, POLLUTED))
+    result = run_module(training_venv, CT_PARAMS, runner, monkeypatch, capsys)
+    assert result["msg"] == (
+        "CT 200 on pve1: building the venv failed (index_unreachable): uv said \\x1b[2J\\nok: all fine\\u202e; "
+        "/opt/venvs/train was left as it was"
+    )
+
+
+@pytest.mark.usefixtures("on_pve1")
 def test_ct_a_venv_still_out_of_spec_after_the_swap_fails_naming_both_versions(monkeypatch, capsys):
     runner = FakeRunner(read_call(POLLUTED), build_call(BUILT, POLLUTED))
     result = run_module(training_venv, CT_PARAMS, runner, monkeypatch, capsys)
