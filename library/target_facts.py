@@ -169,8 +169,9 @@ ansible_facts:
         - C(gpu_processes), C(training_venv) and C(compile_cache) add C(needs_window) (always; one sentence per
           piece of work an unattended run, C(recover_unattended), leaves for a maintenance window - a guarded
           job's processes, a venv or a cache a live process uses; empty when attended). That work is in neither
-          C(changes) nor C(pending), and it is no problem. C(training_venv) also adds C(in_use) and
-          C(ending_pids).
+          C(changes) nor C(pending), and it is no problem. C(training_venv) also adds C(in_use),
+          C(ending_pids), C(rebuild) (a build is due), C(keep), C(prune) (old versions retention removes, each a
+          line of C(changes)) and C(prune_kept) (beyond keep but in use).
         - C(verify) adds C(checks) (name, ok, severity, expected, found, detail; ok null when a step with work in
           this run decides it), C(warnings) (shown as this task's warnings), C(torch) (from C(torch/version.py),
           no import), C(expected), C(health), C(deferred) and C(steps_with_work); it is pending only when torch
