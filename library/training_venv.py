@@ -464,7 +464,7 @@ def out_of_spec(facts):
     """Why the venv is not the lock (one sentence), or ``""``: a venv that was just built must have no changes.
 
     Retention's lines do not count: a version a process started to use since is kept (``retention_skipped``)."""
-    pruning = {prune_line(path) for path in facts["prune"]}
+    pruning = {prune_line(path, facts["keep"]) for path in facts["prune"]}
     reasons = facts["problems"] + [change for change in facts["changes"] if change not in pruning]
     if not reasons:
         return ""

@@ -597,7 +597,7 @@ def evaluate_step(spec, answer, node, context):
         else:
             prune.append(path)
     facts.update(prune=prune, prune_kept=kept, keep=effective_keep(spec))
-    facts["changes"] = facts["changes"] + [prune_line(path) for path in prune]
+    facts["changes"] = facts["changes"] + [prune_line(path, facts["keep"]) for path in prune]
     facts["pending"] = bool(facts["changes"]) and not facts["problems"]
     return facts
 
@@ -632,8 +632,12 @@ def prune_candidates(spec, answer, rebuilding):
     return plan_prune(versions, current, effective_keep(spec))
 
 
-def prune_line(path):
-    return f"remove old venv version {shown(path)} (retention: training_venv_keep)"
+def prune_line(path, keep):
+    """``remove old venv version /opt/venvs/train.20261201T101500Z (keep 3: the current one and the 2 newest old
+    ones stay)``."""
+    return (
+        f"remove old venv version {shown(path)} (keep {keep}: the current one and the {keep - 1} newest old ones stay)"
+    )
 
 
 # -- the fact pass ---------------------------------------------------------------------------------------------

@@ -1065,7 +1065,7 @@ def test_an_unattended_run_keeps_the_current_and_two_old_versions_and_check_mode
     check = host.run(capsys, SMALLER, check_mode=True, unattended=True)
     assert snapshot(host.path.parent) == before
     real = host.run(capsys, SMALLER, unattended=True)
-    line = f"remove old venv version {versions[0]} (retention: training_venv_keep)"
+    line = f"remove old venv version {versions[0]} (keep 3: the current one and the 2 newest old ones stay)"
     assert check["changed"] is real["changed"] is True
     assert check["changes"] == real["changes"] == [line]
     assert (real["current"], real["builder"], real["removed"]) == (None, None, [str(versions[0])])

@@ -944,8 +944,8 @@ def test_an_in_spec_venv_with_old_versions_beyond_keep_is_pending_unattended_onl
     assert (attended["changes"], attended["pending"], attended["prune"]) == ([], False, [])
     facts = pve_venv.evaluate_step(dict(SPEC, unattended=True), answer, {}, CONTEXT)
     assert facts["changes"] == [
-        f"remove old venv version {VERSIONS[0]} (retention: training_venv_keep)",
-        f"remove old venv version {VERSIONS[1]} (retention: training_venv_keep)",
+        f"remove old venv version {VERSIONS[0]} (keep 3: the current one and the 2 newest old ones stay)",
+        f"remove old venv version {VERSIONS[1]} (keep 3: the current one and the 2 newest old ones stay)",
     ]
     assert (facts["pending"], facts["rebuild"], facts["keep"]) == (True, False, 3)
     assert facts["diff"]["before"] == facts["diff"]["after"]
