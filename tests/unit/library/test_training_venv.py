@@ -403,6 +403,27 @@ def test_ct_a_failed_build_fails_with_its_kind_command_and_stderr(monkeypatch, c
 
 
 @pytest.mark.usefixtures("on_pve1")
+def test_ct_old_versions_beyond_keep_are_removed_without_a_build_in_one_more_pct_exec(monkeypatch, capsys):
+    versions = [f"{CT_PATH}.2026120{day}T101500Z" for day in range(1, 5)]
+    answer = dict(IN_SPEC, versions=versions, real_path=versions[-1])
+    params = dict(CT_PARAMS, keep=2)
+    lines = [
+        f"remove old venv version {v} (keep 2: the current one and the 1 newest old ones stay)" for v in versions[:2]
+    ]
+    check = run_module(training_venv, params, FakeRunner(read_call(answer)), monkeypatch, capsys, check_mode=True)
+    assert (check["changed"], check["changes"]) == (True, lines)
+    payloads = {"build": dict(BUILD_PAYLOAD, keep=2, prune_only=True), "training_venv": READ_PAYLOAD}
+    pruned = {"pruned": True, "removed": versions[:2], "retention_skipped": [], "seconds": 0.4}
+    after = dict(answer, versions=versions[2:])
+    out = json.dumps({"build": {"answer": pruned, "seconds": 0.4}, "training_venv": {"answer": after, "seconds": 0.02}})
+    runner = FakeRunner(read_call(answer), ([*PCT, "1860", *WRAPPER, json.dumps(payloads)], (0, out, "")))
+    real = run_module(training_venv, params, runner, monkeypatch, capsys)
+    runner.assert_done()
+    assert (real["changed"], real["changes"], real["diff"]) == (True, lines, check["diff"])
+    assert (real["removed"], real["current"], real["builder"]) == (versions[:2], None, None)
+
+
+@pytest.mark.usefixtures("on_pve1")
 def test_ct_what_the_build_printed_is_escaped_in_the_message(monkeypatch, capsys):
     forged = dict(INDEX_DOWN, message="uv said \x1b[2J\nok: all fine\u202e")
     runner = FakeRunner(read_call(POLLUTED), build_call(forged, POLLUTED))
