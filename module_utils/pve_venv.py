@@ -635,9 +635,10 @@ def prune_candidates(spec, answer, rebuilding):
 def prune_line(path, keep):
     """``remove old venv version /opt/venvs/train.20261201T101500Z (keep 3: the current one and the 2 newest old
     ones stay)``."""
-    return (
-        f"remove old venv version {shown(path)} (keep {keep}: the current one and the {keep - 1} newest old ones stay)"
+    stay = {1: "only the current one stays", 2: "the current one and the newest old one stay"}.get(
+        keep, f"the current one and the {keep - 1} newest old ones stay"
     )
+    return f"remove old venv version {shown(path)} (keep {keep}: {stay})"
 
 
 # -- the fact pass ---------------------------------------------------------------------------------------------

@@ -407,9 +407,7 @@ def test_ct_old_versions_beyond_keep_are_removed_without_a_build_in_one_more_pct
     versions = [f"{CT_PATH}.2026120{day}T101500Z" for day in range(1, 5)]
     answer = dict(IN_SPEC, versions=versions, real_path=versions[-1])
     params = dict(CT_PARAMS, keep=2)
-    lines = [
-        f"remove old venv version {v} (keep 2: the current one and the 1 newest old ones stay)" for v in versions[:2]
-    ]
+    lines = [f"remove old venv version {v} (keep 2: the current one and the newest old one stay)" for v in versions[:2]]
     check = run_module(training_venv, params, FakeRunner(read_call(answer)), monkeypatch, capsys, check_mode=True)
     assert (check["changed"], check["changes"]) == (True, lines)
     payloads = {"build": dict(BUILD_PAYLOAD, keep=2, prune_only=True), "training_venv": READ_PAYLOAD}
