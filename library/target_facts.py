@@ -175,7 +175,9 @@ ansible_facts:
           one sentence per piece of work an unattended run, C(recover_unattended), leaves for a maintenance window
           - a guarded job's processes, a repository, a venv or a cache a live process uses; empty when attended).
           That work is in neither C(changes) nor C(pending), and it is no problem. C(training_code) and
-          C(training_venv) also add C(in_use) and C(ending_pids).
+          C(training_venv) also add C(in_use) and C(ending_pids); C(training_venv) also C(rebuild) (a build is
+          due), C(keep), C(prune) (old versions retention removes, each a line of C(changes)) and C(prune_kept)
+          (beyond keep but in use).
         - C(verify) adds C(checks) (name, ok, severity, expected, found, detail; ok null when a step with work in
           this run decides it), C(warnings) (shown as this task's warnings), C(torch) (from C(torch/version.py),
           no import), C(expected), C(health), C(deferred) and C(steps_with_work); it is pending only when torch

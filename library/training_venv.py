@@ -13,6 +13,12 @@ description:
   - When the venv is anything but the lock (missing, polluted by other packages, another torch build, another
     python minor, a broken record), it builds a new venv from the lock BESIDE the old one, checks it, and swaps
     it in; all of it in ONE C(pct exec) (a build script sent to the target's python on stdin).
+  - The venv is the lock only when it imports nothing else - C(include-system-site-packages = true) in its
+    C(pyvenv.cfg), a C(.pth) file or a C(sitecustomize)/C(usercustomize) module in site-packages that no locked
+    distribution's RECORD lists (setuptools' C(distutils-precedence.pth) is fine while its tooling is ignored), or
+    an importable top-level entry no RECORD (an C(.egg-info)'s C(top_level.txt)) owns is drift too, and rebuilt.
+  - Temporary files are never written under a fixed name in a directory others may write - C(mkstemp) beside the
+    venv, renamed over the target name; the lock the installer reads lies in a root-only C(mkdtemp) directory.
   - Layout, since a venv embeds its own path and cannot be moved. Each version is built at C(<path>.<stamp>)
     (UTC, C(20261203T101500Z)) and never moved. I(path) becomes a symlink to the current version, swapped by
     renaming a new symlink over it (rename(2), atomic, so a job sees the old venv or the new one, never half of either).
@@ -104,13 +110,22 @@ options:
     type: path
   keep:
     description:
-      - How many finished versions (C(<path>.<stamp>)) stay after a build, the current one counted (C(1) keeps
-        only the current one). Older ones are removed with their lock file; their freeze file stays.
-      - A version that a live process of the target uses (its executable, its argv[0] or a mapped file lies in it)
-        is never removed; the result names it in I(retention_skipped).
-      - C(<path>.<stamp>-previous) directories are never removed. Unset, nothing is removed.
-      - Applies only when the module builds.
+      - How many finished versions (C(<path>.<stamp>)) stay, the current one counted (C(1) keeps only the current
+        one). Older ones are removed with their lock file; their freeze file stays. Each one removed is a line of
+        I(changes) (C(remove old venv version <dir> ...)), in check mode too; a venv in spec with versions beyond
+        I(keep) is a change of its own (nothing is built, the old versions are removed).
+      - A version that a live process of the target uses (its executable, its argv[0], a mapped file or its working
+        directory lies in it) is never removed, nor the current one; the result names it in I(retention_skipped).
+      - C(<path>.<stamp>-previous) directories are never removed. Unset, nothing is removed in an attended run, and
+        I(unattended_keep) versions stay in an unattended one.
     type: int
+  unattended_keep:
+    description:
+      - I(keep) of an unattended run (I(unattended)) when I(keep) is unset - the current version and the 2 newest
+        old ones by default, so that the scheduled drift corrector never fills the disk with a venv (GBs with CUDA
+        torch) per rebuild.
+    type: int
+    default: 3
   build_timeout:
     description:
       - Seconds the build may take; a command still running then is killed and what was built is removed.
@@ -147,7 +162,9 @@ notes:
   - A job started through I(path) (C(<path>/bin/python)) reads files through the symlink; after a swap, what it
     imports later comes from the new version. Console scripts of a version (C(<path>/bin/torchrun)) name that
     version's own python and stay on it.
-  - Retention runs only when the module builds; a converged run makes no change at all.
+  - Retention (I(keep), I(unattended_keep)) is predicted by the fact pass and in check mode (C(remove old venv
+    version ...) lines in I(changes)); a venv in spec with versions beyond it is pruned without a build. A converged
+    run within I(keep) makes no change at all.
 """
 
 EXAMPLES = r"""
@@ -219,7 +236,7 @@ cleaned:
   type: list
   elements: str
 removed:
-  description: Older versions removed by retention (I(keep)).
+  description: Older versions removed by retention (I(keep), or I(unattended_keep) in an unattended run).
   returned: always
   type: list
   elements: str
@@ -326,17 +343,20 @@ from ansible.module_utils import pve_probe_training_venv, pve_script_training_ve
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target, TargetError
+from ansible.module_utils.pve_text import printable
 from ansible.module_utils.pve_venv import (
     NAME,
     SPEC,
     TOOLING,
     VenvError,
     check_spec,
+    effective_keep,
     evaluate_step,
     expected_python,
     ignored_tooling,
     parse_lock,
     probe_payload,
+    prune_line,
     read_node,
     window_message,
 )
@@ -354,7 +374,6 @@ ARGUMENT_SPEC = {
     **SPEC,
     "uv": {"type": "str", "default": "uv"},
     "uv_wheel": {"type": "path"},
-    "keep": {"type": "int"},
     "build_timeout": {"type": "int", "default": 1800},
     "python_executable": {"type": "str", "default": "python3"},
     "ending_pids": {"type": "list", "elements": "int", "default": []},
@@ -369,21 +388,19 @@ def check_options(params):
     wrong = check_spec({name: params.get(name) for name in SPEC})
     if wrong:
         return wrong
-    if params["keep"] is not None and params["keep"] < 1:
-        return f"keep is {params['keep']}; the current venv counts, so keep is at least 1 (unset: remove nothing)"
     if params["build_timeout"] < 1:
         return f"build_timeout is {params['build_timeout']}; give the build at least 1 second"
     return ""
 
 
-def build_payload(spec, params, stamp):
+def build_payload(spec, params, stamp, prune_only=False):
     """What the build script needs, the lock's meaning included (the script parses nothing of ours).
 
     ``build_payload({"path": "/opt/venvs/train", "lock": "six==1.17.0 --hash=sha256:ab\\n", "python": None,
-    "tooling": "ignore"}, {"uv": "uv", "keep": None, "build_timeout": 1800}, "20261203T101500Z")`` ->
+    "tooling": "ignore", "keep": None}, {"uv": "uv", "build_timeout": 1800}, "20261203T101500Z")`` ->
     ``{"path": "/opt/venvs/train", "lock": ..., "python": None, "stamp": "20261203T101500Z", "uv": "uv", "keep":
     None, "timeout": 1800, "expected": {"six": "1.17.0"}, "ignore": ["pip", "setuptools", "wheel"],
-    "drop_tooling": []}``.
+    "drop_tooling": [], "prune_only": False}``.
     """
     lock = parse_lock(spec["lock"])
     locked = lock["distributions"]
@@ -394,12 +411,13 @@ def build_payload(spec, params, stamp):
         "python": expected_python(spec, lock),
         "stamp": stamp,
         "uv": params["uv"],
-        "keep": params["keep"],
+        "keep": effective_keep(spec),
         "timeout": params["build_timeout"],
         "expected": locked,
         "ignore": sorted(ignored_tooling(locked, spec["tooling"])),
         # `python3 -m venv` seeds pip/setuptools: under tooling=exact a pip build removes those the lock lacks.
         "drop_tooling": sorted(set(TOOLING) - set(locked)) if exact else [],
+        "prune_only": prune_only,  # in spec: only old versions beyond keep to remove, nothing built
     } | ({"window_check": True} if spec.get("unattended") else {})
 
 
@@ -416,13 +434,20 @@ def built_of(answer, path):
     if isinstance(answer, dict) and isinstance(answer.get("error"), str):
         return_text = answer.get("stderr_tail")
         raise VenvError(
-            f"building the venv failed ({answer['error']}): {answer.get('message')}; {path} was left as it was",
-            kind=answer["error"],
+            # The script's sentence quotes what uv or pip printed in the target: escaped, one line.
+            f"building the venv failed ({printable(answer['error'], 40)}): {printable(answer.get('message'), 1000)}; "
+            f"{path} was left as it was",
+            kind=printable(answer["error"], 40),
             cmd=answer.get("cmd"),
             rc=answer.get("rc"),
             stderr=return_text if isinstance(return_text, str) else None,
             details={"cleaned": answer.get("cleaned") or [], "left_behind": answer.get("left_behind")},
         )
+    if isinstance(answer, dict) and answer.get("pruned") is True:
+        for key in ("removed", "retention_skipped"):
+            if not isinstance(answer.get(key), list):
+                raise VenvError(f"the build script answered no {key!r} in the expected shape", kind="probe")
+        return answer
     if isinstance(answer, dict) and "needs_window" in answer:
         window = answer["needs_window"]
         users = window.get("users") if isinstance(window, dict) else None
@@ -436,8 +461,11 @@ def built_of(answer, path):
 
 
 def out_of_spec(facts):
-    """Why the venv is not the lock (one sentence), or ``""``: a venv that was just built must have no changes."""
-    reasons = facts["problems"] + facts["changes"]
+    """Why the venv is not the lock (one sentence), or ``""``: a venv that was just built must have no changes.
+
+    Retention's lines do not count: a version a process started to use since is kept (``retention_skipped``)."""
+    pruning = {prune_line(path, facts["keep"]) for path in facts["prune"]}
+    reasons = facts["problems"] + [change for change in facts["changes"] if change not in pruning]
     if not reasons:
         return ""
     more = f" (and {len(reasons) - 5} more)" if len(reasons) > 5 else ""
@@ -471,14 +499,15 @@ def result_of(before, after, built, seconds):
     }
 
 
-def rebuild(target, spec, p, read, context):
-    """One pct exec: build and swap, then the reader part reads the venv again through the new symlink.
+def rebuild(target, spec, p, read, context, *, prune_only=False):
+    """One pct exec: build and swap (``prune_only``: only remove old versions beyond keep), then the reader part
+    reads the venv again through the new symlink.
 
     Returns ``(built, after)``; ``after`` is None when the build script found a live process on the current venv
     just before the swap (unattended: ``built`` then holds ``needs_window``). Still out of spec fails (verify).
     """
-    payload = build_payload(spec, p, utc_stamp())
-    if p["uv_wheel"]:
+    payload = build_payload(spec, p, utc_stamp(), prune_only)
+    if p["uv_wheel"] and not prune_only:
         payload["uv"] = install_uv(target, p["uv_wheel"])
     parts = target.run_probes(
         {BUILD: (pve_script_training_venv, payload), NAME: read},
@@ -490,7 +519,7 @@ def rebuild(target, spec, p, read, context):
         return built, None
     after = evaluate_step(spec, part_answer(parts, NAME, target.label), {}, dict(context, check_mode=False))
     if out_of_spec(after):
-        details = {key: built[key] for key in ("current", "previous", "builder", "lock_file")}
+        details = {key: built.get(key) for key in ("current", "previous", "builder", "lock_file")}
         details.update({key: after[key] for key in ("installed", "missing", "extra", "wrong")})
         raise VenvError(out_of_spec(after), kind="verify", details=details)
     return built, after
@@ -530,12 +559,13 @@ def install_uv(target, wheel_path):
     """Put the wheel's uv into the target at a versioned path (kept when already there); return that path.
 
     Never a ``curl | sh``: the binary comes from the wheel the controller handed to the node, over the same
-    ``pct exec`` as everything else.
+    ``pct exec`` as everything else. The temporary file is mktemp's (O_EXCL, a name nobody can guess).
     """
     version, binary = uv_from_wheel(wheel_path)
     path = f"{UV_HOME}/uv-{version}/uv"
     script = (
-        'set -e; [ -x "$1" ] && exit 0; mkdir -p "${1%/*}"; t="$1.tmp.$$"; cat > "$t"; chmod 755 "$t"; mv -f "$t" "$1"'
+        'set -e; [ -x "$1" ] && exit 0; mkdir -p "${1%/*}"; t=$(mktemp "$1.XXXXXX"); cat > "$t"; chmod 755 "$t"; '
+        'mv -f "$t" "$1"'
     )
     target.run(["sh", "-c", script, "sh", path], stdin=binary)
     return path
@@ -569,7 +599,7 @@ def main():
             raise VenvError("; ".join(before["problems"]), kind="problems")
         built = after = None
         if before["pending"] and not module.check_mode:
-            built, after = rebuild(target, spec, p, read, context)
+            built, after = rebuild(target, spec, p, read, context, prune_only=not before["rebuild"])
         seconds = time.monotonic() - started
         if built is not None and "needs_window" in built:
             result = swap_refused(before, built, target.label, seconds)

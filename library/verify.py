@@ -11,7 +11,7 @@ description:
     how many, which model, the memory they use, the driver, and their health - uncorrected volatile ECC errors,
     pending or failed row remaps, the recovery action the driver asks for, the PCIe link width and generation
     against their maximum, persistence mode.
-  - Then runs the venv's own python once, C(<venv>/bin/python -I -) with a stdlib-only script on stdin (a
+  - Then runs the venv's own python once, C(<venv>/bin/python -I -B -) with a stdlib-only script on stdin (a
     second C(pct exec)), under a deadline I(torch_timeout). In that ONE process it imports torch and asks CUDA -
     C(torch.__version__), C(torch.version.cuda), C(torch.cuda.is_available), C(torch.cuda.device_count), the device
     names, C(torch.backends.cudnn.version) and triton's version from its metadata. What it prints is untrusted
@@ -327,9 +327,14 @@ def check_options(params):
 
 
 def torch_argv(venv):
-    """``/opt/venvs/train/bin/python -I -``: the venv's own python, isolated (no PYTHON* variables, no user site,
-    no current directory on sys.path), reading the script from stdin."""
-    return [f"{venv}/bin/python", "-I", "-"]
+    """``/opt/venvs/train/bin/python -I -B -``: the venv's own python, isolated (no PYTHON* variables, no user site,
+    no current directory on sys.path), writing no bytecode (importing torch would leave ``__pycache__`` in the venv:
+    a verify writes nothing), reading the script from stdin."""
+    return [f"{venv}/bin/python", "-I", "-B", "-"]
+
+
+# -I makes this python ignore it; a python that torch or triton starts in turn inherits it and writes no bytecode.
+TORCH_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def read_torch(target, venv, timeout):
@@ -340,7 +345,8 @@ def read_torch(target, venv, timeout):
     """
     argv = torch_argv(venv)
     try:
-        result = target.run(argv, stdin=inspect.getsource(pve_probe_verify), timeout=timeout, check=False)
+        source = inspect.getsource(pve_probe_verify)
+        result = target.run(argv, stdin=source, timeout=timeout, env=TORCH_ENV, check=False)
     except TargetError as error:
         if error.kind in ("not_found", "timeout"):
             return dict(torch_failure(error.kind, str(error), timeout), python=argv[0])

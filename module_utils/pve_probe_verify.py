@@ -6,12 +6,13 @@
   steps' parts, one ``pct exec``); on a bare host it runs in the module's own process. It reads the venv's
   ``torch/version.py`` AS TEXT (regular expressions, never exec: the venv is untrusted input), which is what
   ``torch.__version__`` and ``torch.version.cuda`` will say, without the seconds ``import torch`` costs.
-* run as a script by the venv's OWN python (``<venv>/bin/python -I -`` with this source on stdin; the verify
-  module does it, through Target, with a deadline): :func:`torch_facts` imports torch and asks CUDA, all in one
-  process - torch.__version__, torch.version.cuda, torch.cuda.is_available(), device_count(), the device names,
-  torch.backends.cudnn.version(), triton's version (from its metadata, never imported), plus what explains a
-  failure (the warnings CUDA's initialization raised, the /dev/nvidiaN nodes, CUDA_VISIBLE_DEVICES). Anything
-  torch or CUDA prints goes to stderr; stdout carries only the JSON answer, every string in it shortened.
+* run as a script by the venv's OWN python (``<venv>/bin/python -I -B -`` with this source on stdin: no bytecode
+  is written, so a verify leaves the venv's files as they were; the verify module does it, through Target, with
+  a deadline): :func:`torch_facts` imports torch and asks CUDA, all in one process - torch.__version__,
+  torch.version.cuda, torch.cuda.is_available(), device_count(), the device names, torch.backends.cudnn.version(),
+  triton's version (from its metadata, never imported), plus what explains a failure (the warnings CUDA's
+  initialization raised, the /dev/nvidiaN nodes, CUDA_VISIBLE_DEVICES). Anything torch or CUDA prints goes to
+  stderr; stdout carries only the JSON answer, every string in it shortened.
 
 It only reads; the module decides what is wrong.
 """

@@ -30,6 +30,7 @@ I/O error, garbage) is None, never a traceback; ProcessInfo.read_error says what
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
@@ -692,11 +693,13 @@ def is_interpreter(path):
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in INTERPRETERS)
 
 
-def runs_from(pid, roots, proc_root="/proc"):
+def runs_from(pid, roots, proc_root="/proc", cwd=False):
     """``(how, path, error)``: how process ``pid`` runs from one of ``roots`` (paths as ITS mount namespace names
     them), cheapest read first; ``how`` is None when it does not, ``error`` says what could not be read.
 
     1. ``exe``: /proc/<pid>/exe lies in a root (a binary of the venv). No lock is taken, nothing can block.
+       ``cwd`` (only with ``cwd``): its working directory does (no lock either). A shell cd'd into a directory
+       does not run from it, but removing that directory pulls it from under the shell.
     2. ``argv0``: for a Python interpreter only, argv[0] lies in a root (``/opt/venvs/train/bin/python train.py``:
        a venv's bin/python links to the base interpreter, so exe alone never names the venv).
     3. ``mapped``: a file it maps lies in a root (a C extension, ``libtorch.so``: a job activated by PATH).
@@ -714,6 +717,11 @@ def runs_from(pid, roots, proc_root="/proc"):
         return None, None, f"could not read {os.path.join(base, 'exe')}: {error.strerror}"
     if under(exe, roots):
         return "exe", exe[: -len(DELETED)] if exe.endswith(DELETED) else exe, None
+    if cwd:
+        with contextlib.suppress(OSError):
+            directory = os.readlink(os.path.join(base, "cwd"))
+            if under(directory, roots):
+                return "cwd", directory[: -len(DELETED)] if directory.endswith(DELETED) else directory, None
     errors = []
     if is_interpreter(exe[: -len(DELETED)] if exe.endswith(DELETED) else exe):
         text, error = read_bounded(os.path.join(base, "cmdline"))
@@ -731,12 +739,13 @@ def runs_from(pid, roots, proc_root="/proc"):
     return None, None, "; ".join(errors) or None
 
 
-def processes_running_from(owner, roots, proc_root="/proc", exclude=()):
+def processes_running_from(owner, roots, proc_root="/proc", exclude=(), cwd=False):
     """Node-side: the processes of ``owner`` (``ct:<vmid>``, ``host``) that run from one of ``roots``.
 
     Returns ``(users, unreadable)``: ``users`` ``[(ProcessInfo, how, path)]`` (:func:`runs_from`),
     ``unreadable`` ``[(ProcessInfo, error)]`` of those whose files could not be read (gone ones are skipped): a
-    caller that must not act under a user counts them as users it cannot rule out.
+    caller that must not act under a user counts them as users it cannot rule out. ``cwd``: a process whose working
+    directory lies in a root counts too (before removing a directory, not before swapping a link).
     The owner is told by each process's cgroup (one small read), so another CT's processes cost nothing more.
     """
     users, unreadable = [], []
@@ -744,7 +753,7 @@ def processes_running_from(owner, roots, proc_root="/proc", exclude=()):
         # pid 1 is the node's (the host's) init: it runs from no venv. A CT's init has another host pid.
         if pid <= 1 or pid in exclude or pid == os.getpid() or read_owner(pid, proc_root) != owner:
             continue
-        how, path, error = runs_from(pid, roots, proc_root)
+        how, path, error = runs_from(pid, roots, proc_root, cwd)
         if how is None and error is None:
             continue
         info = read_process(pid, proc_root)

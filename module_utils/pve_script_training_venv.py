@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 
 MARKER = ".pve-gpu-recover-building"
@@ -339,9 +340,10 @@ def read_venv(venv, python=None):
     return {"records": records, "broken": broken, "torch_build": torch_build}
 
 
-def processes_using(directories, proc="/proc"):
+def processes_using(directories, proc="/proc", cwd=False):
     """``{directory: [pids]}``: live processes whose executable, script interpreter path (argv[0], directory
-    resolved) or a mapped file (a loaded C extension) lies in one of ``directories``.
+    resolved), a mapped file (a loaded C extension) or, with ``cwd`` (before a removal), working directory lies in
+    one of ``directories``.
 
     /proc/<pid>/exe alone is not enough: a venv's bin/python is a symlink to the base interpreter, so a job's exe is
     /usr/bin/python3.X whatever venv it runs in.
@@ -353,7 +355,7 @@ def processes_using(directories, proc="/proc"):
     except OSError:
         return using
     for pid in pids:
-        for found in _paths_of(os.path.join(proc, str(pid))):
+        for found in _paths_of(os.path.join(proc, str(pid)), cwd):
             for root, directory in roots.items():
                 if found.startswith(root) and pid not in using.setdefault(directory, []):
                     using[directory].append(pid)
@@ -369,11 +371,15 @@ def comm_of(pid, proc="/proc"):
         return "?"
 
 
-def _paths_of(proc_pid):
-    """The files a process runs from: its exe, its argv[0] (directory resolved) and its mapped files."""
+def _paths_of(proc_pid, cwd=False):
+    """The files a process runs from: its exe, its argv[0] (directory resolved), its mapped files and, with
+    ``cwd``, its working directory."""
     paths = []
     with contextlib.suppress(OSError):
         paths.append(os.readlink(os.path.join(proc_pid, "exe")))
+    if cwd:  # a shell cd'd into a version: removing it would pull the directory from under it
+        with contextlib.suppress(OSError):
+            paths.append(os.path.join(os.readlink(os.path.join(proc_pid, "cwd")), ""))
     try:
         with open(os.path.join(proc_pid, "cmdline"), "rb") as handle:
             argv0 = handle.read().split(b"\0", 1)[0].decode(errors="replace")
@@ -401,17 +407,31 @@ def build_env():
 
 
 def write_atomic(path, text):
-    """Write ``text`` to ``path`` through a temporary file renamed over it (never a half-written file)."""
-    temporary = f"{path}.tmp{os.getpid()}"
+    """Write ``text`` to ``path`` through a temporary file renamed over it (never a half-written file).
+
+    The venv's parent may be writable by others in the target: the temporary file gets a name nobody can guess
+    and is created exclusively (mkstemp: O_EXCL, so a link planted there is never followed), and the rename
+    replaces a link at ``path`` itself rather than writing through it."""
+    directory, name = os.path.split(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     try:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(temporary, 0o644)  # mkstemp's 0600: the lock and freeze beside a venv are for every user to read
         os.replace(temporary, path)
     except BaseException:
         _remove(temporary)
         raise
+
+
+def create_new(path, text, mode=0o644):
+    """Write ``text`` to a file that must not exist yet (O_EXCL | O_NOFOLLOW: a planted link is an error, never
+    followed)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    with os.fdopen(os.open(path, flags, mode), "w", encoding="utf-8") as stream:
+        stream.write(text)
 
 
 def _remove(path):
@@ -460,11 +480,13 @@ class Build:
         self.parent = os.path.dirname(self.path)
         self.new = version_dir(self.path, self.stamp)
         self.lock_file = lock_path(self.new)
+        self.private = None  # a root-only directory holding the lock the installer reads (made by execute)
         self.env = build_env()
         self.created = False  # this run made self.new (so a failure removes it)
         self.swapped = False  # self.new is the current venv (so nothing of it is ever removed)
         self.cleaned = []
         self.window_check = bool(payload.get("window_check"))  # unattended: never swap under a live process
+        self.prune_only = bool(payload.get("prune_only"))  # in spec, only old versions beyond keep to remove
 
     # -- commands ------------------------------------------------------------------------------------------
     def run(self, argv, what):
@@ -574,7 +596,7 @@ class Build:
         # --allow-existing: the directory exists already, holding the marker that says "unfinished".
         self.must_run([uv, "venv", "--allow-existing", "--python", python, self.new], f"`uv venv` with {python}")
         self.must_run(
-            [uv, "pip", "sync", "--python", f"{self.new}/bin/python", "--require-hashes", self.lock_file],
+            [uv, "pip", "sync", "--python", f"{self.new}/bin/python", "--require-hashes", self.install_lock()],
             "installing the lock with `uv pip sync`",
         )
         version = self.must_run([uv, "--version"], "`uv --version`").split()
@@ -603,9 +625,9 @@ class Build:
                 rc=rc,
                 stderr=text,
             )
-        pip = [f"{self.new}/bin/python", "-m", "pip"]
+        pip = [f"{self.new}/bin/python", "-B", "-m", "pip"]  # pip's own modules stay uncompiled, as uv leaves them
         self.must_run(
-            [*pip, "install", "--no-deps", "--require-hashes", "--no-input", "-r", self.lock_file],
+            [*pip, "install", "--no-deps", "--require-hashes", "--no-input", "-r", self.install_lock()],
             "installing the lock with pip",
         )
         version = self.must_run([*pip, "--version"], "`pip --version`").split()
@@ -622,7 +644,8 @@ class Build:
 
     def check(self):
         """The new venv's interpreter runs, is the expected minor, and it holds exactly the lock."""
-        out = self.must_run([f"{self.new}/bin/python", "-c", PYTHON_CHECK], "running the new venv's python")
+        # -B: the check leaves no __pycache__ behind (what runs inside a venv to look at it writes nothing).
+        out = self.must_run([f"{self.new}/bin/python", "-B", "-c", PYTHON_CHECK], "running the new venv's python")
         found = _PYTHON_TUPLE.search(out)
         if not found:
             raise BuildError("check", f"the new venv's python printed {out.strip()!r}, not its version")
@@ -660,10 +683,12 @@ class Build:
         _fsync_dir(self.parent)
         return moved_to
 
-    def retention(self):
-        """Remove finished versions beyond ``keep`` that no live process uses; say what was skipped.
+    def retention(self, current):
+        """Remove finished versions beyond ``keep`` that no live process uses (nor has as its working directory),
+        never ``current``; say what was skipped.
 
-        Runs after the swap: what fails here is reported in ``retention_skipped``, never as a failed build.
+        Runs after the swap (or alone, ``prune_only``): what fails here is reported in ``retention_skipped``, never
+        as a failed build.
         """
         if self.keep is None:
             return [], []
@@ -678,8 +703,8 @@ class Build:
             real_dir = os.path.isdir(full) and not os.path.islink(full)
             if pattern.match(name) and real_dir and not os.path.exists(os.path.join(full, MARKER)):
                 finished.append(full)
-        candidates, _ = plan_retention(finished, self.new, self.keep, {})
-        remove, skipped = plan_retention(finished, self.new, self.keep, processes_using(candidates))
+        candidates, _ = plan_retention(finished, current, self.keep, {})
+        remove, skipped = plan_retention(finished, current, self.keep, processes_using(candidates, cwd=True))
         removed = []
         for version in remove:
             try:
@@ -689,6 +714,20 @@ class Build:
             except OSError as error:
                 skipped.append({"path": version, "pids": [], "reason": f"cannot remove: {error.strerror}"})
         return removed, skipped
+
+    def install_lock(self):
+        """The lock the installer reads: a copy in a directory of root's own (mkdtemp: mode 0700), since another
+        user able to write the venv's parent could swap ``<version>.lock.txt`` between its writing and its
+        reading."""
+        if self.private is None:
+            self.private = tempfile.mkdtemp(prefix="pve-gpu-recover-build-")
+            create_new(os.path.join(self.private, "lock.txt"), self.lock, 0o600)
+        return os.path.join(self.private, "lock.txt")
+
+    def drop_private(self):
+        if self.private is not None:
+            shutil.rmtree(self.private, ignore_errors=True)
+            self.private = None
 
     def discard(self):
         """Remove what this run built; None when done, else the path left behind (its marker says unfinished)."""
@@ -704,7 +743,21 @@ class Build:
                 left = left or path
         return left
 
+    def prune(self):
+        """Retention alone (the venv is in spec, old versions are beyond ``keep``): nothing is built."""
+        started = time.monotonic()
+        _, current = self.current()
+        removed, skipped = self.retention(current)
+        return {
+            "pruned": True,
+            "removed": removed,
+            "retention_skipped": skipped,
+            "seconds": round(time.monotonic() - started, 3),
+        }
+
     def execute(self):
+        if self.prune_only:
+            return self.prune()
         started = time.monotonic()
         kind, old_dir = self.current()
         self.clean_leftovers(old_dir)
@@ -713,8 +766,9 @@ class Build:
         os.makedirs(self.parent, exist_ok=True)
         os.mkdir(self.new)
         self.created = True
-        with open(os.path.join(self.new, MARKER), "w", encoding="utf-8") as handle:
-            handle.write(f"being built since {self.stamp}; removed when the build is checked\n")
+        create_new(
+            os.path.join(self.new, MARKER), f"being built since {self.stamp}; removed when the build is checked\n"
+        )
         write_atomic(self.lock_file, self.lock)
         name, where = self.builder()
         builder = self.make_venv_with_uv(where) if name == "uv" else self.make_venv_with_pip(where)
@@ -745,7 +799,7 @@ class Build:
                 if moved_to
                 else f"unchanged in place; to go back: ln -sfn {os.path.basename(old_dir)} {self.path}"
             )
-        removed, skipped = self.retention()
+        removed, skipped = self.retention(self.new)
         return {
             "path": self.path,
             "current": self.new,
@@ -766,13 +820,14 @@ def probe(payload):
     ``payload``: ``{"path", "lock" (its text), "python" ("3.11" or None), "stamp" ("20261203T101500Z"), "uv" (path
     or name), "keep" (int or None), "timeout" (s), "expected" ({canonical name: version}, the lock's pins),
     "ignore" (tooling names not compared), "drop_tooling" (seeded tooling a pip build removes), "window_check"
-    (unattended: no swap while a live process uses the current venv; optional)}``.
+    (unattended: no swap while a live process uses the current venv; optional), "prune_only" (build nothing, only
+    remove versions beyond ``keep``; optional)}``.
 
     Success: ``{"path", "current", "previous" ({"path", "freeze", "moved", "note"} or None), "builder" ({"name",
     "path", "version"[, "fallback"]}), "python", "lock_file", "cleaned", "removed", "retention_skipped",
     "seconds"}``. Failure: ``{"error", "message", "cmd", "rc", "stderr_tail", "cleaned", "left_behind"}``. Not
     swapped because a live process uses the current venv (``window_check``): ``{"needs_window", "cleaned",
-    "left_behind", "seconds"}``.
+    "left_behind", "seconds"}``. ``prune_only``: ``{"pruned": true, "removed", "retention_skipped", "seconds"}``.
     """
     try:
         build = Build(payload)
@@ -790,5 +845,7 @@ def probe(payload):
         where = f" ({error.filename})" if error.filename else ""
         failure = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
         failure["stderr_tail"] = ""
+    finally:
+        build.drop_private()
     failure.update(cleaned=build.cleaned, left_behind=build.discard())
     return failure

@@ -29,7 +29,8 @@ import re
 from ansible.module_utils import pve_probe_training_venv
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_gpu_cleanup import ending_pids_of, owner_of
-from ansible.module_utils.pve_process import processes_running_from
+from ansible.module_utils.pve_process import processes_running_from, under
+from ansible.module_utils.pve_text import printable
 from ansible.module_utils.pve_torch_build import variant
 
 NAME = "training_venv"
@@ -50,6 +51,10 @@ SPEC = {
     "tooling": {"type": "str", "default": "ignore", "choices": ["ignore", "exact"]},
     # The scheduled drift corrector: never swap the venv under a live process of the target (needs_window).
     "unattended": {"type": "bool", "default": False},
+    # Versions (<path>.<stamp>) that stay, the current one counted; None: all of them (attended) or
+    # unattended_keep (unattended: nobody watches the disk fill with a GB-sized venv per rebuild).
+    "keep": {"type": "int"},
+    "unattended_keep": {"type": "int", "default": 3},
 }
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 
@@ -68,6 +73,14 @@ _INDEX_OPTIONS = {"--index-url": "index", "-i": "index", "--extra-index-url": "e
 _REJECTED_OPTIONS = ("-e", "--editable", "-r", "--requirement", "-c", "--constraint")
 _FIX = "compile it with `uv pip compile --generate-hashes`"
 COMMAND_SHOWN = 120  # characters of a process's command line a message quotes
+NAME_SHOWN = 120  # characters of a file or package name the venv chose that a message quotes
+LISTED = 20  # unowned entries or hooks named one by one; the rest are counted
+# What a venv creator (virtualenv, uv before 0.5) writes into site-packages itself, owned by no RECORD: a .pth
+# whose only line imports its _virtualenv.py (a distutils patch). Accepted only in a venv whose pyvenv.cfg names
+# that creator, and the .pth only with exactly that line.
+CREATOR_KEYS = ("uv", "virtualenv")
+CREATOR_PTH = {"_virtualenv.pth": "import _virtualenv"}
+CREATOR_MODULES = ("_virtualenv.py",)
 
 
 class VenvError(RecoverError):
@@ -86,8 +99,13 @@ def freeze_lines(versions):
 
     A name installed twice (``"2.10.0, 2.11.0"``, see :func:`installed_versions`) gives one line per record.
     """
-    lines = [f"{name}=={one}" for name, joined in versions.items() for one in joined.split(", ")]
+    lines = [f"{shown(name)}=={shown(one)}" for name, joined in versions.items() for one in joined.split(", ")]
     return "".join(f"{line}\n" for line in sorted(lines))
+
+
+def shown(text):
+    """A name or version the venv chose, as a message or diff line may show it (one line, escaped, bounded)."""
+    return printable(text, NAME_SHOWN)
 
 
 # -- the lock --------------------------------------------------------------------------------------------------
@@ -223,6 +241,9 @@ def expected_python(spec, lock):
 
 def check_spec(spec):
     """Why the step's settings cannot work (one sentence), or ``""``: called once the SPEC types are checked."""
+    for name in ("keep", "unattended_keep"):
+        if spec.get(name) is not None and spec[name] < 1:
+            return f"{name} is {spec[name]}; the current venv counts, so {name} is at least 1"
     try:
         lock = parse_lock(spec["lock"])
     except VenvError as error:
@@ -253,9 +274,24 @@ def check_answer(answer):
             )
     if not all(isinstance(broken, dict) for broken in answer["broken"]):
         raise VenvError("the training_venv probe answered a broken record that is not an object", kind="probe")
+    hooks, unowned = answer.get("hooks", []), answer.get("unowned", [])
+    if not (isinstance(hooks, list) and all(_is_hook(hook) for hook in hooks)):
+        raise VenvError("the training_venv probe answered hooks that are not [{entry, owners}]", kind="probe")
+    if not (isinstance(unowned, list) and all(isinstance(entry, str) for entry in unowned)):
+        raise VenvError("the training_venv probe answered unowned entries that are not names", kind="probe")
     version_py = answer.get("torch_version_py")
     if version_py is not None and not isinstance(version_py, dict):
         raise VenvError("the training_venv probe answered a torch_version_py that is not an object", kind="probe")
+
+
+def _is_hook(hook):
+    return (
+        isinstance(hook, dict)
+        and isinstance(hook.get("entry"), str)
+        and isinstance(hook.get("owners"), list)
+        and all(isinstance(owner, str) for owner in hook["owners"])
+        and isinstance(hook.get("text"), (str, type(None)))
+    )
 
 
 def installed_records(answer):
@@ -292,13 +328,20 @@ def torch_inconsistency(answer):
     version_py = answer.get("torch_version_py")
     build = (version_py or {}).get("version")
     if not records:
-        return f"torch/version.py says {build} but no torch is installed (files left behind)" if version_py else None
+        return (
+            f"torch/version.py says {shown(build)} but no torch is installed (files left behind)"
+            if version_py
+            else None
+        )
     if version_py is None:
-        return f"torch {', '.join(records)} is installed without torch/version.py"
+        return f"torch {shown(', '.join(records))} is installed without torch/version.py"
     if not build:
         return "torch/version.py has no __version__"
     if len(records) == 1 and records[0] != build and not build.startswith(f"{records[0]}+"):
-        return f"torch's METADATA says {records[0]} but torch/version.py says {build} (files of two builds mixed)"
+        return (
+            f"torch's METADATA says {shown(records[0])} but torch/version.py says {shown(build)} (files of two builds "
+            "mixed)"
+        )
     return None
 
 
@@ -332,10 +375,11 @@ def describe_wrong(entry):
     """``torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)``; the note only when the
     build variants differ (``numpy 2.3.3 -> 2.3.4``)."""
     have, want = variant(entry["installed"]), variant(entry["locked"])
-    line = f"{entry['name']} {entry['installed']} -> {entry['locked']}"
+    line = f"{entry['name']} {shown(entry['installed'])} -> {entry['locked']}"
     if have == want:
         return line
-    return f"{line} ({f'build variant {have}' if have else 'no build variant'}, expected {want or 'no variant'})"
+    have = f"build variant {shown(have)}" if have else "no build variant"
+    return f"{line} ({have}, expected {want or 'no variant'})"
 
 
 def venv_changes(path, answer, python, lock_count):
@@ -353,16 +397,77 @@ def venv_changes(path, answer, python, lock_count):
         changes.append(f"rebuild venv at {path}: python {answer.get('python') or 'unknown'}, expected {python}")
     interpreter = answer.get("interpreter") or {}
     if interpreter.get("exists") is False:
-        changes.append(f"rebuild venv at {path}: its interpreter {interpreter.get('path')} is gone")
+        changes.append(f"rebuild venv at {path}: its interpreter {shown(interpreter.get('path'))} is gone")
     for broken in answer["broken"]:
-        changes.append(f"rebuild venv at {path}: {broken.get('record')} is broken ({broken.get('reason')})")
+        record, reason = shown(broken.get("record")), shown(broken.get("reason"))
+        changes.append(f"rebuild venv at {path}: {record} is broken ({reason})")
     for name, found in sorted(installed_records(answer).items()):
         if len(found) > 1:
-            changes.append(f"rebuild venv at {path}: {name} is installed {len(found)} times ({', '.join(found)})")
+            times = f"{len(found)} times ({shown(', '.join(found))})"
+            changes.append(f"rebuild venv at {path}: {shown(name)} is installed {times}")
     torch_problem = torch_inconsistency(answer)
     if torch_problem:
         changes.append(f"rebuild venv at {path}: {torch_problem}")
     return changes
+
+
+def _listed(lines, what):
+    """The first LISTED lines, and one line counting the rest."""
+    if len(lines) <= LISTED:
+        return lines
+    return [*lines[:LISTED], f"{what}: and {len(lines) - LISTED} more"]
+
+
+def created_by_creator(answer, entry, text=None):
+    """Whether ``entry`` is what the venv's creator wrote itself (virtualenv's ``_virtualenv.pth`` + ``.py``)."""
+    if not any(key in (answer.get("pyvenv") or {}) for key in CREATOR_KEYS):
+        return False
+    if entry in CREATOR_PTH:
+        return (text or "").strip() == CREATOR_PTH[entry]
+    return entry in CREATOR_MODULES
+
+
+def import_changes(path, answer, allowed):
+    """What the venv imports beyond its distributions, one line each; pure.
+
+    ``allowed``: the canonical names whose files are fine (the lock's, and tooling that is ignored). Drift: a
+    pyvenv.cfg with ``include-system-site-packages = true`` (the system's packages are importable); a ``.pth``
+    file or ``sitecustomize``/``usercustomize`` that no allowed distribution's RECORD lists (they run at start-up);
+    an importable top-level entry that no RECORD owns. ``import_changes("/v", {"pyvenv": {}, "hooks": [{"entry":
+    "evil.pth", "owners": [], "text": "import os"}], "unowned": ["hack"]}, {"torch"})`` -> ``["rebuild venv at /v:
+    evil.pth runs code at start-up and no distribution's RECORD lists it", "rebuild venv at /v: hack is importable
+    and no distribution's RECORD owns it"]``.
+    """
+    changes = []
+    system = str((answer.get("pyvenv") or {}).get("include-system-site-packages", "")).strip().lower()
+    if system == "true":
+        changes.append(
+            f"rebuild venv at {path}: pyvenv.cfg sets include-system-site-packages = true (the system's packages "
+            "are importable beside the lock's)"
+        )
+    hooks = []
+    for hook in answer.get("hooks", []):
+        owners = sorted({canonical_name(owner) for owner in hook["owners"]})
+        if set(owners) & allowed or (not owners and created_by_creator(answer, hook["entry"], hook.get("text"))):
+            continue
+        entry = shown(hook["entry"])
+        what = "runs code at start-up" if entry.endswith(".pth") else "is imported at start-up"
+        whose = (
+            f"only {', '.join(shown(o) for o in owners)} (not in the lock) lists it"
+            if owners
+            else "no distribution's RECORD lists it"
+        )
+        hooks.append(f"rebuild venv at {path}: {entry} {what} and {whose}")
+    unowned = [
+        f"rebuild venv at {path}: {shown(entry)} is importable and no distribution's RECORD owns it"
+        for entry in answer.get("unowned", [])
+        if not created_by_creator(answer, entry)
+    ]
+    return (
+        changes
+        + _listed(hooks, f"rebuild venv at {path}: start-up hooks")
+        + _listed(unowned, f"rebuild venv at {path}: unowned entries")
+    )
 
 
 def venv_facts(spec, answer, label):
@@ -382,9 +487,14 @@ def venv_facts(spec, answer, label):
     ignored = ignored_tooling(locked, spec["tooling"])
     changes = venv_changes(spec["path"], answer, python, len(locked))
     if answer["exists"]:
+        # The lock's files and the ignored tooling's (setuptools' distutils-precedence.pth) may run at start-up.
+        allowed = set(locked) | (ignored & set(installed))
+        changes += import_changes(spec["path"], answer, allowed)
         changes += [describe_wrong(e) for e in differences["wrong"]]
         changes += [f"install {e['name']} {e['locked']} (missing)" for e in differences["missing"]]
-        changes += [f"remove {e['name']} {e['installed']} (not in the lock)" for e in differences["extra"]]
+        changes += [
+            f"remove {shown(e['name'])} {shown(e['installed'])} (not in the lock)" for e in differences["extra"]
+        ]
     problems = [f"{label}: the training venv probe could not read everything: {error}" for error in answer["errors"]]
     version_py = answer.get("torch_version_py") or {}
     torch = installed.get("torch")
@@ -434,11 +544,11 @@ def describe_user(user):
     """``pid 516 (python3, pid 41 inside: 'python3 train.py'; mapped /opt/venvs/train.X/.../libtorch.so)``; a
     process the build script found inside the target (``inside``): ``pid 41 inside the target (python3)``."""
     if user.get("inside"):
-        return f"pid {user['pid']} inside the target ({user.get('name')})"
+        return f"pid {user['pid']} inside the target ({shown(user.get('name'))})"
     inside = f", pid {user['ns_pid']} inside" if user.get("ns_pid") not in (None, user["pid"]) else ""
-    command = f": {user['command']!r}" if user.get("command") else ""
-    how = f"; {user['how']} {user['file']}" if user.get("how") else f"; {user.get('error')}"
-    return f"pid {user['pid']} ({user.get('name')}{inside}{command}{how})"
+    command = f": '{printable(user['command'])}'" if user.get("command") else ""
+    how = f"; {user['how']} {shown(user['file'])}" if user.get("how") else f"; {user.get('error')}"
+    return f"pid {user['pid']} ({shown(user.get('name'))}{inside}{command}{how})"
 
 
 def window_message(label, path, changes, users, when=""):
@@ -476,7 +586,59 @@ def evaluate_step(spec, answer, node, context):
         facts["needs_window"] = [window_message(label, spec["path"], facts["changes"], users)]
         stays = facts["diff"]["before"]
         facts.update(changes=[], pending=False, diff={"before": stays, "after": stays})
+    facts["rebuild"] = bool(facts["changes"]) and not facts["problems"]
+    # Retention: old versions beyond keep go, never the current one nor one a live process uses.
+    version_users = node.get("version_users") or {}
+    prune, kept = [], []
+    for path in prune_candidates(spec, answer, facts["rebuild"]) if not facts["problems"] else []:
+        using = [u for u in version_users.get(path, []) if u.get("ns_pid") not in ending]
+        if using:
+            kept.append({"path": path, "pids": sorted(u["pid"] for u in using), "reason": "in use"})
+        else:
+            prune.append(path)
+    facts.update(prune=prune, prune_kept=kept, keep=effective_keep(spec))
+    facts["changes"] = facts["changes"] + [prune_line(path, facts["keep"]) for path in prune]
+    facts["pending"] = bool(facts["changes"]) and not facts["problems"]
     return facts
+
+
+# -- retention -------------------------------------------------------------------------------------------------
+def effective_keep(spec):
+    """How many versions stay, the current one counted: ``keep``; unset, ``unattended_keep`` in an unattended run
+    and None (every one) in an attended one."""
+    if spec.get("keep") is not None:
+        return spec["keep"]
+    return spec.get("unattended_keep", SPEC_DEFAULTS["unattended_keep"]) if spec.get("unattended") else None
+
+
+def plan_prune(versions, current, keep):
+    """The finished versions retention removes, oldest first; the same rule as the build script's plan_retention.
+
+    ``current``: the version that counts as current after this run (the one a rebuild makes, any name not in
+    ``versions``; else the one ``path`` resolves to), or None when there is none. ``plan_prune(["/v/t.1", "/v/t.2",
+    "/v/t.3"], "/v/t.3", 2)`` -> ``["/v/t.1"]``; ``keep`` None -> ``[]``.
+    """
+    if keep is None:
+        return []
+    older = [v for v in sorted(versions, reverse=True) if v != current]
+    return sorted(older[max(keep - (1 if current else 0), 0) :])
+
+
+def prune_candidates(spec, answer, rebuilding):
+    """The versions retention would remove in this run, before asking who uses them."""
+    versions = [v for v in answer.get("versions") or [] if isinstance(v, str) and v.startswith("/")]
+    # A rebuild makes the newest version, which counts as current; else the one path resolves to counts.
+    current = f"{spec['path']}.<new>" if rebuilding else (answer.get("real_path") if answer.get("exists") else None)
+    return plan_prune(versions, current, effective_keep(spec))
+
+
+def prune_line(path, keep):
+    """``remove old venv version /opt/venvs/train.20261201T101500Z (keep 3: the current one and the 2 newest old
+    ones stay)``."""
+    stay = {1: "only the current one stays", 2: "the current one and the newest old one stay"}.get(
+        keep, f"the current one and the {keep - 1} newest old ones stay"
+    )
+    return f"remove old venv version {shown(path)} (keep {keep}: {stay})"
 
 
 # -- the fact pass ---------------------------------------------------------------------------------------------
@@ -486,22 +648,43 @@ def probe_payload(spec, timeout=60):
 
 
 def read_node(spec, target, answer, context):
-    """Node-side, unattended only: ``{"users": [...]}``, the target's processes running from the venv, read only
-    when the venv needs a rebuild (a venv in spec, or an attended run, reads nothing: ``{}``).
+    """Node-side: ``{"users": [...]}``, the target's processes running from the venv, read only unattended when the
+    venv needs a rebuild; ``{"version_users": {version: [...]}}``, who uses each old version retention would remove,
+    read only when there is one. A venv in spec within ``keep`` reads nothing: ``{}``.
 
     Each user is ``{"pid", "ns_pid", "name", "command" (shortened), "how" (exe, argv0, mapped), "file"}``, or,
     when its files could not be read in time, the same with ``"how": None`` and ``"error"``: an unattended run
     swaps nothing under a process it cannot vouch for.
     """
-    if not spec.get("unattended"):
-        return {}
     facts = venv_facts(spec, answer, context["target"]["label"])
-    if not facts["changes"] or facts["problems"]:
+    if facts["problems"]:
         return {}
-    found, unreadable = processes_running_from(owner_of(context["target"]), venv_roots(spec, answer))
-    users = [dict(user_of(info), how=how, file=path) for info, how, path in found]
-    users += [dict(user_of(info), how=None, error=error) for info, error in unreadable]
-    return {"users": sorted(users, key=lambda u: u["pid"])}
+    owner = owner_of(context["target"])
+    node = {}
+    if spec.get("unattended") and facts["changes"]:
+        found, unreadable = processes_running_from(owner, venv_roots(spec, answer))
+        users = [dict(user_of(info), how=how, file=path) for info, how, path in found]
+        users += [dict(user_of(info), how=None, error=error) for info, error in unreadable]
+        node["users"] = sorted(users, key=lambda u: u["pid"])
+    rebuilding = bool(facts["changes"]) and not node.get("users")
+    candidates = prune_candidates(spec, answer, rebuilding)
+    if candidates:  # only when retention has work: a converged venv within keep reads nothing more
+        node["version_users"] = version_users(owner, candidates)
+    return node
+
+
+def version_users(owner, versions):
+    """``{version: [user]}``: who runs from (or sits in: cwd) each old version; a process whose files could not
+    be read counts for every one of them (nothing is removed under a process nobody can vouch for)."""
+    found, unreadable = processes_running_from(owner, versions, cwd=True)
+    using = {}
+    for info, how, path in found:
+        root = under(path, versions)
+        using.setdefault(root, []).append(dict(user_of(info), how=how, file=path))
+    for info, error in unreadable:
+        for version in versions:
+            using.setdefault(version, []).append(dict(user_of(info), how=None, error=error))
+    return using
 
 
 def user_of(info):

@@ -180,8 +180,8 @@ def test_the_script_imports_only_the_standard_library():
 
 
 def test_the_payload_carries_what_the_lock_means():
-    spec = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore"}
-    params = {"uv": "/root/.local/bin/uv", "keep": 2, "build_timeout": 900}
+    spec = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore", "keep": 2}
+    params = {"uv": "/root/.local/bin/uv", "build_timeout": 900}
     assert training_venv.build_payload(spec, params, "20261203T101500Z") == {
         "path": "/opt/venvs/train",
         "lock": SMALL_LOCK,
@@ -193,6 +193,7 @@ def test_the_payload_carries_what_the_lock_means():
         "expected": {"six": "1.17.0", "torch": "2.11.0+cu128"},
         "ignore": ["pip", "setuptools", "wheel"],
         "drop_tooling": [],
+        "prune_only": False,
     }
     exact = training_venv.build_payload(dict(spec, tooling="exact", python="3.11"), params, "20261203T101500Z")
     assert (exact["ignore"], exact["drop_tooling"]) == ([], ["pip", "setuptools", "wheel"])
@@ -203,6 +204,7 @@ def test_the_payload_carries_what_the_lock_means():
     [
         ({}, ""),
         ({"keep": 0}, "keep is 0; the current venv counts, so keep is at least 1"),
+        ({"unattended_keep": 0}, "unattended_keep is 0; the current venv counts, so unattended_keep is at least 1"),
         ({"build_timeout": 0}, "build_timeout is 0; give the build at least 1 second"),
         ({"lock": "torch>=2\n"}, "the lock, line 1: `torch>=2` is not an exact pin"),
         ({"python": "3.12"}, "python is 3.12 but the lock was compiled for 3.11"),
@@ -210,7 +212,7 @@ def test_the_payload_carries_what_the_lock_means():
 )
 def test_options_that_cannot_work_are_named(changed, message):
     params = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore"}
-    params.update({"keep": None, "build_timeout": 1800, **changed})
+    params.update({"keep": None, "unattended_keep": 3, "unattended": False, "build_timeout": 1800, **changed})
     assert training_venv.check_options(params).startswith(message)
     assert bool(training_venv.check_options(params)) == bool(message)
 
@@ -257,6 +259,7 @@ BUILD_PAYLOAD = {
     "expected": {"six": "1.17.0", "torch": "2.11.0+cu128"},
     "ignore": ["pip", "setuptools", "wheel"],
     "drop_tooling": [],
+    "prune_only": False,
 }
 
 
@@ -397,6 +400,36 @@ def test_ct_a_failed_build_fails_with_its_kind_command_and_stderr(monkeypatch, c
     assert (result["cmd"], result["rc"]) == (INDEX_DOWN["cmd"], 2)
     assert result["stderr_tail"] == INDEX_DOWN["stderr_tail"]
     assert (result["cleaned"], result["left_behind"]) == ([], None)
+
+
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_old_versions_beyond_keep_are_removed_without_a_build_in_one_more_pct_exec(monkeypatch, capsys):
+    versions = [f"{CT_PATH}.2026120{day}T101500Z" for day in range(1, 5)]
+    answer = dict(IN_SPEC, versions=versions, real_path=versions[-1])
+    params = dict(CT_PARAMS, keep=2)
+    lines = [f"remove old venv version {v} (keep 2: the current one and the newest old one stay)" for v in versions[:2]]
+    check = run_module(training_venv, params, FakeRunner(read_call(answer)), monkeypatch, capsys, check_mode=True)
+    assert (check["changed"], check["changes"]) == (True, lines)
+    payloads = {"build": dict(BUILD_PAYLOAD, keep=2, prune_only=True), "training_venv": READ_PAYLOAD}
+    pruned = {"pruned": True, "removed": versions[:2], "retention_skipped": [], "seconds": 0.4}
+    after = dict(answer, versions=versions[2:])
+    out = json.dumps({"build": {"answer": pruned, "seconds": 0.4}, "training_venv": {"answer": after, "seconds": 0.02}})
+    runner = FakeRunner(read_call(answer), ([*PCT, "1860", *WRAPPER, json.dumps(payloads)], (0, out, "")))
+    real = run_module(training_venv, params, runner, monkeypatch, capsys)
+    runner.assert_done()
+    assert (real["changed"], real["changes"], real["diff"]) == (True, lines, check["diff"])
+    assert (real["removed"], real["current"], real["builder"]) == (versions[:2], None, None)
+
+
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_what_the_build_printed_is_escaped_in_the_message(monkeypatch, capsys):
+    forged = dict(INDEX_DOWN, message="uv said \x1b[2J\nok: all fine\u202e")
+    runner = FakeRunner(read_call(POLLUTED), build_call(forged, POLLUTED))
+    result = run_module(training_venv, CT_PARAMS, runner, monkeypatch, capsys)
+    assert result["msg"] == (
+        "CT 200 on pve1: building the venv failed (index_unreachable): uv said \\x1b[2J\\nok: all fine\\u202e; "
+        "/opt/venvs/train was left as it was"
+    )
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -876,6 +909,41 @@ def test_retention_keeps_the_newest_and_never_a_version_a_process_uses(host, cap
     ]
 
 
+def test_no_file_is_written_through_a_link_planted_beside_the_venv(host, capsys, tmp_path):
+    """The venv's parent may be writable by a user of the target: links planted at every name the build once
+    wrote with a fixed temporary name (``<file>.tmp<pid>``) point at a victim, which stays untouched."""
+    host.run(capsys, SMALLER)
+    host.pollute(host.path)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    old, new = host.version(STAMPS[0]), host.version(STAMPS[1])
+    for name in (f"{new}.lock.txt", f"{old}.freeze.txt"):
+        os.symlink(victim, f"{name}.tmp{os.getpid()}")
+    result = host.run(capsys)
+    assert result["changed"] is True and result["current"] == str(new), result.get("msg")
+    assert victim.read_text() == "precious\n"
+    assert Path(f"{new}.lock.txt").read_text() == host.indexes.lock(GOOD)
+    assert not Path(f"{new}.lock.txt").is_symlink()
+    assert Path(f"{old}.freeze.txt").read_text() == "idna==3.10\nsglang==0.5.4\nsix==1.17.0\ntorch==2.11.0+cu130\n"
+
+
+def test_a_link_planted_at_the_lock_or_freeze_name_is_replaced_never_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    planted = tmp_path / "train.20261203T101500Z.lock.txt"
+    planted.symlink_to(victim)
+    script.write_atomic(str(planted), "six==1.17.0\n")
+    assert victim.read_text() == "precious\n"
+    assert (planted.is_symlink(), planted.read_text()) == (False, "six==1.17.0\n")
+    assert stat.S_IMODE(planted.stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.20261203T101500Z.lock.txt", "victim"]
+    marker = tmp_path / "marker"
+    marker.symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        script.create_new(str(marker), "unfinished\n")
+    assert victim.read_text() == "precious\n"
+
+
 def test_the_script_runs_as_shipped_on_python_3_9(host, capsys):
     candidates = [Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9", Path("/usr/bin/python3.9")]
     python = next((str(p) for p in candidates if p.exists()), None)
@@ -914,7 +982,8 @@ def test_a_file_that_is_no_uv_wheel_is_a_clear_error(tmp_path):
 
 def test_uv_goes_into_the_ct_at_a_versioned_path_over_one_pct_exec(tmp_path):
     script = (
-        'set -e; [ -x "$1" ] && exit 0; mkdir -p "${1%/*}"; t="$1.tmp.$$"; cat > "$t"; chmod 755 "$t"; mv -f "$t" "$1"'
+        'set -e; [ -x "$1" ] && exit 0; mkdir -p "${1%/*}"; t=$(mktemp "$1.XXXXXX"); cat > "$t"; chmod 755 "$t"; '
+        'mv -f "$t" "$1"'
     )
     path = "/usr/local/lib/pve-gpu-recover/uv-0.13.9/uv"
     runner = FakeRunner(
@@ -999,3 +1068,47 @@ def test_bare_host_the_script_removes_the_new_version_when_a_job_started_during_
     assert Path(host.path).resolve() == current
     assert not host.version(STAMPS[1]).exists()  # the version it built is gone, and so is its lock
     assert not Path(f"{host.version(STAMPS[1])}.lock.txt").exists()
+
+
+# -- unattended runs cannot fill the disk (issue 25 item 13) ---------------------------------------------------
+def test_an_unattended_run_keeps_the_current_and_two_old_versions_and_check_mode_names_the_rest(host, capsys):
+    for pins in (GOOD, SMALLER, GOOD, SMALLER):  # attended, keep unset: every version stays
+        assert host.run(capsys, pins)["removed"] == []
+    versions = [host.version(stamp) for stamp in STAMPS[:4]]
+    assert all(version.is_dir() for version in versions)
+    # In spec: an attended run has nothing to do, an unattended one removes what is beyond the default keep of 3.
+    assert host.run(capsys, SMALLER)["changed"] is False
+    before = snapshot(host.path.parent)
+    check = host.run(capsys, SMALLER, check_mode=True, unattended=True)
+    assert snapshot(host.path.parent) == before
+    real = host.run(capsys, SMALLER, unattended=True)
+    line = f"remove old venv version {versions[0]} (keep 3: the current one and the 2 newest old ones stay)"
+    assert check["changed"] is real["changed"] is True
+    assert check["changes"] == real["changes"] == [line]
+    assert (real["current"], real["builder"], real["removed"]) == (None, None, [str(versions[0])])
+    assert not versions[0].exists() and all(version.is_dir() for version in versions[1:])
+    assert works(host.path, "six") == str(host.path)
+    # Converged again: nothing more to remove.
+    assert host.run(capsys, SMALLER, check_mode=True, unattended=True)["changed"] is False
+
+
+def test_a_rebuild_counts_the_version_it_makes_and_never_removes_one_a_shell_sits_in(host, capsys):
+    for pins in (GOOD, SMALLER, GOOD):
+        host.run(capsys, pins)
+    oldest = host.version(STAMPS[0])
+    # A shell cd'd into the oldest version: removing it would pull the directory from under it.
+    shell = subprocess.Popen(["sleep", "60"], cwd=oldest)
+    try:
+        check = host.run(capsys, SMALLER, check_mode=True, unattended=True)
+        real = host.run(capsys, SMALLER, unattended=True)
+    finally:
+        shell.kill()
+        shell.wait()
+    # The new version and the 2 newest old ones stay; the oldest is beyond keep but in use, so it stays too.
+    assert check["changes"] == real["changes"] == ["remove idna 3.10 (not in the lock)"]
+    assert real["current"] == str(host.version(STAMPS[3]))
+    assert (real["removed"], real["retention_skipped"]) == (
+        [],
+        [{"path": str(oldest), "pids": [shell.pid], "reason": f"in use by pid {shell.pid}"}],
+    )
+    assert oldest.is_dir()

@@ -59,7 +59,8 @@ def on_pve1(monkeypatch):
 
 def unattended_build_call(built, reread):
     """The build's pct exec of an unattended run: its payload asks the script to look again before the swap."""
-    payloads = {"build": dict(BUILD_PAYLOAD, window_check=True), "training_venv": READ_PAYLOAD}
+    # Unattended with keep unset: the current version and the 2 newest old ones stay.
+    payloads = {"build": dict(BUILD_PAYLOAD, keep=3, window_check=True), "training_venv": READ_PAYLOAD}
     out = json.dumps(
         {"build": {"answer": built, "seconds": 41.2}, "training_venv": {"answer": reread, "seconds": 0.02}}
     )

@@ -6,11 +6,15 @@ made here whose ``torch`` is a stub (no test imports the real one). nvidia-smi's
 with single cells replaced (tests/unit/module_utils/test_pve_verify.py builds it).
 """
 
+import hashlib
 import inspect
 import json
+import os
 import re
 import socket
+import stat
 import sys
+from pathlib import Path
 
 import pytest
 import target_facts
@@ -28,7 +32,7 @@ from tests.unit.module_utils.test_pve_verify import eight, smi, stub_venv
 PCT = ["pct", "exec", "200", "--keep-env", "0", "--", "timeout", "-k", "5"]
 ENV = ["env", "LC_ALL=C", "LANG=C"]
 SMI_ARGV = [*PCT, "60", *ENV, *query_gpu_argv()]
-TORCH_ARGV = [*PCT, "180", *ENV, "/opt/venvs/train/bin/python", "-I", "-"]
+TORCH_ARGV = [*PCT, "180", *ENV, "PYTHONDONTWRITEBYTECODE=1", "/opt/venvs/train/bin/python", "-I", "-B", "-"]
 KNOWN_GOOD = {"vmid": 200, "torch_version": "2.11.0+cu128", "cuda_version": "12.8", "gpu_count": 8}
 VERIFY = FIXTURES / "verify"
 ROLE = ROOT / "roles" / "verify"
@@ -171,7 +175,7 @@ def test_a_venv_without_python_is_a_failed_check_not_a_crash(monkeypatch, capsys
 def test_an_import_past_its_deadline_is_named_with_the_setting_to_raise(monkeypatch, capsys):
     torch = (124, "", "", 185.0, True)
     params = dict(KNOWN_GOOD, torch_timeout=30)
-    argv = [*PCT, "30", *ENV, "/opt/venvs/train/bin/python", "-I", "-"]
+    argv = [*PCT, "30", *ENV, "PYTHONDONTWRITEBYTECODE=1", "/opt/venvs/train/bin/python", "-I", "-B", "-"]
     runner = FakeRunner((SMI_ARGV, (0, eight(), "")), (argv, torch))
     result = run(params, runner, monkeypatch, capsys)
     assert result["msg"].startswith(
@@ -238,12 +242,15 @@ class HostRunner:
     def __init__(self, smi_out):
         self.smi_out = smi_out
         self.argvs = []
+        self.envs = []
 
     def __call__(self, argv, *, stdin=None, timeout=None, env=None):
         self.argvs.append(argv)
         if "nvidia-smi" in argv:
             return pve_target.CommandResult(argv=argv, rc=0, stdout=self.smi_out, stderr="")
-        return REAL_RUN_LOCAL(argv, stdin=stdin, timeout=timeout, env={"STUB_CUDA": "12.8", "STUB_COUNT": "8"})
+        self.envs.append(env)
+        stub = {"STUB_CUDA": "12.8", "STUB_COUNT": "8"}
+        return REAL_RUN_LOCAL(argv, stdin=stdin, timeout=timeout, env={**(env or {}), **stub})
 
 
 REAL_RUN_LOCAL = pve_target.run_local
@@ -261,13 +268,40 @@ def test_a_bare_host_runs_the_script_in_the_venvs_own_python(check_mode, tmp_pat
     assert result.get("failed", False) is False, result.get("msg")
     assert runner.argvs == [
         ["timeout", "-k", "5", "60", *query_gpu_argv()],
-        ["timeout", "-k", "5", "180", f"{venv}/bin/python", "-I", "-"],
+        ["timeout", "-k", "5", "180", f"{venv}/bin/python", "-I", "-B", "-"],
     ]
     assert (result["torch"]["version"], result["torch"]["python_version"]) == (
         "2.11.0+cu128",
         sys.version.split()[0],
     )
     assert result["expected"]["gpu_count"] == 8  # nvidia-smi's GPUs: this test machine has no /dev/nvidiaN
+
+
+def tree(root):
+    """Every path under ``root`` with its kind, size, mtime and content hash: what a verify must leave as it was."""
+    found = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            full = os.path.join(directory, name)
+            info = os.lstat(full)
+            digest = hashlib.sha256(Path(full).read_bytes()).hexdigest() if stat.S_ISREG(info.st_mode) else None
+            found[os.path.relpath(full, root)] = (stat.S_IFMT(info.st_mode), info.st_size, info.st_mtime_ns, digest)
+    return found
+
+
+def test_importing_torch_to_verify_leaves_the_venv_byte_identical(tmp_path, monkeypatch, capsys):
+    venv = stub_venv(tmp_path / "train")
+    # A submodule too: the import of a package writes a __pycache__ beside each module it compiles.
+    (next(venv.glob("lib/python3.*/site-packages")) / "torch" / "version.py").write_text("__version__ = 'x'\n")
+    before = tree(venv)
+    runner = HostRunner(eight())
+    monkeypatch.setattr(pve_target, "run_local", runner)
+    with patch_module_args({"venv": str(venv), "import_torch": "always"}), pytest.raises(SystemExit):
+        verify.main()
+    result = json.loads(capsys.readouterr().out)
+    assert result["torch"]["version"] == "2.11.0+cu128", result.get("msg")
+    assert runner.envs[-1] == {"PYTHONDONTWRITEBYTECODE": "1"}
+    assert tree(venv) == before
 
 
 def test_a_bare_host_without_the_venv_says_so(tmp_path, monkeypatch, capsys):

@@ -312,6 +312,10 @@ def test_the_facts_have_the_documented_keys():
             "needs_window",
             "in_use",
             "ending_pids",
+            "rebuild",
+            "prune",
+            "prune_kept",
+            "keep",
         ]
     )
     json.dumps(facts)  # facts travel as ansible_facts: plain JSON
@@ -457,6 +461,8 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
         "python": None,
         "tooling": "ignore",
         "unattended": False,
+        "keep": None,
+        "unattended_keep": 3,
     }
     assert ArgumentSpecValidator(pve_venv.SPEC).validate({}).error_messages == ["missing required arguments: lock"]
     assert "tooling" in ArgumentSpecValidator(pve_venv.SPEC).validate({"lock": LOCK, "tooling": "x"}).error_messages[0]
@@ -586,7 +592,10 @@ def test_no_venv_and_a_directory_that_is_not_one(tmp_path):
         "site_packages": None,
         "distributions": [],
         "broken": [],
+        "hooks": [],
+        "unowned": [],
         "torch_version_py": None,
+        "versions": [],
         "errors": [],
     }
     assert (probe(tmp_path)["exists"], probe(tmp_path)["directory"]) == (False, True)
@@ -752,3 +761,220 @@ def test_the_real_cpu_torch_wheel_is_read_as_its_build(cpu_torch_venv):
     assert (facts["changes"], facts["torch"]["variant"]) == ([], "cpu")
     facts = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
     assert "torch 2.13.0+cpu -> 2.11.0+cu128 (build variant cpu, expected cu128)" in facts["changes"]
+
+
+# -- "in spec" means the venv imports only what the lock says (issue 25 item 9) ----------------------------------
+def install_wheels(tmp_path, venv, *wheels):
+    """Install hand-made wheels (``(name, version, files)``) into ``venv`` with uv, from a local directory."""
+    directory = tmp_path / "wheels"
+    directory.mkdir(exist_ok=True)
+    for name, version, files in wheels:
+        build_wheel(directory, name, version, files)
+    pins = [f"{name}=={version}" for name, version, _ in wheels]
+    done = uv("pip", "install", "--quiet", "--python", venv, "--no-index", "--find-links", directory, *pins)
+    assert done.returncode == 0, done.stderr
+    return venv
+
+
+def facts_of(venv, lock):
+    answer = probe(venv)
+    return pve_venv.evaluate_step(dict(SPEC, lock=lock, python=answer["python"]), answer, {}, CONTEXT)
+
+
+CLEAN = ("six", "1.17.0", {"six.py": "x = 1\n"})
+# A dist that ships a .pth legitimately (like setuptools' distutils-precedence.pth or an editable install's).
+WITH_PTH = ("helper", "1.0", {"helper/__init__.py": "", "helper-hook.pth": "import helper\n"})
+
+
+def test_a_venv_of_locked_wheels_and_the_pth_their_records_list_is_in_spec(tmp_path):
+    venv = install_wheels(tmp_path, make_venv(tmp_path / "venv"), CLEAN, WITH_PTH)
+    answer = probe(venv)
+    assert answer["hooks"] == [{"entry": "helper-hook.pth", "owners": ["helper"], "text": None}]
+    assert answer["unowned"] == []
+    facts = facts_of(venv, "helper==1.0\nsix==1.17.0\n")
+    assert (facts["changes"], facts["pending"]) == ([], False)
+
+
+def test_a_pth_whose_owner_is_not_in_the_lock_is_drift_naming_the_owner(tmp_path):
+    venv = install_wheels(tmp_path, make_venv(tmp_path / "venv"), CLEAN, WITH_PTH)
+    facts = facts_of(venv, "six==1.17.0\n")
+    assert facts["changes"] == [
+        f"rebuild venv at {PATH}: helper-hook.pth runs code at start-up and only helper (not in the lock) lists it",
+        "remove helper 1.0 (not in the lock)",
+    ]
+
+
+def test_include_system_site_packages_is_drift(tmp_path):
+    venv = install_wheels(tmp_path, make_venv(tmp_path / "venv"), CLEAN)
+    config = venv / "pyvenv.cfg"
+    config.write_text(config.read_text().replace("include-system-site-packages = false", "") + "")
+    assert facts_of(venv, "six==1.17.0\n")["changes"] == []
+    config.write_text(config.read_text() + "include-system-site-packages = True\n")
+    assert facts_of(venv, "six==1.17.0\n")["changes"] == [
+        f"rebuild venv at {PATH}: pyvenv.cfg sets include-system-site-packages = true (the system's packages are "
+        "importable beside the lock's)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("planted", "line"),
+    [
+        (
+            {"evil.pth": "import os; os.system('id')\n"},
+            "evil.pth runs code at start-up and no distribution's RECORD lists it",
+        ),
+        (
+            {"sitecustomize.py": "import os\n"},
+            "sitecustomize.py is imported at start-up and no distribution's RECORD lists it",
+        ),
+        (
+            {"usercustomize/__init__.py": ""},
+            "usercustomize is imported at start-up and no distribution's RECORD lists it",
+        ),
+        ({"hack/__init__.py": "import os\n"}, "hack is importable and no distribution's RECORD owns it"),
+        ({"stray.py": ""}, "stray.py is importable and no distribution's RECORD owns it"),
+        (
+            {"fast.cpython-311-x86_64-linux-gnu.so": ""},
+            "fast.cpython-311-x86_64-linux-gnu.so is importable and no distribution's RECORD owns it",
+        ),
+        ({"namespace/sub/mod.py": ""}, "namespace is importable and no distribution's RECORD owns it"),
+    ],
+)
+def test_what_runs_or_imports_and_no_record_owns_is_drift(tmp_path, planted, line):
+    venv = install_wheels(tmp_path, make_venv(tmp_path / "venv"), CLEAN)
+    for relative, text in planted.items():
+        target = site_packages(venv) / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    facts = facts_of(venv, "six==1.17.0\n")
+    assert facts["changes"] == [f"rebuild venv at {PATH}: {line}"]
+    assert facts["pending"] is True
+
+
+def test_files_no_python_imports_and_bytecode_caches_are_not_drift(tmp_path):
+    venv = install_wheels(tmp_path, make_venv(tmp_path / "venv"), CLEAN)
+    (site_packages(venv) / "README.txt").write_text("This directory exists so that 3rd party packages...\n")
+    (site_packages(venv) / "__pycache__").mkdir(exist_ok=True)
+    (site_packages(venv) / "__pycache__" / "six.cpython-311.pyc").write_bytes(b"")
+    assert facts_of(venv, "six==1.17.0\n")["changes"] == []
+
+
+def test_setuptools_seeded_by_python_venv_may_keep_its_pth_while_tooling_is_ignored(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+    answer = probe(venv)
+    assert answer["unowned"] == []
+    facts = pve_venv.evaluate_step(dict(SPEC, lock="six==1.17.0\n", python=answer["python"]), answer, {}, CONTEXT)
+    assert facts["changes"] == ["install six 1.17.0 (missing)"]
+
+
+@pytest.mark.parametrize(
+    ("creator", "pth", "drift"),
+    [
+        ("virtualenv = 20.29.1", "import _virtualenv", []),
+        ("uv = 0.4.30", "import _virtualenv\n", []),
+        ("", "import _virtualenv", ["_virtualenv.pth runs code", "_virtualenv.py is importable"]),
+        ("virtualenv = 20.29.1", "import _virtualenv; import os", ["_virtualenv.pth runs code"]),
+    ],
+)
+def test_what_virtualenv_writes_itself_is_in_spec_only_as_it_writes_it(tmp_path, creator, pth, drift):
+    venv = install_wheels(tmp_path, make_venv(tmp_path / "venv"), CLEAN)
+    config = venv / "pyvenv.cfg"
+    config.write_text(re.sub(r"(?m)^uv = .*\n", "", config.read_text()) + (f"{creator}\n" if creator else ""))
+    (site_packages(venv) / "_virtualenv.pth").write_text(pth)
+    (site_packages(venv) / "_virtualenv.py").write_text("# virtualenv's distutils patch\n")
+    changes = facts_of(venv, "six==1.17.0\n")["changes"]
+    assert [c.split(": ", 1)[1].split(" at start-up")[0].split(" and ")[0] for c in changes] == drift
+
+
+def test_a_record_lists_quoted_and_absolute_paths_and_paths_outside_site_packages():
+    lines = [
+        "torch/__init__.py,sha256=ab,12\n",
+        '"odd,name/__init__.py",sha256=cd,3\n',
+        "../../../bin/torchrun,,\n",
+        "/opt/venvs/train/lib/python3.11/site-packages/abs.py,,\n",
+        "/usr/lib/elsewhere.py,,\n",
+        "six.py,,\n",
+        "\n",
+    ]
+    tops = pve_probe_training_venv.record_tops("".join(lines), "/opt/venvs/train/lib/python3.11/site-packages")
+    assert tops == {"torch", "odd,name", "abs.py", "six.py"}
+
+
+def test_names_the_venv_chose_are_escaped_in_changes_and_the_diff(tmp_path):
+    venv = install_wheels(tmp_path, make_venv(tmp_path / "venv"), CLEAN)
+    (site_packages(venv) / "evil\x1b[2J.pth").write_text("import os\n")
+    record = site_packages(venv) / "bad\nline-1.0.dist-info"
+    record.mkdir()
+    (record / "METADATA").write_text("Metadata-Version: 2.1\nName: bad\u202eline\nVersion: 1.0\x1b[31m\n")
+    facts = facts_of(venv, "six==1.17.0\n")
+    assert facts["changes"] == [
+        f"rebuild venv at {PATH}: evil\\x1b[2J.pth runs code at start-up and no distribution's RECORD lists it",
+        "remove bad\\u202eline 1.0\\x1b[31m (not in the lock)",
+    ]
+    assert "bad\\u202eline==1.0\\x1b[31m\n" in facts["diff"]["before"]
+    assert all("\x1b" not in change and "\n" not in change for change in facts["changes"])
+
+
+# -- retention: what the fact pass predicts (issue 25 item 13) ---------------------------------------------------
+VERSIONS = [f"{PATH}.2026120{day}T101500Z" for day in range(1, 6)]
+
+
+@pytest.mark.parametrize(
+    ("keep", "unattended", "expected"),
+    [(None, False, None), (None, True, 3), (5, True, 5), (2, False, 2)],
+)
+def test_keep_is_all_when_attended_and_three_when_unattended_unless_set(keep, unattended, expected):
+    assert pve_venv.effective_keep(dict(SPEC, keep=keep, unattended=unattended)) == expected
+
+
+def test_plan_prune_counts_the_current_one_and_removes_the_oldest():
+    assert pve_venv.plan_prune(VERSIONS, VERSIONS[-1], 3) == VERSIONS[:2]
+    assert pve_venv.plan_prune(VERSIONS, f"{PATH}.<new>", 3) == VERSIONS[:3]  # a rebuild's version counts
+    assert pve_venv.plan_prune(VERSIONS, VERSIONS[1], 1) == [VERSIONS[0], *VERSIONS[2:]]
+    assert pve_venv.plan_prune(VERSIONS, VERSIONS[-1], None) == []
+    assert pve_venv.plan_prune(VERSIONS[:2], VERSIONS[1], 3) == []
+
+
+def test_an_in_spec_venv_with_old_versions_beyond_keep_is_pending_unattended_only():
+    answer = dict(IN_SPEC, versions=VERSIONS, real_path=VERSIONS[-1])
+    attended = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    assert (attended["changes"], attended["pending"], attended["prune"]) == ([], False, [])
+    facts = pve_venv.evaluate_step(dict(SPEC, unattended=True), answer, {}, CONTEXT)
+    assert facts["changes"] == [
+        f"remove old venv version {VERSIONS[0]} (keep 3: the current one and the 2 newest old ones stay)",
+        f"remove old venv version {VERSIONS[1]} (keep 3: the current one and the 2 newest old ones stay)",
+    ]
+    assert (facts["pending"], facts["rebuild"], facts["keep"]) == (True, False, 3)
+    assert facts["diff"]["before"] == facts["diff"]["after"]
+
+
+def test_a_version_a_process_uses_is_kept_unless_the_gpu_step_ends_that_process():
+    answer = dict(IN_SPEC, versions=VERSIONS, real_path=VERSIONS[-1])
+    job = {"pid": 516, "ns_pid": 41, "name": "bash", "command": "bash", "how": "cwd", "file": VERSIONS[0]}
+    node = {"version_users": {VERSIONS[0]: [job]}}
+    facts = pve_venv.evaluate_step(dict(SPEC, unattended=True), answer, node, CONTEXT)
+    assert facts["prune"] == [VERSIONS[1]]
+    assert facts["prune_kept"] == [{"path": VERSIONS[0], "pids": [516], "reason": "in use"}]
+    ending = pve_venv.evaluate_step(dict(SPEC, unattended=True), answer, dict(node, ending=[41]), CONTEXT)
+    assert ending["prune"] == VERSIONS[:2]
+
+
+def test_a_converged_venv_within_keep_costs_no_node_read(monkeypatch):
+    monkeypatch.setattr(pve_venv, "processes_running_from", lambda *a, **k: pytest.fail("read the node"))
+    answer = dict(IN_SPEC, versions=VERSIONS[-3:], real_path=VERSIONS[-1])
+    assert pve_venv.read_node(dict(SPEC, unattended=True), None, answer, CONTEXT) == {}
+
+
+def test_the_probe_lists_finished_versions_only(tmp_path):
+    venv = tmp_path / "train"
+    for name in ("train.20261201T101500Z", "train.20261202T101500Z", "train.20261203T101500Z", "train.backup"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "train.20261203T101500Z" / ".pve-gpu-recover-building").write_text("unfinished\n")
+    (tmp_path / "train.20261204T101500Z").symlink_to(tmp_path / "train.backup")
+    (tmp_path / "train.20261201T101500Z.lock.txt").write_text("")
+    venv.symlink_to("train.20261202T101500Z")
+    assert probe(venv)["versions"] == [
+        str(tmp_path / "train.20261201T101500Z"),
+        str(tmp_path / "train.20261202T101500Z"),
+    ]

@@ -155,3 +155,13 @@ def test_the_node_is_read_only_unattended_and_only_when_a_rebuild_is_due(monkeyp
 def test_a_venv_in_spec_has_the_window_keys_empty(unattended):
     facts = pve_venv.evaluate_step(dict(SPEC, unattended=unattended), IN_SPEC, {}, CONTEXT)
     assert (facts["needs_window"], facts["in_use"], facts["pending"]) == ([], [], False)
+
+
+def test_a_shell_sitting_in_an_old_version_keeps_it_from_retention_but_not_from_a_swap(tmp_path):
+    root = tmp_path / "proc"
+    old = "/opt/venvs/train.20261201T101500Z"
+    process(root, 530, exe="/usr/bin/bash", argv=["-bash"], comm="bash")
+    os.symlink(old, root / "530" / "cwd")
+    assert pp.processes_running_from("ct:200", [old], proc_root=str(root)) == ([], [])
+    users, unreadable = pp.processes_running_from("ct:200", [old], proc_root=str(root), cwd=True)
+    assert ([(info.pid, how, path) for info, how, path in users], unreadable) == ([(530, "cwd", old)], [])
