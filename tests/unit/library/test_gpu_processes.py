@@ -63,9 +63,19 @@ class FakeProcesses:
             self.alive.discard(info.pid)
             self.alive.update(p for p, parent in self.born_after.items() if parent == info.pid)
 
+    def read_stat(self, pid, proc_root="/proc"):
+        info = self.read_process(pid)
+        return (info.comm, info.state, info.start_time) if info else None
+
+    def children_of(self, parents, proc_root="/proc"):
+        return {
+            pid: {(c, self.procs[c].start_time) for c in self.alive if self.procs[c].ppid == pid} for pid in parents
+        }
+
     def patch(self, monkeypatch):
         """Give pve_gpu_cleanup this process table and a clock that sleeping only moves (no real waits)."""
-        for name in ("read_process", "device_holders", "still_there", "signal_process", "read_unit_members"):
+        names = ("read_process", "device_holders", "still_there", "signal_process", "read_unit_members", "read_stat")
+        for name in (*names, "children_of"):
             monkeypatch.setattr(pve_gpu_cleanup, name, getattr(self, name))
         clock = FakeClock()
         monkeypatch.setattr(pve_gpu_cleanup, "time", SimpleNamespace(monotonic=clock, sleep=clock.sleep))
