@@ -39,8 +39,8 @@ description:
     ansible-playbook and its parents when it runs on this machine (I(controller_pid)); in bare mode with a local
     connection the module runs below ansible-playbook, so the shell and the session that started the run are its
     parents. A holder started from the shell that runs C(ansible-playbook) is ended; the walk up its parents
-    stops at that shell, which is named in I(own_run) (C(pid N (bash: '...') also runs this recover run: not
-    ended)) and as a warning. A holder that is itself one of them blocks the module before anything is ended.
+    stops at that shell, which is named in I(own_run) and as a warning (C(pid N (bash - '...') also runs this
+    recover run - not ended)). A holder that is itself one of them blocks the module before anything is ended.
   - The parents of a holder's job that are not ended with it (neither launchers nor shells - a home-made
     supervisor, a Jupyter-like server) are named in I(parents) (C(may start workers again)). Once the memory is
     free the module watches I(settle) seconds for restarts - a new child of one of those parents (seen the moment
@@ -122,7 +122,7 @@ options:
         I(poll_interval)) - a new child of a parent left running (I(parents)), or a new holder of the GPUs.
         A restart is seen as a new child the moment it is forked, so the window must outlast how long a
         supervisor waits before it restarts a worker; a CUDA worker takes 2-4 s from its exec to opening the GPU on
-        an H200 (import torch, then CUDA init: docs/hardware.md), which is how long a worker started by something
+        an H200 (import torch, then CUDA init; docs/hardware.md), which is how long a worker started by something
         outside the job takes to show up as a holder. 0 skips the watch.
     type: float
     default: 10
