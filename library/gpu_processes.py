@@ -121,9 +121,9 @@ options:
       - Seconds to watch for restarts once the memory of the target's GPUs is free (polled every
         I(poll_interval)) - a new child of a parent left running (I(parents)), or a new holder of the GPUs.
         A restart is seen as a new child the moment it is forked, so the window must outlast how long a
-        supervisor waits before it restarts a worker; a CUDA worker takes 2-4 s from its exec to opening the GPU on
-        an H200 (import torch, then CUDA init; docs/hardware.md), which is how long a worker started by something
-        outside the job takes to show up as a holder. 0 skips the watch.
+        supervisor waits before it restarts a worker; a CUDA worker takes about 4 s from its exec to its GPU
+        memory on an H200 (import torch, then CUDA init; docs/hardware.md), which is how long a worker started by
+        something outside the job takes to show up as a holder. 0 skips the watch.
     type: float
     default: 10
   controller_pid:

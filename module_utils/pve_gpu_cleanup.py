@@ -12,17 +12,25 @@ with ``Restart=always``), so the step ends the JOB: each holder's parents are wa
 while they belong to the same target, stopping at the target's init, an interactive shell, a session or service
 manager and a protected process (pve_process.walk_stop); the launchers among them (``launchers`` patterns, and
 shells running the job) are ended first, together with the holders. A holder in a systemd service of its own
-cannot be ended by signals: the step fails naming the service and the command that stops it. Once the memory is
-free, the step watches ``settle`` seconds for new holders, so a restarter it could not recognise is named instead
-of passing unnoticed.
+cannot be ended by signals: the step fails naming the service and the command that stops it.
+
+The run's own processes are never ended (:func:`run_processes`: the module and its parents, in bare mode
+ansible-playbook and the shell that started it): a walk stops at them and names them (``own_run``). The parents of
+a holder's job that are ended with it neither as launchers nor as shells (:func:`plan_parents`: a supervisor of no
+known name, a Jupyter-like server) are named and, once the memory is free, watched ``settle`` seconds: a new child
+of one of them is a restart, seen when it is forked, about 4 s before a CUDA worker holds GPU memory (the H200 run
+of 2026-12-04 in docs/hardware.md). Attended, that parent is ended with its new child (:class:`Acting`); with
+``end_launchers`` false the step fails naming it; unattended it is left running and named in ``needs_window``. A
+new GPU holder nothing explains fails the step naming it and its parent.
 
 Unattended mode (``unattended``, the scheduled drift corrector): the ``guard`` names the training job that runs as
 expected (``{match: REGEX}`` searched in a process's command line, ``{pid_file: PATH}`` inside the target whose
 pid is the job's main process). A holder is guarded when it or one of its parents in the same target matches
 (:func:`plan_guard`); unattended, a guarded holder, its launchers and any holder whose job shares a process with
 it are left running and named in ``needs_window`` (the run does not fail for them); unguarded holders are ended as
-usual. Attended (the default), the guard changes nothing: the operator asked for recovery; the facts still name
-the guarded holders (``guarded``). The pid files are read inside the target by this step's probe part, which the
+usual; with no guard at all an unattended run ends no holder (each is named in ``needs_window``). Attended (the
+default), the guard changes nothing: the operator asked for recovery; the facts still name the guarded holders
+(``guarded``). The pid files are read inside the target by this step's probe part, which the
 fact pass runs only when the guard has a ``pid_file`` entry.
 """
 
@@ -104,7 +112,7 @@ SPEC = {
     "memory_threshold_mib": {"type": "int", "default": 0},
     "poll_interval": {"type": "float", "default": 0.05},
     # A restarted worker is seen as a new child of a parent that survived (at once) or as a new GPU holder (a
-    # CUDA worker opens the GPU 2-4 s after its exec on an H200: import torch ~2 s, then CUDA init). 10 s covers a
+    # CUDA worker holds GPU memory ~4 s after its exec on an H200: import torch, then CUDA init). 10 s covers a
     # supervisor that waits up to ~5 s before it restarts, and a worker something outside the job starts at once.
     "settle": {"type": "float", "default": 10},
     # The scheduled drift corrector: leave the guarded job running and name it in needs_window (module docstring).
