@@ -1184,7 +1184,7 @@ class Acting:
         p, result = self.p, self.result
         window_started = self.clock()
         restarts, new = watch_jobs(
-            lambda: new_children(self.watched, self.before, self.deferred),
+            lambda: new_children(self.watched, self.before, self.deferred, [*p["protected"], *p["keep_idle"]]),
             self.new_holders,
             window=p["settle"],
             poll_interval=p["poll_interval"],
@@ -1213,9 +1213,10 @@ class Acting:
         return ended
 
 
-def new_children(watched, before, deferred=()):
+def new_children(watched, before, deferred=(), ignore=()):
     """``{parent pid: [ProcessInfo]}`` of the children the watched parents have now and did not have before the
-    holders were ended (a restart); a parent whose pid was reused (start time) or that is deferred is left out."""
+    holders were ended (a restart); a parent whose pid was reused (start time) or that is deferred is left out, and
+    so is a child named by ``ignore`` (protected and keep_idle: a supervisor's ``nvidia-smi`` health check)."""
     now = children_of([pid for pid in watched if pid not in deferred])
     found = {}
     for pid, children in now.items():
@@ -1223,7 +1224,7 @@ def new_children(watched, before, deferred=()):
         if parent is None or parent[2] != watched[pid]["info"].start_time:
             continue
         infos = [read_process(child) for child, _ in sorted(children - before.get(pid, set()))]
-        infos = [i for i in infos if i is not None]
+        infos = [i for i in infos if i is not None and not matches_name(i, ignore)]
         if infos:
             found[pid] = infos
     return found
