@@ -10,6 +10,7 @@ miss every restart: these tests fail without the child watch (issue 19's mutatio
 """
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -204,6 +205,50 @@ def test_a_holder_started_by_the_shell_that_runs_the_playbook_ends_and_the_shell
     assert warnings == [f"localhost: {result['own_run'][0]}"]
     assert result["parents"] == [] and result["changed"] is True
     assert gpu.smi.memory()[0]["memory_used_mib"] == 0
+
+
+# The step as a local connection runs it: a child (here a grandchild) of the shell that runs the playbook.
+RUN_AS_MODULE = """
+import json, sys
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+import conftest  # noqa: F401  (module_utils as ansible.module_utils)
+from ansible.module_utils import pve_gpu_cleanup as cleanup
+from unit.module_utils import test_gpu_restarts as here
+smi = here.FakeSmi(sys.argv[2])
+cleanup.NvidiaSmi = smi
+cleanup.device_holders = lambda owner, proc_root="/proc", exclude=(): [(i, [(195, 0)]) for i in here.holders(smi.gpu)]
+print(json.dumps(cleanup.cleanup(here.TARGET, smi, here.settings(settle=0.5))))
+"""
+
+
+def test_in_bare_mode_the_module_below_the_playbooks_shell_ends_the_holder_and_leaves_the_shell(gpu, tmp_path):
+    # No controller pid at all: the module's own parents are the run's (ansible-playbook, the shell above it).
+    result_file, done = tmp_path / "result.json", tmp_path / "done"
+    shell = gpu.start(
+        [
+            "bash",
+            "-c",
+            f'{sys.executable} -c "$1" 0 "$2" & '
+            f'until [ -n "$(ls "$2")" ]; do sleep 0.05; done; '
+            f'{sys.executable} -c "$3" "$4" "$2" > "$5"; echo "$?" > "$6"; sleep 60',
+            "bash",
+            WORKER,
+            gpu.dir,
+            RUN_AS_MODULE,
+            str(Path(__file__).resolve().parent.parent.parent),
+            str(result_file),
+            str(done),
+        ]
+    )
+    worker = wait_for(lambda: holders(gpu.dir))[0]
+    wait_for(lambda: done.exists() and done.read_text().strip(), timeout=30)
+    assert done.read_text().strip() == "0"  # the run completed
+    result = json.loads(result_file.read_text())
+    assert [k["pid"] for k in result["killed"]] == [worker.pid]
+    assert result["launchers"] == []
+    assert alive(shell.pid)  # the shell that runs the "playbook" survived, and is named
+    assert [s.split(" (")[0] for s in result["own_run"]] == [f"pid {shell.pid}"]
 
 
 def test_without_the_controller_pid_the_shell_is_the_jobs_and_the_walk_stops_at_the_module_itself(gpu):
