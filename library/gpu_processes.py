@@ -35,12 +35,25 @@ description:
     reset or a node reboot is needed). When memory stays used, it lists the holders again first; a new process
     (a restarted worker) is named with its parent, and only when no process holds the memory does it advise a
     GPU reset.
-  - Once the memory is free it watches I(settle) seconds for new holders of the target's GPUs; one fails the
-    module naming it, its parent and its systemd service.
+  - Never ends the run's own processes, whatever they match - the module and its parents, and the controller's
+    ansible-playbook and its parents when it runs on this machine (I(controller_pid)); in bare mode with a local
+    connection the module runs below ansible-playbook, so the shell and the session that started the run are its
+    parents. A holder started from the shell that runs C(ansible-playbook) is ended; the walk up its parents
+    stops at that shell, which is named in I(own_run) and as a warning (C(pid N (bash - '...') also runs this
+    recover run - not ended)). A holder that is itself one of them blocks the module before anything is ended.
+  - The parents of a holder's job that are not ended with it (neither launchers nor shells - a home-made
+    supervisor, a Jupyter-like server) are named in I(parents) (C(may start workers again)). Once the memory is
+    free the module watches I(settle) seconds for restarts - a new child of one of those parents (seen the moment
+    it is forked, seconds before a CUDA worker opens the GPU) or a new holder of the target's GPUs. A parent that
+    restarted is ended with its new child, like a launcher (attended, I(end_launchers)), and the watch starts
+    again; with I(end_launchers=false) the module fails naming it and the fix; unattended it is left running and
+    named in I(needs_window). A new holder nothing explains fails the module naming it, its parent and its
+    systemd service.
   - Only the GPUs passed to the target count. For a CT they are the ones C(nvidia-smi) lists inside it, one
     C(pct exec); everything else happens on the node.
   - Unattended (I(unattended), the scheduled drift corrector) it never ends the training job that runs as
-    expected, named by I(guard). A holder is guarded when it, or one of its parents in the same target, matches an
+    expected, named by I(guard); with no I(guard) it ends no process at all (nothing tells a live job from a
+    stray one) and names every holder in I(needs_window). A holder is guarded when it, or one of its parents in the same target, matches an
     entry of I(guard). A guarded holder, the launchers above it and any holder whose job shares a process with it
     are left running and named in I(needs_window), one sentence each, and the module does not fail because of them;
     unguarded holders are ended as usual. The memory wait then covers only the GPUs no guarded holder uses, and new
@@ -105,11 +118,21 @@ options:
     default: true
   settle:
     description:
-      - Seconds to watch for new holders of the target's GPUs once their memory is free (polled every
-        I(poll_interval)); a new one (a worker restarted by something the module did not end) fails the module.
-        0 skips the watch.
+      - Seconds to watch for restarts once the memory of the target's GPUs is free (polled every
+        I(poll_interval)) - a new child of a parent left running (I(parents)), or a new holder of the GPUs.
+        A restart is seen as a new child the moment it is forked, so the window must outlast how long a
+        supervisor waits before it restarts a worker; a CUDA worker takes about 4 s from its exec to its GPU
+        memory on an H200 (import torch, then CUDA init; docs/hardware.md), which is how long a worker started by
+        something outside the job takes to show up as a holder. 0 skips the watch.
     type: float
-    default: 3
+    default: 10
+  controller_pid:
+    description:
+      - The pid of the controller's C(ansible-playbook) (the role passes C(PVE_GPU_RECOVER_CONTROLLER_PID), which
+        the recover_report callback sets). When that pid names an C(ansible-playbook) on this machine (bare mode),
+        it and its parents are never ended. A pid of a controller elsewhere names another program here and is
+        ignored. The module's own parents are never ended either way.
+    type: int
   grace:
     description:
       - Seconds a process gets to exit after SIGTERM before it gets SIGKILL.
@@ -165,9 +188,10 @@ seealso:
 notes:
   - Processes are signalled from the node by host pid, after checking the pid still names the same process
     (its start time), so a pid reused in the meantime is never hit.
-  - A supervisor that is neither a launcher nor a shell (supervisord, runit, a Python script of your own) is not
-    ended; when it restarts a worker, the wait or the I(settle) watch names the new worker and its parent. Add
-    the parent's name to I(launchers) so that a run ends it first.
+  - A supervisor that is neither a launcher nor a shell (a Python script of your own, a Ray or Jupyter-like
+    parent) is not ended unless it restarts a worker during the I(settle) watch; add its name to I(launchers) so
+    that a run ends it first. Session and service managers (sshd, tmux, systemd, supervisord...) stop the walk up
+    a holder's parents and are never watched.
 """
 
 EXAMPLES = r"""
@@ -270,6 +294,43 @@ kept_gpus:
   type: list
   elements: int
   sample: [0, 1]
+parents:
+  description:
+    - The parents of the ended holders' jobs that were not ended with them (neither launchers nor shells, below
+      where the walk stops), each with its C(command) (shortened), the holders it is a parent of (C(parent_of)) and
+      a C(note) - C(may start workers again - not ended), or what it started during the I(settle) watch (then it
+      is also in I(launchers), ended, or in I(needs_window) when unattended).
+  returned: always
+  type: list
+  elements: dict
+  sample:
+    - {pid: 450, ns_pid: 40, name: python3, command: python3 supervise.py, parent_of: [516],
+       note: "may start workers again: not ended"}
+own_run:
+  description: One sentence per process of this recover run (the module, ansible-playbook or a parent of theirs)
+    where the walk up a holder's parents stopped; never ended.
+  returned: always
+  type: list
+  elements: str
+  sample: ["pid 4100 (bash: 'bash nightly.sh') also runs this recover run: not ended"]
+changes:
+  description: One line per process ended (or that check mode would end), launchers first; a parent ended because
+    it restarted its worker is added when that happens.
+  returned: always
+  type: list
+  elements: str
+  sample: ["end pid 516 (python3, pid 41 inside) on GPU 0, 20998 MiB"]
+watched:
+  description: Seconds the module watched for restarts after the memory was free (all rounds; 0 in check mode,
+    when nothing was ended, or with I(settle) 0).
+  returned: always
+  type: float
+  sample: 10.02
+seconds:
+  description: Seconds the module took, its own reads included.
+  returned: always
+  type: float
+  sample: 11.4
 seconds_to_free:
   description: Seconds from the first signal until every GPU of the target was verified free (0 when nothing was ended).
   returned: always
@@ -322,6 +383,12 @@ survivors:
   returned: failure
   type: list
   elements: dict
+restarted:
+  description: On failure with I(end_launchers=false), the parents that started new children after the holders
+    ended (like I(parents), with the pids they C(started)).
+  returned: failure
+  type: list
+  elements: dict
 new_holders:
   description: On failure, processes that took the target's GPUs after the module ended their holders (during
     the memory wait or the I(settle) watch), each with its parent's host pid and its command.
@@ -346,11 +413,11 @@ def main():
         },
         supports_check_mode=True,
     )
-    wrong = check_spec(module.params)
-    if wrong:
-        module.fail_json(msg=f"{wrong}; fix the gpu_processes_* variable of that name")
     target = None
     try:
+        wrong = check_spec(module.params)
+        if wrong:
+            raise RecoverError(f"{wrong}; fix the gpu_processes_* variable of that name", kind="invalid")
         target = Target.from_params(module.params)
         node_smi = NvidiaSmi(target.run_on_node, timeout=module.params["timeout"])
         result = cleanup(target, node_smi, module.params, check_mode=module.check_mode, warn=module.warn)

@@ -169,11 +169,13 @@ ansible_facts:
           C(nvml_library_versions), C(space), C(python_version), C(hostname) and C(nvidia_smi_error).
         - C(gpu_processes) adds C(processes) (what a run would end), C(protected) (left alone) and C(blockers)
           (other owners' or protected processes holding memory on the target's GPUs, with the reason),
-          C(guarded) (the holders C(gpu_processes_guard) names, told attended too) and C(kept_gpus) (the GPUs the
-          holders in C(needs_window) use, whose memory the verify step leaves out).
+          C(guarded) (the holders C(gpu_processes_guard) names, told attended too), C(kept_gpus) (the GPUs the
+          holders in C(needs_window) use, whose memory the verify step leaves out), C(launchers), C(parents) (the
+          parents of the holders' jobs a run leaves running and watches for restarts) and C(own_run) (processes of
+          this recover run where a holder's walk stopped - never ended).
         - C(gpu_processes), C(training_code), C(training_venv) and C(compile_cache) add C(needs_window) (always;
           one sentence per piece of work an unattended run, C(recover_unattended), leaves for a maintenance window
-          - a guarded job's processes, a repository, a venv or a cache a live process uses; empty when attended).
+          - a job's GPU processes, a repository, a venv or a cache a live process uses; empty when attended).
           That work is in neither C(changes) nor C(pending), and it is no problem. C(training_code) and
           C(training_venv) also add C(in_use) and C(ending_pids); C(training_venv) also C(rebuild) (a build is
           due), C(keep), C(prune) (old versions retention removes, each a line of C(changes)) and C(prune_kept)

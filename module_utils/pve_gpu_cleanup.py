@@ -12,17 +12,25 @@ with ``Restart=always``), so the step ends the JOB: each holder's parents are wa
 while they belong to the same target, stopping at the target's init, an interactive shell, a session or service
 manager and a protected process (pve_process.walk_stop); the launchers among them (``launchers`` patterns, and
 shells running the job) are ended first, together with the holders. A holder in a systemd service of its own
-cannot be ended by signals: the step fails naming the service and the command that stops it. Once the memory is
-free, the step watches ``settle`` seconds for new holders, so a restarter it could not recognise is named instead
-of passing unnoticed.
+cannot be ended by signals: the step fails naming the service and the command that stops it.
+
+The run's own processes are never ended (:func:`run_processes`: the module and its parents, in bare mode
+ansible-playbook and the shell that started it): a walk stops at them and names them (``own_run``). The parents of
+a holder's job that are ended with it neither as launchers nor as shells (:func:`plan_parents`: a supervisor of no
+known name, a Jupyter-like server) are named and, once the memory is free, watched ``settle`` seconds: a new child
+of one of them is a restart, seen when it is forked, about 4 s before a CUDA worker holds GPU memory (the H200 run
+of 2026-12-04 in docs/hardware.md). Attended, that parent is ended with its new child (:class:`Acting`); with
+``end_launchers`` false the step fails naming it; unattended it is left running and named in ``needs_window``. A
+new GPU holder nothing explains fails the step naming it and its parent.
 
 Unattended mode (``unattended``, the scheduled drift corrector): the ``guard`` names the training job that runs as
 expected (``{match: REGEX}`` searched in a process's command line, ``{pid_file: PATH}`` inside the target whose
 pid is the job's main process). A holder is guarded when it or one of its parents in the same target matches
 (:func:`plan_guard`); unattended, a guarded holder, its launchers and any holder whose job shares a process with
 it are left running and named in ``needs_window`` (the run does not fail for them); unguarded holders are ended as
-usual. Attended (the default), the guard changes nothing: the operator asked for recovery; the facts still name
-the guarded holders (``guarded``). The pid files are read inside the target by this step's probe part, which the
+usual; with no guard at all an unattended run ends no holder (each is named in ``needs_window``). Attended (the
+default), the guard changes nothing: the operator asked for recovery; the facts still name the guarded holders
+(``guarded``). The pid files are read inside the target by this step's probe part, which the
 fact pass runs only when the guard has a ``pid_file`` entry.
 """
 
@@ -38,12 +46,15 @@ from ansible.module_utils import pve_probe_gpu_processes
 from ansible.module_utils.nvidia_smi import NvidiaSmi, shown, valid_uuid
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_process import (
+    ancestry,
+    children_of,
     describe_state,
     device_holders,
     is_shell,
     matches_launcher,
     matches_name,
     owner_label,
+    program_names,
     read_process,
     read_stat,
     read_unit_members,
@@ -52,6 +63,7 @@ from ansible.module_utils.pve_process import (
     unit_is_job,
     walk_stop,
 )
+from ansible.module_utils.pve_text import printable
 
 NAME = "gpu_processes"
 # The GPUs come from preflight's probe part and the holders are read on the node; this part only reads the guard's
@@ -99,15 +111,23 @@ SPEC = {
     "memory_timeout": {"type": "float", "default": 30},
     "memory_threshold_mib": {"type": "int", "default": 0},
     "poll_interval": {"type": "float", "default": 0.05},
-    "settle": {"type": "float", "default": 3},
+    # A restarted worker is seen as a new child of a parent that survived (at once) or as a new GPU holder (a
+    # CUDA worker holds GPU memory ~4 s after its exec on an H200: import torch, then CUDA init). 10 s covers a
+    # supervisor that waits up to ~5 s before it restarts, and a worker something outside the job starts at once.
+    "settle": {"type": "float", "default": 10},
     # The scheduled drift corrector: leave the guarded job running and name it in needs_window (module docstring).
     "unattended": {"type": "bool", "default": False},
     # The training job that runs as expected: [{match: REGEX} | {pid_file: PATH}] (check_guard says the shape).
     "guard": {"type": "list", "elements": "dict", "default": []},
+    # The controller's ansible-playbook when it runs on this machine (bare mode): it and its parents are never
+    # ended. The module's own parents never are either (run_processes).
+    "controller_pid": {"type": "int", "default": None},
 }
 GUARD_KEYS = ("match", "pid_file")
 MAX_PARENTS = 32  # how far up a holder's parents are walked (a real job is a few levels deep)
 COMMAND_SHOWN = 120  # characters of a parent's command line a message quotes
+CONTROLLER_NAMES = ("ansible-playbook", "ansible-runner")  # what controller_pid must name to be trusted
+MAY_RESTART = "may start workers again: not ended"
 
 
 class GpuProcessesError(RecoverError):
@@ -159,10 +179,11 @@ def read_node(spec, target, answer, context):
     infos = {a["pid"]: read_process(a["pid"]) for a in apps}
     devices = device_holders(owner)
     holder_infos = [*infos.values(), *(info for info, _ in devices)]
-    ancestors, units = read_jobs(holder_infos, owner)
+    own = run_processes(spec.get("controller_pid")) if holder_infos else set()
+    ancestors, units = read_jobs(holder_infos, owner, own)
     if spec.get("guard"):
         ancestors.update(read_lineage(holder_infos, owner, ancestors))
-    return {"apps": apps, "infos": infos, "devices": devices, "ancestors": ancestors, "units": units}
+    return {"apps": apps, "infos": infos, "devices": devices, "ancestors": ancestors, "units": units, "own": own}
 
 
 def evaluate_step(spec, answer, node, context):
@@ -172,8 +193,9 @@ def evaluate_step(spec, answer, node, context):
     holders = collect_holders(node["apps"], gpus, node["infos"], node["devices"])
     owner = owner_of(target)
     ancestors = node.get("ancestors", {})
+    own = node.get("own") or set()
     to_end, protected_idle, blockers = plan_cleanup(
-        holders, owner, spec["protected"], target["node"], spec["keep_idle"]
+        holders, owner, spec["protected"], target["node"], spec["keep_idle"], own=own
     )
     guard_pids, unread = guard_pids_of(answer, spec.get("guard"))
     ending, guarded, kept = plan_guard(
@@ -194,6 +216,10 @@ def evaluate_step(spec, answer, node, context):
         owner=owner,
         launchers=spec["launchers"],
         protected=spec["protected"],
+        own=own,
+    )
+    parents, own_run = plan_parents(
+        ending, restarters, holders, ancestors, owner=owner, protected=spec["protected"], own=own
     )
     problems = []
     if blockers:
@@ -216,6 +242,8 @@ def evaluate_step(spec, answer, node, context):
         "guarded": [as_guarded(e, why) for e, why in guarded],
         "needs_window": [window_message(target["label"], e, why) for e, why in kept],
         "kept_gpus": kept_gpus(kept),
+        "parents": [as_parent(e) for e in parents],
+        "own_run": own_run,
         "changes": plan_changes(ending, restarters),
         "problems": problems,
         "diff": diff_cleanup(ending, restarters),
@@ -223,13 +251,13 @@ def evaluate_step(spec, answer, node, context):
     }
 
 
-def read_jobs(holder_infos, owner):
+def read_jobs(holder_infos, owner, own=()):
     """Node-side: ``(ancestors, units)`` of the target's holders.
 
     ``ancestors``: host pid -> ProcessInfo of every parent of a holder of ``owner``, walked up from each
     (``ppid`` of /proc/<pid>/stat) until :func:`walk_stop` stops (another owner, the init, an interactive
-    shell...), at most MAX_PARENTS levels. ``units``: cgroup path -> members (``[(pid, start_time)]``, None if
-    unreadable) of each systemd service a holder runs in.
+    shell, a process of this run: ``own``...), at most MAX_PARENTS levels. ``units``: cgroup path -> members
+    (``[(pid, start_time)]``, None if unreadable) of each systemd service a holder runs in.
     """
     ancestors, units = {}, {}
     for info in holder_infos:
@@ -243,7 +271,7 @@ def read_jobs(holder_infos, owner):
             if parent is None:
                 break
             ancestors[pid] = parent
-            if walk_stop(parent, owner):
+            if walk_stop(parent, owner, own=own):
                 break
             pid = parent.ppid
         unit = systemd_unit(info.cgroup, owner)
@@ -305,18 +333,22 @@ def collect_holders(apps, gpus, infos, devices):
     return holders
 
 
-def plan_cleanup(holders, owner, protected, node, keep_idle=()):
+def plan_cleanup(holders, owner, protected, node, keep_idle=(), *, own=()):
     """Sort holders into ``(to_end, protected_idle, blockers)``; pure, so every verdict is unit tested.
 
     ``to_end``: the target's own processes. ``protected_idle``: protected ones and ``keep_idle`` ones (a display
     server, a monitoring exporter) holding no GPU memory, left alone. ``blockers``: processes whose memory on the
     target's GPUs can never be freed by this module (another CT's, the node's, another container runtime's, or a
-    protected one), each with the reason. A ``keep_idle`` process holding memory is ended like any other.
+    protected one, or a process of this recover run: ``own``), each with the reason. A ``keep_idle`` process
+    holding memory is ended like any other.
     """
     to_end, protected_idle, blockers = [], [], []
     for pid in sorted(holders):
         entry = holders[pid]
         info = entry["info"]
+        if (info.pid, info.start_time) in own:
+            blockers.append((entry, "runs this recover run (the module, ansible-playbook or a parent of theirs)"))
+            continue
         if info.owner != owner:
             blockers.append((entry, f"belongs to {owner_label(info.owner, node)}, not to this target"))
             continue
@@ -334,16 +366,17 @@ def plan_cleanup(holders, owner, protected, node, keep_idle=()):
     return to_end, protected_idle, blockers
 
 
-def job_chain(info, holders, ancestors, owner, protected):
+def job_chain(info, holders, ancestors, owner, protected, *, own=()):
     """The parents of holder ``info`` that are part of its job, nearest first; pure.
 
     Walks ``ancestors`` (host pid -> ProcessInfo) up from ``info.ppid`` and stops before a process where
-    :func:`walk_stop` says the job ends, and at another holder (whose own chain covers what is above it).
+    :func:`walk_stop` says the job ends (a process of this run included: ``own``), and at another holder (whose
+    own chain covers what is above it).
     """
     chain, pid = [], info.ppid
     while pid in ancestors and pid not in holders and len(chain) < MAX_PARENTS:
         parent = ancestors[pid]
-        if walk_stop(parent, owner, protected) or parent in chain:
+        if walk_stop(parent, owner, protected, own) or parent in chain:
             break
         chain.append(parent)
         pid = parent.ppid
@@ -360,7 +393,7 @@ def restarter_reason(info, launchers):
     return None
 
 
-def plan_jobs(to_end, holders, ancestors, units, *, owner, launchers, protected):
+def plan_jobs(to_end, holders, ancestors, units, *, owner, launchers, protected, own=()):
     """The restarters to end with the holders, and the systemd services that would start them again; pure.
 
     Returns ``(restarters, services)``. ``restarters``: entries like a holder's (``info``, ``gpus``,
@@ -371,7 +404,7 @@ def plan_jobs(to_end, holders, ancestors, units, *, owner, launchers, protected)
     restarters, services = {}, []
     for entry in to_end:
         info = entry["info"]
-        chain = job_chain(info, holders, ancestors, owner, protected)
+        chain = job_chain(info, holders, ancestors, owner, protected, own=own)
         for depth, parent in enumerate(chain):
             why = restarter_reason(parent, launchers)
             if why is None:
@@ -386,6 +419,30 @@ def plan_jobs(to_end, holders, ancestors, units, *, owner, launchers, protected)
         if unit is not None and unit_is_job(units.get(unit["path"]), [info, *chain]):
             services.append((entry, unit))
     return sorted(restarters.values(), key=lambda r: (-r["depth"], r["info"].pid)), services
+
+
+def plan_parents(to_end, restarters, holders, ancestors, *, owner, protected, own=()):
+    """``(parents, own_run)`` of the holders a run ends; pure.
+
+    ``parents``: the processes of each holder's job (:func:`job_chain`) that are not ended with it (no launcher,
+    no shell): ``{"info", "of": [holder pids]}``, nearest first. They may start workers again, so a run watches
+    them for new children during the settle window. ``own_run``: one sentence per process of this recover run
+    (``own``) where a holder's walk stopped: never ended, named.
+    """
+    ending = {r["info"].pid for r in restarters}
+    parents, own_run = {}, []
+    for entry in to_end:
+        info = entry["info"]
+        chain = job_chain(info, holders, ancestors, owner, protected, own=own)
+        for parent in chain:
+            if parent.pid not in ending:
+                parents.setdefault(parent.pid, {"info": parent, "of": []})["of"].append(info.pid)
+        above = ancestors.get(chain[-1].ppid if chain else info.ppid)
+        if above is not None and (above.pid, above.start_time) in own:
+            sentence = f"{describe_process(above)} also runs this recover run: not ended"
+            if sentence not in own_run:
+                own_run.append(sentence)
+    return list(parents.values()), own_run
 
 
 # -- the guard (unattended mode) -------------------------------------------------------------------------------
@@ -470,11 +527,12 @@ def plan_guard(to_end, holders, ancestors, *, owner, guard, guard_pids, unattend
     or whose job (:func:`job_chain`) shares a process with a kept one's line, since ending it would end or restart
     what is kept. ``ending``: ``to_end`` without ``kept``; the launchers planned from it are never the kept job's.
     """
-    guarded = []
-    for entry in to_end:
-        found = guard_reason(entry["info"], ancestors, owner, guard, guard_pids)
-        if found is not None:
-            guarded.append((entry, found[1]))
+    reasons = [(entry, guard_reason(entry["info"], ancestors, owner, guard, guard_pids)) for entry in to_end]
+    guarded = [(entry, found[1]) for entry, found in reasons if found is not None]
+    if unattended and not guard:
+        # Nothing tells a healthy training job from a stray process: an unattended run ends none (issue 25).
+        why = "no gpu_processes_guard names the training job, so an unattended run cannot tell it from a stray process"
+        return [], guarded, [(entry, why) for entry in to_end]
     if not unattended or not guarded:
         return list(to_end), guarded, []
     kept = {entry["info"].pid: (entry, why) for entry, why in guarded}
@@ -530,8 +588,7 @@ def as_guarded(entry, why):
 
 
 def short_command(info):
-    text = " ".join(info.cmdline)
-    return text if len(text) <= COMMAND_SHOWN else text[:COMMAND_SHOWN] + "..."
+    return printable(" ".join(info.cmdline), COMMAND_SHOWN)
 
 
 def window_message(label, entry, why):
@@ -553,16 +610,16 @@ def pid_file_message(label, unread):
 
 
 def shown_command(info):
-    """A process's command line as messages quote it: repr (inert), at most COMMAND_SHOWN characters."""
-    text = " ".join(info.cmdline)
-    return repr(text if len(text) <= COMMAND_SHOWN else text[:COMMAND_SHOWN] + "...")
+    """A process's command line as messages quote it: quoted, control characters escaped (pve_text.printable), at
+    most COMMAND_SHOWN characters."""
+    return f"'{short_command(info)}'"
 
 
 def describe_process(info):
     """``pid 500 (torchrun, pid 12 inside: 'torchrun train.py')``: how messages name a parent."""
     inside = f", pid {info.ns_pid} inside" if info.ns_pid != info.pid else ""
     command = f": {shown_command(info)}" if info.cmdline else ""
-    return f"pid {info.pid} ({info.comm}{inside}{command})"
+    return f"pid {info.pid} ({printable(info.comm)}{inside}{command})"
 
 
 def describe_restarter(restarter):
@@ -577,7 +634,7 @@ def describe(entry):
     inside = f", pid {info.ns_pid} inside" if info.ns_pid != info.pid else ""
     gpus = ", ".join(f"GPU {i}" for i in sorted(entry["gpus"])) or "GPU device files only"
     memory = sum(entry["gpus"].values())
-    return f"pid {info.pid} ({info.comm}{inside}) on {gpus}" + (f", {memory} MiB" if memory else "")
+    return f"pid {info.pid} ({printable(info.comm)}{inside}) on {gpus}" + (f", {memory} MiB" if memory else "")
 
 
 def as_result(entry):
@@ -585,7 +642,7 @@ def as_result(entry):
     return {
         "pid": info.pid,
         "ns_pid": info.ns_pid,
-        "name": info.comm,
+        "name": printable(info.comm),
         "owner": info.owner,
         "gpus": sorted(entry["gpus"]),
         "memory_mib": sum(entry["gpus"].values()),
@@ -595,15 +652,27 @@ def as_result(entry):
 
 def as_launcher(restarter):
     info = restarter["info"]
-    command = " ".join(info.cmdline)
     return {
         "pid": info.pid,
         "ns_pid": info.ns_pid,
-        "name": info.comm,
+        "name": printable(info.comm),
         "owner": info.owner,
-        "command": command if len(command) <= COMMAND_SHOWN else command[:COMMAND_SHOWN] + "...",
+        "command": short_command(info),
         "reason": restarter["why"],
         "restarts": sorted(restarter["restarts"]),
+    }
+
+
+def as_parent(parent, note=MAY_RESTART):
+    """A parent of ended holders that was not ended with them (:func:`plan_parents`), as results name it."""
+    info = parent["info"]
+    return {
+        "pid": info.pid,
+        "ns_pid": info.ns_pid,
+        "name": printable(info.comm),
+        "command": short_command(info),
+        "parent_of": sorted(parent["of"]),
+        "note": note,
     }
 
 
@@ -697,7 +766,7 @@ def end_processes(entries, *, grace, kill_timeout, poll_interval, alive, send, c
                 killed.append(
                     {
                         "pid": pid,
-                        "name": entry["info"].comm,
+                        "name": printable(entry["info"].comm),
                         "signal": signal_name,
                         "exited_after": round(clock() - started, 3),
                     }
@@ -749,6 +818,20 @@ def watch_settle(new_holders, *, window, poll_interval, clock=time.monotonic, sl
 
 
 # -- wiring ----------------------------------------------------------------------------------------------------
+def run_processes(controller_pid=None, proc_root="/proc"):
+    """``{(pid, start_time)}`` of the processes that run this recover run on this machine: the module and its
+    parents (in bare mode with a local connection they are the ansible worker, ansible-playbook, the shell and the
+    session that started it), and ``controller_pid`` (the controller's ansible-playbook) and its parents when that
+    pid names an ansible-playbook here (a controller elsewhere has other pids: a pid of the node that happens to
+    match names some other program, and is ignored)."""
+    own = set(ancestry(os.getpid(), proc_root))
+    if controller_pid and controller_pid > 1:
+        info = read_process(controller_pid, proc_root)
+        if info is not None and program_names(info) & set(CONTROLLER_NAMES):
+            own.update(ancestry(controller_pid, proc_root))
+    return own
+
+
 def read_guard_pids(target, p):
     """The guard's pid files, read inside the target by the probe part: one more command, made only when the
     guard names pid files. Returns :func:`guard_pids_of`'s ``(pids, unread)``."""
@@ -764,7 +847,8 @@ def find(target, node_smi, p):
     Returns a dict: ``gpus``, ``owner``, ``to_end`` (what a run ends: the guard's ``kept`` left out),
     ``protected_idle``, ``blockers``, ``restarters``, ``services``, ``jobs`` (``(pid, start_time)`` of every
     parent that is part of a holder's job), ``guarded``, ``kept``, ``unread`` (pid files that could not be read),
-    ``guard_pids`` and ``ancestors``.
+    ``guard_pids``, ``ancestors``, ``parents`` (those the run leaves running: watched for restarts) and
+    ``own_run`` (sentences naming this run's processes among the holders' parents).
     """
     gpus = NvidiaSmi(target.run, timeout=target.timeout).memory()
     guard_pids, unread = read_guard_pids(target, p)
@@ -773,8 +857,9 @@ def find(target, node_smi, p):
     infos = {a["pid"]: read_process(a["pid"]) for a in apps}
     devices = device_holders(owner)
     holders = collect_holders(apps, gpus, infos, devices)
-    own, protected_idle, blockers = plan_cleanup(holders, owner, p["protected"], target.node, p["keep_idle"])
-    ancestors, units = read_jobs([e["info"] for e in own], owner)
+    run = run_processes(p.get("controller_pid")) if holders else set()
+    own, protected_idle, blockers = plan_cleanup(holders, owner, p["protected"], target.node, p["keep_idle"], own=run)
+    ancestors, units = read_jobs([e["info"] for e in own], owner, run)
     if p["guard"]:
         ancestors.update(read_lineage([e["info"] for e in own], owner, ancestors))
     to_end, guarded, kept = plan_guard(
@@ -788,12 +873,15 @@ def find(target, node_smi, p):
         protected=p["protected"],
     )
     restarters, services = plan_jobs(
-        to_end, holders, ancestors, units, owner=owner, launchers=p["launchers"], protected=p["protected"]
+        to_end, holders, ancestors, units, owner=owner, launchers=p["launchers"], protected=p["protected"], own=run
+    )
+    parents, own_run = plan_parents(
+        to_end, restarters, holders, ancestors, owner=owner, protected=p["protected"], own=run
     )
     jobs = {
         (parent.pid, parent.start_time)
         for entry in to_end
-        for parent in job_chain(entry["info"], holders, ancestors, owner, p["protected"])
+        for parent in job_chain(entry["info"], holders, ancestors, owner, p["protected"], own=run)
     }
     return {
         "gpus": gpus,
@@ -809,6 +897,8 @@ def find(target, node_smi, p):
         "unread": unread,
         "guard_pids": guard_pids,
         "ancestors": ancestors,
+        "parents": parents,
+        "own_run": own_run,
     }
 
 
@@ -940,16 +1030,16 @@ def refuse_unsafe(target, found, p, result):
 
 def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None):
     """Re-read and plan, then (unless ``check_mode``) end the restarters and the holders, wait until the memory is
-    free, and watch ``settle`` seconds for new holders.
+    free, and watch ``settle`` seconds for restarts: a new child of a parent left running (:func:`plan_parents`),
+    or a new holder of the target's GPUs.
 
     ``p`` holds the SPEC settings; ``warn`` receives warnings for the module's result. Raises GpuProcessesError
     carrying what was already done.
     """
     clock, sleep = time.monotonic, time.sleep  # looked up now, so a test can give the module a clock of its own
+    started = clock()
     found = find(target, node_smi, p)
     gpus, to_end, restarters = found["gpus"], found["to_end"], found["restarters"]
-    # The GPUs that must be free afterwards: those a holder left running (unattended, guarded) uses stay busy.
-    uuids = wait_uuids(gpus, found["kept"])
     result = {
         "processes": [as_result(e) for e in to_end],
         "launchers": [as_launcher(r) for r in restarters],
@@ -957,14 +1047,21 @@ def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None)
         "guarded": [as_guarded(e, why) for e, why in found["guarded"]],
         "needs_window": [window_message(target.label, e, why) for e, why in found["kept"]],
         "kept_gpus": kept_gpus(found["kept"]),
+        "parents": [as_parent(e) for e in found["parents"]],
+        "own_run": found["own_run"],
+        "changes": plan_changes(to_end, restarters),
         "killed": [],
         "memory": gpus,
         "polls": 0,
         "seconds_to_free": 0.0,
+        "watched": 0.0,
     }
+    for sentence in found["own_run"]:
+        warn(f"{target.label}: {sentence}")
     refuse_unsafe(target, found, p, result)
     result.update(changed=bool(to_end), diff=diff_cleanup(to_end, restarters))
-    held = busy_gpus(gpus, uuids, p["memory_threshold_mib"])
+    # The GPUs that must be free afterwards: those a holder left running (unattended, guarded) uses stay busy.
+    held = busy_gpus(gpus, wait_uuids(gpus, found["kept"]), p["memory_threshold_mib"])
     if held and not to_end:
         # Nothing to end and nothing to wait for: the same verdict in check mode and in a real run.
         raise no_holder_error(target.label, held, p["memory_threshold_mib"], result)
@@ -975,83 +1072,220 @@ def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None)
                     f"{target.label}: {describe(entry)} is in state D (stuck in the driver); a real run is "
                     f"likely to find it outliving SIGKILL"
                 )
-    if check_mode or not to_end:
-        return result
-    started = clock()
-    killed, survivors = end_processes(
-        restarters + to_end,  # the restarters first: a launcher is gone before its worker ends
-        grace=p["grace"],
-        kill_timeout=p["kill_timeout"],
-        poll_interval=p["poll_interval"],
-        alive=still_there,
-        send=signal_process,
-        clock=clock,
-        sleep=sleep,
-    )
-    result["killed"] = killed
-    if survivors:
-        raise survivor_error(target, [(e, state_of(e)) for e in survivors], p["kill_timeout"], result)
-    # What may still hold the GPUs after this: only what was left alone (protected or idle, or the guarded job of
-    # an unattended run, which may start new workers of its own).
-    kept = [e for e, _ in found["kept"]]
-    known = {(e["info"].pid, e["info"].start_time) for e in [*found["protected_idle"], *kept]}
-    owner = found["owner"]
-    keep = guarded_now(found, p) if p["unattended"] and p["guard"] else None
-    appeared = []
+    if not check_mode and to_end:
+        Acting(target, node_smi, p, found, result, clock=clock, sleep=sleep).run(started)
+    result["seconds"] = round(clock() - started, 3)
+    return result
 
-    def interrupt():
-        appeared[:] = new_device_holders(owner, known, p, keep=keep)
-        return bool(appeared)
 
-    waiting, polls = clock(), 0
-    while True:
-        rows, more, free = wait_for_memory(
-            node_smi.memory,
-            uuids,
-            threshold=p["memory_threshold_mib"],
-            timeout=max(0.0, p["memory_timeout"] - (clock() - waiting)),
+class Acting:
+    """A real run's acting half, on what :func:`find` planned: end, wait for the memory, watch for restarts.
+
+    Everything it learns goes into ``result`` (the module's), so an error raised on the way carries it.
+    """
+
+    def __init__(self, target, node_smi, p, found, result, *, clock, sleep):
+        self.target, self.node_smi, self.p, self.found, self.result = target, node_smi, p, found, result
+        self.clock, self.sleep = clock, sleep
+        self.uuids = wait_uuids(found["gpus"], found["kept"])
+        # What may still hold the GPUs after this: only what was left alone (protected or idle, or the guarded job
+        # of an unattended run, which may start new workers of its own).
+        kept = [e for e, _ in found["kept"]]
+        self.known = {(e["info"].pid, e["info"].start_time) for e in [*found["protected_idle"], *kept]}
+        self.deferred = set()  # parents an unattended run saw restarting: their new workers wait for a window
+        self.guarded = guarded_now(found, p) if p["unattended"] and p["guard"] else None
+        # The parents left running, and their children before anything ends: a child beyond those is a restart.
+        self.watched = {e["info"].pid: e for e in found["parents"]}
+        self.before = children_of(list(self.watched))
+
+    def keep(self, entry):
+        """A new holder an unattended run leaves running: the guarded job's, or a deferred parent's new worker."""
+        return entry["info"].ppid in self.deferred or bool(self.guarded and self.guarded(entry))
+
+    def run(self, started):
+        found, result = self.found, self.result
+        # The restarters first: a launcher is gone before its worker ends.
+        result["killed"] = self.end([*found["restarters"], *found["to_end"]])
+        self.free()
+        result["seconds_to_free"] = round(self.clock() - started, 3)
+        # Each round ends what restarted (attended) and watches again, or stops: at most one per parent.
+        for _ in range(len(self.watched) + 1):
+            if self.p["settle"] <= 0 or not self.settle():
+                break
+            self.free()
+
+    def end(self, entries):
+        """SIGTERM, grace, SIGKILL ``entries`` in their order; the ``killed`` list, or a survivor error."""
+        p = self.p
+        killed, survivors = end_processes(
+            entries,
+            grace=p["grace"],
+            kill_timeout=p["kill_timeout"],
             poll_interval=p["poll_interval"],
-            clock=clock,
-            sleep=sleep,
-            interrupt=interrupt,
+            alive=still_there,
+            send=signal_process,
+            clock=self.clock,
+            sleep=self.sleep,
         )
-        polls += more
-        if free:
-            break
-        # Before blaming the driver: memory that came back may be a new worker's (a restarted job).
-        new = relist(node_smi, gpus, owner, known, p, keep=keep)
-        if new:
-            when = (
-                "while the step waited for their memory to be released"
-                if appeared
-                else f"after the step ended the holders (the memory stayed used for {p['memory_timeout']:g} s)"
+        if survivors:
+            raise survivor_error(self.target, [(e, state_of(e)) for e in survivors], p["kill_timeout"], self.result)
+        return killed
+
+    def new_holders(self):
+        return new_device_holders(self.found["owner"], self.known, self.p, keep=self.keep)
+
+    def free(self):
+        """Poll until the GPUs are free (``memory``, ``polls`` in the result). A new holder while the memory stays
+        used is named with its parent; memory no process holds is the driver's (reset advice)."""
+        p, found, gpus, result = self.p, self.found, self.found["gpus"], self.result
+        appeared = []
+
+        def interrupt():
+            appeared[:] = self.new_holders()
+            return bool(appeared)
+
+        waiting = self.clock()
+        while True:
+            rows, more, free = wait_for_memory(
+                self.node_smi.memory,
+                self.uuids,
+                threshold=p["memory_threshold_mib"],
+                timeout=max(0.0, p["memory_timeout"] - (self.clock() - waiting)),
+                poll_interval=p["poll_interval"],
+                clock=self.clock,
+                sleep=self.sleep,
+                interrupt=interrupt,
             )
-            raise new_holder_error(target, new, found, when, dict(result, memory=target_rows(rows, gpus), polls=polls))
-        if not appeared or clock() - waiting >= p["memory_timeout"]:
-            result.update(memory=target_rows(rows, gpus), polls=polls)
-            raise no_holder_error(
-                target.label,
-                busy_gpus(rows, uuids, p["memory_threshold_mib"]),
-                p["memory_threshold_mib"],
-                result,
-                waited=p["memory_timeout"],
-            )
-        appeared.clear()  # the new holder was gone again by the time the holders were listed: wait on
-    result.update(memory=target_rows(rows, gpus), polls=polls)
-    result["seconds_to_free"] = round(clock() - started, 3)
-    if p["settle"] > 0:
-        new = watch_settle(
-            lambda: new_device_holders(owner, known, p, keep=keep),
+            result.update(memory=target_rows(rows, gpus), polls=result["polls"] + more)
+            if free:
+                return
+            # Before blaming the driver: memory that came back may be a new worker's (a restarted job).
+            new = relist(self.node_smi, gpus, found["owner"], self.known, p, keep=self.keep)
+            if new:
+                when = (
+                    "while the step waited for their memory to be released"
+                    if appeared
+                    else f"after the step ended the holders (the memory stayed used for {p['memory_timeout']:g} s)"
+                )
+                raise new_holder_error(self.target, new, found, when, result)
+            if not appeared or self.clock() - waiting >= p["memory_timeout"]:
+                raise no_holder_error(
+                    self.target.label,
+                    busy_gpus(rows, self.uuids, p["memory_threshold_mib"]),
+                    p["memory_threshold_mib"],
+                    result,
+                    waited=p["memory_timeout"],
+                )
+            appeared.clear()  # the new holder was gone again by the time the holders were listed: wait on
+
+    def settle(self):
+        """Watch ``settle`` seconds; True when a parent restarted and was ended (watch again), False when the
+        window ended quietly or the restart was left to a window. Raises on a new holder nothing explains."""
+        p, result = self.p, self.result
+        window_started = self.clock()
+        restarts, new = watch_jobs(
+            lambda: new_children(self.watched, self.before, self.deferred, [*p["protected"], *p["keep_idle"]]),
+            self.new_holders,
             window=p["settle"],
             poll_interval=p["poll_interval"],
-            clock=clock,
-            sleep=sleep,
-        ) or relist(node_smi, gpus, owner, known, p, keep=keep)
-        if new:
-            raise new_holder_error(
-                target, new, found, f"within the {p['settle']:g} s the step watched after their memory was free", result
-            )
-    return result
+            clock=self.clock,
+            sleep=self.sleep,
+        )
+        result["watched"] = round(result["watched"] + self.clock() - window_started, 3)
+        if not restarts:
+            new = new or relist(self.node_smi, self.found["gpus"], self.found["owner"], self.known, p, keep=self.keep)
+            if new:
+                when = f"within the {p['settle']:g} s the step watched after their memory was free"
+                raise new_holder_error(self.target, new, self.found, when, result)
+            return False
+        restarted = [(self.watched.pop(pid), children) for pid, children in sorted(restarts.items())]
+        if not p["end_launchers"]:
+            raise restart_error(self.target, restarted, result)
+        ended = False
+        for parent, children in restarted:
+            entry = note_restart(self.target.label, parent, children, self.found, result, unattended=p["unattended"])
+            if entry is None:
+                self.deferred.add(parent["info"].pid)
+                continue
+            kids = [{"info": c, "gpus": {}, "found_by": {"parent"}} for c in children]
+            result["killed"] += self.end([entry, *kids])
+            ended = True
+        return ended
+
+
+def new_children(watched, before, deferred=(), ignore=()):
+    """``{parent pid: [ProcessInfo]}`` of the children the watched parents have now and did not have before the
+    holders were ended (a restart); a parent whose pid was reused (start time) or that is deferred is left out, and
+    so is a child named by ``ignore`` (protected and keep_idle: a supervisor's ``nvidia-smi`` health check)."""
+    now = children_of([pid for pid in watched if pid not in deferred])
+    found = {}
+    for pid, children in now.items():
+        parent = read_stat(pid)
+        if parent is None or parent[2] != watched[pid]["info"].start_time:
+            continue
+        infos = [read_process(child) for child, _ in sorted(children - before.get(pid, set()))]
+        infos = [i for i in infos if i is not None and not matches_name(i, ignore)]
+        if infos:
+            found[pid] = infos
+    return found
+
+
+def watch_jobs(restarts, new_holders, *, window, poll_interval, clock=time.monotonic, sleep=time.sleep):
+    """Ask ``restarts()`` (new children of the parents left running), then ``new_holders()``, every
+    ``poll_interval`` for ``window`` seconds; return ``(restarts, holders)`` at the first non-empty answer, or
+    ``({}, [])`` when the window ends with none (the last ask is at or after its end)."""
+    deadline = clock() + window
+    while True:
+        found = restarts()
+        if found:
+            return found, []
+        holders = new_holders()
+        if holders or clock() >= deadline:
+            return {}, holders
+        sleep(poll_interval)
+
+
+def note_restart(label, parent, children, found, result, *, unattended):
+    """Record a parent seen starting ``children`` after the holders ended. Attended: the entry to end (like a
+    launcher, before its children), added to ``launchers`` and ``changes``; unattended: None, the parent and the
+    fix named in ``needs_window`` and the GPUs of the holders it restarts in ``kept_gpus``."""
+    info = parent["info"]
+    started = ", ".join(describe_process(c) for c in children)
+    ended = ", ".join(f"pid {pid}" for pid in sorted(parent["of"]))
+    why = f"restarted its worker: it started {started} after the step ended {ended}"
+    note = dict(as_parent(parent), note=f"started {started} after the step ended {ended}")
+    result["parents"] = [note if r["pid"] == info.pid else r for r in result["parents"]]
+    if unattended:
+        result["needs_window"].append(
+            f"{label}: {describe_process(info)} {why}; it is left running: ending it needs a window (run "
+            f"recover.yml without recover_unattended), or add its name to gpu_processes_launchers"
+        )
+        gpus = {i for e in found["to_end"] if e["info"].pid in parent["of"] for i in e["gpus"]}
+        result["kept_gpus"] = sorted(set(result["kept_gpus"]) | gpus)
+        return None
+    restarter = {"info": info, "gpus": {}, "found_by": {"parent"}, "why": why, "restarts": list(parent["of"])}
+    result["launchers"].append(as_launcher(restarter))
+    result["changes"].append(f"end launcher {describe_restarter(restarter)}")
+    return restarter
+
+
+def restart_error(target, restarted, result):
+    """Parents seen restarting their workers when ``end_launchers`` is false: named with the fix, not ended."""
+    parts = []
+    for parent, children in restarted:
+        ended = ", ".join(f"pid {pid}" for pid in sorted(parent["of"]))
+        started = ", ".join(describe_process(c) for c in children)
+        parts.append(f"{describe_process(parent['info'])} started {started} after the step ended {ended}")
+    pids = " ".join(str(parent["info"].pid) for parent, _ in restarted)
+    return GpuProcessesError(
+        f"{target.label}: a parent of the processes the step ended starts new ones: "
+        + "; ".join(parts)
+        + f". It was not ended (end_launchers is false): stop it (`kill {pids}` on the node), or set "
+        "gpu_processes_end_launchers to true (a run then ends it with its new worker) or add its name to "
+        "gpu_processes_launchers",
+        restarted=[dict(as_parent(parent), started=[c.pid for c in children]) for parent, children in restarted],
+        **result,
+    )
 
 
 def target_rows(rows, gpus):
@@ -1090,9 +1324,7 @@ def new_holder_error(target, new, found, when, result):
     )
     return GpuProcessesError(
         f"{target.label}: {len(new)} new process(es) took its GPUs {when}: " + "; ".join(parts) + f". {advice}",
-        new_holders=[
-            dict(as_result(e), parent=e["info"].ppid, command=" ".join(e["info"].cmdline)[:COMMAND_SHOWN]) for e in new
-        ],
+        new_holders=[dict(as_result(e), parent=e["info"].ppid, command=short_command(e["info"])) for e in new],
         **result,
     )
 

@@ -555,15 +555,20 @@ def matches_launcher(info, patterns):
     return None
 
 
-def walk_stop(info, owner, protected=()):
+def walk_stop(info, owner, protected=(), own=()):
     """Why a walk up a holder's parents stops at ``info`` (it is not part of the holder's job), or None.
 
     It stops at a process of another owner (another CT, the node), the init of a pid namespace (the CT's init,
-    the host's pid 1), an interactive shell (a person's login or terminal: what is beyond it is their session,
-    not the job), a session or service manager (sshd, tmux, cron, systemd...), and a protected process.
+    the host's pid 1), a process of this recover run (``own``: ``(pid, start_time)`` of the module, the controller
+    and their parents, :func:`ancestry`), an interactive shell (a person's login or terminal: what is beyond it is
+    their session, not the job), a session or service manager (sshd, tmux, cron, systemd...), and a protected
+    process.
     """
     if info is None:
         return "is gone"
+    # First, whatever it is named: ending the shell that runs ansible-playbook ends the run itself.
+    if (info.pid, info.start_time) in own:
+        return "runs this recover run"
     if info.owner != owner:
         return "belongs to another owner"
     if info.pid <= 1 or info.ns_pid == 1:
@@ -575,6 +580,38 @@ def walk_stop(info, owner, protected=()):
     if matches_name(info, protected):
         return "is protected"
     return None
+
+
+def ancestry(pid, proc_root="/proc", limit=64):
+    """``[(pid, start_time), ...]`` of ``pid`` and its parents up to (not including) pid 1, nearest first; ``[]``
+    when ``pid`` is gone. Reads only ``stat`` (never the cmdline), so it cannot block."""
+    chain = []
+    while pid > 1 and len(chain) < limit:
+        text = _read(os.path.join(proc_root, str(pid), "stat"))
+        stat = parse_stat(text)
+        if stat is None or (pid, stat[2]) in chain:
+            break
+        chain.append((pid, stat[2]))
+        pid = parse_ppid(text)
+    return chain
+
+
+def children_of(parents, proc_root="/proc"):
+    """``{parent pid: {(child pid, start_time), ...}}`` of the live children of ``parents`` (host pids), from one
+    scan of ``/proc/*/stat`` (field 4): a supervisor's restarted worker shows here the moment it is forked, seconds
+    before it opens a GPU. Zombies are left out (a child that died is no restart)."""
+    found = {pid: set() for pid in parents}
+    if not found:
+        return found
+    for pid in list_pids(proc_root):
+        text = _read(os.path.join(proc_root, str(pid), "stat"))
+        stat = parse_stat(text)
+        if stat is None or stat[1] in GONE_STATES:
+            continue
+        ppid = parse_ppid(text)
+        if ppid in found:
+            found[ppid].add((pid, stat[2]))
+    return found
 
 
 def systemd_unit(path, owner):

@@ -63,9 +63,19 @@ class FakeProcesses:
             self.alive.discard(info.pid)
             self.alive.update(p for p, parent in self.born_after.items() if parent == info.pid)
 
+    def read_stat(self, pid, proc_root="/proc"):
+        info = self.read_process(pid)
+        return (info.comm, info.state, info.start_time) if info else None
+
+    def children_of(self, parents, proc_root="/proc"):
+        return {
+            pid: {(c, self.procs[c].start_time) for c in self.alive if self.procs[c].ppid == pid} for pid in parents
+        }
+
     def patch(self, monkeypatch):
         """Give pve_gpu_cleanup this process table and a clock that sleeping only moves (no real waits)."""
-        for name in ("read_process", "device_holders", "still_there", "signal_process", "read_unit_members"):
+        names = ("read_process", "device_holders", "still_there", "signal_process", "read_unit_members", "read_stat")
+        for name in (*names, "children_of"):
             monkeypatch.setattr(pve_gpu_cleanup, name, getattr(self, name))
         clock = FakeClock()
         monkeypatch.setattr(pve_gpu_cleanup, "time", SimpleNamespace(monotonic=clock, sleep=clock.sleep))
@@ -187,6 +197,22 @@ def test_wait_options_that_cannot_work_fail_before_anything_runs(params, message
     result = run_module(gpu_processes, {"vmid": 200, **params}, FakeRunner(), monkeypatch, capsys)
     assert result["failed"]
     assert result["msg"] == f"{message}; fix the gpu_processes_* variable of that name"
+    assert result["error"] == "invalid"  # like the other acting modules: code tells a wrong option by its kind
+
+
+def test_a_run_says_what_it_changed_how_long_it_took_and_how_long_it_watched(monkeypatch, capsys):
+    case = next(c for c in CASES if c["id"] == "ends_own_holders_sigterm_then_sigkill")
+    calls = case["calls"] + case["calls_run"]
+    runner = FakeRunner(*[(c["argv"], (c["rc"], c.get("stdout", ""), c.get("stderr", ""))) for c in calls])
+    FakeProcesses(case["procs"], case.get("units")).patch(monkeypatch)
+    monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
+    result = run_module(gpu_processes, case["params"], runner, monkeypatch, capsys)
+    assert result["changes"] == [
+        "end pid 516 (python3, pid 41 inside) on GPU 0, 20000 MiB",
+        "end pid 517 (python3, pid 42 inside) on GPU 1, 5000 MiB",
+    ]
+    assert result["watched"] == pytest.approx(10.0, abs=0.05)  # the default settle window, on the fake clock
+    assert result["seconds"] >= result["watched"]
 
 
 def test_check_mode_warns_about_a_process_stuck_in_d(monkeypatch, capsys):

@@ -181,7 +181,22 @@ def test_attended_the_guard_changes_nothing_but_the_facts_still_name_what_it_mat
     assert pids(found["guarded"]) == [516, 517]
     assert (found["needs_window"], found["kept_gpus"], found["pending"]) == ([], [], True)
     # Without a guard nothing is guarded, in either mode.
-    assert facts([], unattended=True)["guarded"] == facts([], unattended=True)["needs_window"] == []
+    assert facts([], unattended=False)["guarded"] == facts([], unattended=True)["guarded"] == []
+
+
+@pytest.mark.usefixtures("node")
+def test_unattended_without_a_guard_nothing_is_ended_and_every_holder_is_named_in_needs_window():
+    # Issue 25 item 5: with the default (empty) guard, `--correct` used to end every GPU holder, a healthy
+    # training job included, every hour.
+    found = facts([], unattended=True)
+    assert (found["processes"], found["launchers"], found["changes"], found["pending"]) == ([], [], [], False)
+    assert found["problems"] == []
+    assert len(found["needs_window"]) == 3
+    assert found["needs_window"][0].startswith("CT 200 on pve1: pid 516 (python3, pid 116 inside) on GPU 0")
+    assert "no gpu_processes_guard names the training job" in found["needs_window"][0]
+    assert found["kept_gpus"] == [0, 1]
+    # Attended, the same holders are ended as before.
+    assert pids(facts([], unattended=False)["processes"]) == [516, 517, 600]
 
 
 def test_a_holder_sharing_the_guarded_job_or_parent_of_a_guarded_one_is_left_running_too(node, monkeypatch):
