@@ -6,7 +6,7 @@
 1. Measures how long a restart takes to show, with bench/worker_start_latency.py (the H200 run of 2026-12-04,
    17:23 UTC, docs/hardware.md): exec -> `import torch` -> first allocation -> NVML lists it, exec -> first child,
    and a supervisor's kill -> new child / new worker's memory. Written to $OUT/worker-latency.json (skipped, and
-   said so, in a tree without that script).
+   said so, in a tree without that script or with PGR_JOBS_SKIP_LATENCY set).
 2. Runs each case of issue 19 item 4 with real CUDA workers (bench/cuda_holder.py, 8 GiB), recover.yml on
    inventory/localhost with the default settle window: `--check --diff`, then (only when the plan ends nothing but
    the case's own processes) the real run, the GPU memory and the case's processes 15 s after it, and a second run
@@ -346,7 +346,9 @@ def main():
     log(f"== start {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; memory.used {memory_used()} MiB")
     summary = {"cases": [], "skipped": []}
     latency = OUT / "worker-latency.json"
-    if (ROOT / "bench/worker_start_latency.py").exists():
+    if os.environ.get("PGR_JOBS_SKIP_LATENCY"):
+        out, err = "", "skipped (PGR_JOBS_SKIP_LATENCY): measured on its own, docs/hardware.md"
+    elif (ROOT / "bench/worker_start_latency.py").exists():
         argv = [PY, "bench/worker_start_latency.py", "--runs", "5", "--delays", "0", "2", "--out", str(latency)]
         try:
             timing = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=150, check=False)
