@@ -63,6 +63,10 @@ def recover_argv(*extra):
         f"preflight_expected_gpu_count={gpus}",
         "-e",
         "gpu_processes_grace=3",
+        # verify imports torch in the venv of this python (the device's training venv) after the step changed
+        # something; the default /opt/venvs/train does not exist there.
+        "-e",
+        f"verify_venv={sys.prefix}",
         *extra,
     ]
 
