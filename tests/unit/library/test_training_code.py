@@ -26,7 +26,7 @@ from ansible.module_utils import pve_probe_training_code
 from ansible.module_utils import pve_script_training_code as script
 from ansible.module_utils.pve_target import PROBES_MAIN
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, unavailable
 from tests.fakes import FakeRunner, run_module
 
 PINNED = "4f3c2a1b0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b"
@@ -727,7 +727,7 @@ def test_the_parts_run_as_shipped_on_python_3_9(lab):
     candidates = [home / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9", Path("/usr/bin/python3.9")]
     python = next((str(p) for p in candidates if p.exists()), None)
     if python is None:
-        pytest.skip("no python3.9 here")
+        unavailable("no python3.9 here")
     lab.dirty()
     sources = {"reset": inspect.getsource(script), "training_code": inspect.getsource(pve_probe_training_code)}
     payloads = {
