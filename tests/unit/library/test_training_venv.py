@@ -1112,3 +1112,38 @@ def test_a_rebuild_counts_the_version_it_makes_and_never_removes_one_a_shell_sit
         [{"path": str(oldest), "pids": [shell.pid], "reason": f"in use by pid {shell.pid}"}],
     )
     assert oldest.is_dir()
+
+
+@pytest.mark.parametrize("fails_at", ["rename aside", "link over"])
+def test_a_failed_swap_over_a_real_venv_directory_puts_it_back_where_it_was(tmp_path, monkeypatch, fails_at):
+    # The first rebuild of a venv made before this tool: <path> is a real directory, renamed aside before the link
+    # can take its name. A failure at either rename must leave <path> the old, working venv, and no link behind.
+    old = tmp_path / "train"
+    (old / "bin").mkdir(parents=True)
+    (old / "bin" / "python").write_text("#!/bin/sh\n")
+    new = tmp_path / "train.20261203T101500Z"
+    new.mkdir()
+    build = script.Build(
+        {"path": str(old), "stamp": "20261203T101500Z", "lock": "six==1.17.0\n", "expected": {"six": "1.17.0"}}
+    )
+    real_rename, real_replace = os.rename, os.replace
+
+    def broken(name, real):
+        def call(src, dst):
+            if name == fails_at:
+                raise OSError(errno.EIO, "Input/output error")
+            return real(src, dst)
+
+        return call
+
+    monkeypatch.setattr(
+        script.os,
+        "rename",
+        lambda s, d: broken("rename aside", real_rename)(s, d) if str(d).endswith("-previous") else real_rename(s, d),
+    )
+    monkeypatch.setattr(script.os, "replace", broken("link over", real_replace))
+    with pytest.raises(OSError):
+        build.swap("dir", str(old))
+    assert old.is_dir() and not old.is_symlink(), "the old venv is not back at its path"
+    assert (old / "bin" / "python").read_text() == "#!/bin/sh\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train", "train.20261203T101500Z"]
