@@ -21,7 +21,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 # The high end's tools first: its ansible-playbook is what molecule and the unit tests' subprocesses run.
 LATEST_ENV := PATH=$(CURDIR)/$(LATEST_BIN):$(PATH)
 
-.PHONY: setup setup-latest lock system-deps lab lab-up lab-down lab-status lint unit molecule test test-latest \
+.PHONY: setup setup-latest lock uv-wheel system-deps lab lab-up lab-down lab-status lint unit molecule test test-latest \
 	unit-latest molecule-latest clean
 
 # $(call venv,DIR,LOCK,MINOR): DIR made (or remade, when its Python is not the one find-python picks) on a Python
@@ -50,6 +50,11 @@ lock: setup  ## Recompile both hashed locks from requirements/*.in with uv
 	  -o requirements/dev.lock
 	$(BIN)/uv pip compile --quiet --universal --python-version 3.12 --generate-hashes requirements/dev-latest.in \
 	  -o requirements/dev-latest.lock
+
+uv-wheel: setup  ## PyPI's uv wheel (requirements/dev.lock's version, hash-checked) in .whl/, for CTs without uv
+	@req=$$(mktemp) && trap 'rm -f "$$req"' EXIT && sed -n '/^uv==/,/^ *# via/p' $(LOCK) | grep -v '# via' > "$$req" && \
+	  $(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+	    --platform manylinux_2_17_x86_64 --require-hashes -r "$$req" -d .whl && ls .whl/uv-*.whl
 
 system-deps:  ## Debian packages the lab needs (LXC, debootstrap, sshd)
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
