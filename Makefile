@@ -79,7 +79,9 @@ lab: setup lab-up  ## Quick start: set up, build the lab, run recover.yml agains
 lint: setup  ## ruff and ansible-lint (production profile)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/ansible-lint
+	@# ansible.cfg's inventory stops any run without -i; a syntax check needs no inventory (ansible-lint turns the
+	@# setting off for its own check, not for the one that resolves molecule's import_playbook).
+	ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED=false $(BIN)/ansible-lint
 
 unit: setup system-deps  ## pytest unit tests of library/, module_utils/ and the lab stand-ins (seconds, no lab)
 	$(BIN)/python -m pytest tests/unit -q
