@@ -99,10 +99,11 @@ test-latest:  ## The high end: unit tests and molecule's default scenario on ans
 	  echo "test-latest: FAILED: CI=true but no Python 3.12+, so ansible-core 2.21 (the high end) is untested" >&2; \
 	  exit 1; \
 	else \
-	  echo "###########################################################################################" >&2; \
-	  echo "# test-latest: SKIPPED: no Python 3.12+ here, so ansible-core 2.21 (the supported range's  #" >&2; \
-	  echo "# high end) was NOT tested; only 2.19 on this Python. CI tests both (CI=true fails instead). #" >&2; \
-	  echo "###########################################################################################" >&2; \
+	  echo "##############################################################################################" >&2; \
+	  echo "# test-latest: SKIPPED. No Python 3.12+ here, so ansible-core 2.21 (the supported range's high #" >&2; \
+	  echo "# end) was NOT tested: only 2.19. Install a Python 3.12+ or set PYTHON_LATEST to test it;     #" >&2; \
+	  echo "# CI tests both ends (under CI=true a missing Python 3.12+ fails).                             #" >&2; \
+	  echo "##############################################################################################" >&2; \
 	fi
 
 unit-latest: setup-latest system-deps  ## The unit tests on the high end
