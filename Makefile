@@ -17,7 +17,10 @@ LATEST_STAMP := $(LATEST)/.installed-$(shell sha256sum $(LATEST_LOCK) | cut -c1-
 LABCTL := /usr/bin/python3 tests/lab/labctl.py
 SYSTEM_PACKAGES := lxc debootstrap openssh-server psmisc iproute2 python3 python3-venv git coreutils systemd
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+# .venv's tools first (once: a sub-make inherits the exported PATH).
+ifeq (,$(findstring $(CURDIR)/$(BIN):,$(PATH)))
 export PATH := $(CURDIR)/$(BIN):$(PATH)
+endif
 # The high end's tools first: its ansible-playbook is what molecule and the unit tests' subprocesses run.
 LATEST_ENV := PATH=$(CURDIR)/$(LATEST_BIN):$(PATH)
 
