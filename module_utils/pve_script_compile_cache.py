@@ -4,19 +4,19 @@
 
 Unlike a probe part, ``probe(payload)`` here changes the target. It is called the same way so that it costs one
 ``pct exec``: ``Target.run_probes`` ships this file's source to the target's python on stdin; on a bare host
-``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, imports nothing of ours
-(the module sends its decisions as data), the answer is plain JSON.
+``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of ours but the
+container-side modules of ``SHARED`` (the module sends its decisions as data), the answer is plain JSON.
 
-Safety does not rest on the module's reading alone: every root is checked again here, just before it is
-touched, by the same rules (:func:`refusal`, :func:`open_root`) and must be the very directory the module judged
-(its ``[st_dev, st_ino]``), and no root is purged while a live process uses it (its cwd, an open file or a mapped
-file in it). A root is opened once, from ``/``, one component at a time with O_NOFOLLOW, refused when a component
-is a symlink or could have been put there by a user other than root and the cache user; everything after (purge,
-stamp, sizes) works through that fd and the directory fds below it, never by path again. A purge never follows a
-symlink (a link is removed itself, never its target), never enters another mount (compared by mount id, so a bind
-mount of the same filesystem too) nor a directory its parent's non-root owner could have moved in, and never
-leaves the root. Before it deletes anything it replaces the stamp with a "purging" marker, so a purge that is cut
-short is never taken for a fresh or adoptable cache: the next run purges again.
+Safety does not rest on the module's reading alone: every root is checked again here, just before it is touched, by
+the same rules (:func:`refusal`, :func:`pve_ct_fs.open_root`) and must be the very directory the module judged (its
+``[st_dev, st_ino]``), and no root is purged while a live process uses it (its cwd, an open file or a mapped file in
+it). A root is opened once, from ``/``, one component at a time with O_NOFOLLOW, refused when a component is a
+symlink or could have been put there by a user other than root and the cache user; everything after (purge, stamp,
+sizes) works through that fd and the directory fds below it, never by path again. A purge never follows a symlink (a
+link is removed itself, never its target), never enters another mount (compared by mount id, so a bind mount of the
+same filesystem too) nor a directory its parent's non-root owner could have moved in, and never leaves the root.
+Before it deletes anything it replaces the stamp with a "purging" marker, so a purge that is cut short is never
+taken for a fresh or adoptable cache: the next run purges again.
 
 Order: check every root, check no process uses a root to purge, purge, stamp, warm up (once, alone, with a
 deadline, ``TORCHINDUCTOR_COMPILE_THREADS=1``), stamp the roots the warm-up created. A root to purge that a live
@@ -30,12 +30,14 @@ import contextlib
 import errno
 import json
 import os
-import pwd
 import signal
 import stat
 import subprocess
 import time
 
+from ansible.module_utils import pve_ct_fs
+
+SHARED = (pve_ct_fs,)  # container-side modules Target.run_probes ships with this part
 PROTECTED = ("/", "/usr", "/etc", "/var", "/opt", "/srv")
 SYSTEM_TREES = (
     "/bin",
@@ -112,171 +114,11 @@ def last_line(text):
     return lines[-1] if lines else "no output"
 
 
-# -- opening a root and walking it without trusting anyone who could have changed it ---------------------------
-# The same source in pve_probe_compile_cache.py and pve_script_compile_cache.py (a unit test keeps it equal):
-# each file travels alone into the target.
-DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-MAX_DEPTH = 64  # deeper directories are left alone (named): every level holds one fd while it is walked
-
-
-class Unsafe(Exception):
-    """A root that cannot be opened without trusting a user who could have changed it: what was found, the fix."""
-
-
-def who(uid):
-    """``alice (uid 1000)``; ``uid 4321`` when the target's passwd has no such user."""
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except (KeyError, OverflowError):
-        return f"uid {uid}"
-
-
-def mount_id(fd):
-    """The mount id of the open ``fd`` (``mnt_id`` of /proc/self/fdinfo): a bind mount of the same filesystem has
-    its parent's st_dev, never its mount id."""
-    with open(f"/proc/self/fdinfo/{fd}", encoding="ascii", errors="replace") as handle:
-        for line in handle:
-            if line.startswith("mnt_id:"):
-                return int(line.split()[1])
-    raise OSError(errno.ENOTSUP, "/proc/self/fdinfo names no mnt_id, so mount points cannot be told")
-
-
-def trusted_owners(here, info, uid):
-    """Who may own a directory found in the directory ``here`` (its ``info``), for the cache user ``uid``: None
-    when only root can put entries there; ``(0, uid)`` in a sticky directory of root's (``/tmp``: an entry can be
-    swapped only by its owner); ``(uid,)`` in the cache user's own directory (they may move any entry of it).
-    Unsafe where another user, a group or everyone may put any directory in place of the next component."""
-    others = info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
-    sticky = info.st_mode & stat.S_ISVTX
-    if info.st_uid == 0 and not others:
-        return None
-    if info.st_uid == 0 and sticky:
-        return (0, uid)
-    if info.st_uid == uid and (sticky or not others):
-        return (uid,)
-    if info.st_uid not in (0, uid):
-        raise Unsafe(f"it lies under {here}, owned by {who(info.st_uid)}, who could put any directory in its place")
-    writers = "every user" if info.st_mode & stat.S_IWOTH else f"group {info.st_gid}"
-    raise Unsafe(
-        f"it lies under {here}, which {writers} may write (mode {stat.S_IMODE(info.st_mode):04o}, no sticky bit): "
-        f"any of them could put another directory in its place; chmod +t {here}, or give a root under a directory "
-        "only root and the cache user can write"
-    )
-
-
-def open_root(path, uid):
-    """Open the directory ``path`` (clean, absolute) from ``/``, one component at a time, never following a link,
-    each component owned by someone :func:`trusted_owners` trusts: its fd, or None when it does not exist."""
-    fd = os.open("/", DIRECTORY)
-    here = "/"
-    try:
-        for name in [part for part in path.split("/") if part]:
-            owners = trusted_owners(here, os.fstat(fd), uid)
-            below = os.path.join(here, name)
-            try:
-                child = os.open(name, DIRECTORY, dir_fd=fd)
-            except OSError as error:
-                if error.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                    raise
-                kind = _kind_at(fd, name)
-                if kind == "link":
-                    raise Unsafe(
-                        f"{below} is a symlink (to {os.readlink(name, dir_fd=fd)}); a root is opened without "
-                        "following links: give the directory itself as the root"
-                    ) from None
-                if kind and below == path:
-                    raise Unsafe("it is not a directory") from None
-                return None
-            os.close(fd)
-            fd = child
-            owner = os.fstat(fd).st_uid
-            if owners is not None and owner not in owners:
-                trusted = " or ".join(map(who, sorted(set(owners))))
-                raise Unsafe(
-                    f"{below} is owned by {who(owner)}, but in {here} only {trusted} "
-                    "can be trusted (another user may have put it there): remove it, or give another root"
-                )
-            here = below
-        opened, fd = fd, None
-        return opened
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _kind_at(fd, name):
-    """``"link"``, ``"dir"``, ``"other"`` for the entry ``name`` of the directory ``fd``; None when it is gone."""
-    try:
-        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
-    except FileNotFoundError:
-        return None
-    return "link" if stat.S_ISLNK(mode) else "dir" if stat.S_ISDIR(mode) else "other"
-
-
-class Dir:
-    """A directory open for a walk: its fd, path, fstat, mount id and depth below the root (the caller closes)."""
-
-    __slots__ = ("depth", "fd", "info", "mount", "path")
-
-    def __init__(self, fd, path, depth=0):
-        self.fd, self.path, self.depth = fd, path, depth
-        self.info = os.fstat(fd)
-        self.mount = mount_id(fd)
-
-
-def open_dir(fd, path):
-    """A :class:`Dir` of a dup of ``fd``, the root open as ``path``."""
-    copy = os.dup(fd)
-    try:
-        return Dir(copy, path)
-    except BaseException:
-        os.close(copy)
-        raise
-
-
-def open_inside(parent, name):
-    """Open the subdirectory ``name`` of the :class:`Dir` ``parent`` to walk it: ``(Dir, None)``, or ``(None,
-    why)`` for one never entered: ``"mount"`` (another st_dev or mount id: a bind mount too), ``"owner"`` (not
-    owned by the owner of its parent, a non-root user, who could have moved it in from where they may not delete),
-    ``"depth"``, or ``"gone"`` (no directory now: a link or a file took its place)."""
-    if parent.depth >= MAX_DEPTH:
-        return None, "depth"
-    try:
-        fd = os.open(name, DIRECTORY | getattr(os, "O_NONBLOCK", 0), dir_fd=parent.fd)
-    except OSError as error:
-        if error.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-            return None, "gone"
-        raise
-    try:
-        child = Dir(fd, os.path.join(parent.path, name), parent.depth + 1)
-    except BaseException:
-        os.close(fd)
-        raise
-    why = None
-    if child.info.st_dev != parent.info.st_dev or child.mount != parent.mount:
-        why = "mount"
-    elif parent.info.st_uid not in (0, child.info.st_uid):
-        why = "owner"
-    if why:
-        os.close(fd)
-        return None, why
-    return child, None
-
-
-LEFT = {
-    "owner": "owned by another user than its directory's owner, who could have moved it in: never entered",
-    "depth": f"more than {MAX_DEPTH} levels deep: never entered",
-}
-
-
-# -- end of the shared part ------------------------------------------------------------------------------------
-
-
 # -- reading ---------------------------------------------------------------------------------------------------
 def size_of(fd, path, stamp_name):
     """Bytes in regular files under the directory open as ``fd`` (named ``path``; the stamp left out), entering
-    only what a purge would enter (:func:`open_inside`)."""
-    return _size(open_dir(fd, path), stamp_name)
+    only what a purge would enter (:func:`pve_ct_fs.open_inside`)."""
+    return _size(pve_ct_fs.open_dir(fd, path), stamp_name)
 
 
 def _size(here, skip):
@@ -290,7 +132,7 @@ def _size(here, skip):
             except OSError:
                 continue
             if stat.S_ISDIR(entry.st_mode):
-                child, _ = open_inside(here, name)
+                child, _ = pve_ct_fs.open_inside(here, name)
                 total += _size(child, None) if child is not None else 0
             elif stat.S_ISREG(entry.st_mode):
                 total += entry.st_size
@@ -371,7 +213,7 @@ def write_stamp(directory, name, content):
 
 
 class Purge:
-    """Empties the root open as ``fd`` (named ``path``) through directory fds (:func:`open_inside`): never
+    """Empties the root open as ``fd`` (named ``path``) through directory fds (:func:`pve_ct_fs.open_inside`): never
     through a symlink, never into another mount (a bind mount of the same filesystem too), never into a directory
     its parent's non-root owner could have moved in, never outside the root. ``report`` counts what went and names
     what was left."""
@@ -384,9 +226,9 @@ class Purge:
 
     def run(self):
         """Empty the root (the stamp excepted, which first becomes a "purging" marker)."""
-        top = open_dir(self.fd, self.path)
+        top = pve_ct_fs.open_dir(self.fd, self.path)
         try:
-            if _kind_at(top.fd, self.stamp_name) == "dir":  # a directory where the stamp belongs is not ours
+            if pve_ct_fs.kind_at(top.fd, self.stamp_name) == "dir":  # a directory where the stamp belongs is not ours
                 self.remove(top, self.stamp_name)
             write_stamp(top.fd, self.stamp_name, {"state": "purging", "fingerprint": None})
             self.empty(top, skip=self.stamp_name)
@@ -395,7 +237,7 @@ class Purge:
         return self.report
 
     def empty(self, here, skip=None):
-        """Remove everything in the :class:`Dir` ``here``; True when it is empty."""
+        """Remove everything in the :class:`pve_ct_fs.Dir` ``here``; True when it is empty."""
         emptied = True
         for name in os.listdir(here.fd):
             if name != skip:
@@ -403,16 +245,17 @@ class Purge:
         return emptied
 
     def remove(self, here, name):
-        """Remove the entry ``name`` of ``here``: a directory emptied first, when :func:`open_inside` lets it in."""
+        """Remove the entry ``name`` of ``here``: a directory emptied first, when :func:`pve_ct_fs.open_inside`
+        lets it in."""
         full = os.path.join(here.path, name)
-        kind = _kind_at(here.fd, name)
+        kind = pve_ct_fs.kind_at(here.fd, name)
         if kind == "dir":
-            child, why = open_inside(here, name)
+            child, why = pve_ct_fs.open_inside(here, name)
             if why == "mount":
                 self.report["mounts_left"].append(full)
                 return False
-            if why in LEFT:
-                self.report["left"].append({"path": full, "why": LEFT[why]})
+            if why in pve_ct_fs.LEFT:
+                self.report["left"].append({"path": full, "why": pve_ct_fs.LEFT[why]})
                 return False
             if child is not None:
                 try:
@@ -423,7 +266,7 @@ class Purge:
                     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                         os.rmdir(name, dir_fd=here.fd)  # only ever an empty directory
                 return empty
-            kind = _kind_at(here.fd, name)  # no directory any more: a link or a file took its place
+            kind = pve_ct_fs.kind_at(here.fd, name)  # no directory any more: a link or a file took its place
         if kind is None:
             return True
         entry = os.stat(name, dir_fd=here.fd, follow_symlinks=False)
@@ -525,8 +368,9 @@ class Act:
         self.fds = {}
 
     def open_checked(self, index):
-        """The fd of root ``index`` after the rules (:func:`refusal`, :func:`open_root`), the very directory the
-        module judged (its ``id``); None when it does not exist; an ActError when it may not be touched."""
+        """The fd of root ``index`` after the rules (:func:`refusal`, :func:`pve_ct_fs.open_root`), the very
+        directory the module judged (its ``id``); None when it does not exist; an ActError when it may not be
+        touched."""
         if index in self.fds:
             return self.fds[index]
         root = self.roots[index]
@@ -534,8 +378,8 @@ class Act:
         if why:
             raise ActError("refused", f"compile cache root {root['path']} refused: {why}; nothing was deleted")
         try:
-            fd = open_root(clean(root["path"]), self.uid)
-        except Unsafe as error:
+            fd = pve_ct_fs.open_root(clean(root["path"]), self.uid)
+        except pve_ct_fs.Unsafe as error:
             raise ActError(
                 "unsafe", f"compile cache root {root['path']} refused: {error}; nothing was deleted"
             ) from None
@@ -627,7 +471,7 @@ class Act:
             if fd is None:
                 continue
             root["real_path"] = root["real_path"] or clean(root["path"])
-            if not root["stamped"] and _kind_at(fd, self.stamp_name) is None:
+            if not root["stamped"] and pve_ct_fs.kind_at(fd, self.stamp_name) is None:
                 write_stamp(fd, self.stamp_name, stamp_content(self.fingerprint))
                 root["stamped"] = True
             filled = filled or has_content(fd, self.stamp_name)
