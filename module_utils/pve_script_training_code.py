@@ -4,11 +4,11 @@
 
 Unlike a probe part, ``probe(payload)`` here changes the target. It is called the same way so that it costs one
 ``pct exec``: ``Target.run_probes`` ships this file's source to the target's python on stdin; on a bare host
-``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, imports nothing of ours,
-the answer is plain JSON. git is called exactly as the probe part calls it (pve_probe_training_code: through a
-view of the repository whose config is an allowlist of the real one's keys, so nothing the repository's owner
-configured runs as root; no system or global config; no ``GIT_*`` of the caller). Files of the work tree are read
-and removed through directory file descriptors, never through a link.
+``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of ours but the
+container-side modules of ``SHARED``, the answer is plain JSON. git is called exactly as the probe part calls it,
+through :mod:`pve_ct_git` (a view of the repository whose config is an allowlist of the real one's keys, so nothing
+the repository's owner configured runs as root; no system or global config; no ``GIT_*`` of the caller). Files of
+the work tree are read and removed through directory file descriptors, never through a link.
 
 In this order, and nothing is changed in the work tree, the index, HEAD or any branch before step 5:
 
@@ -67,7 +67,9 @@ import tarfile
 import tempfile
 import time
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+from ansible.module_utils import pve_ct_git
+
+SHARED = (pve_ct_git,)  # container-side modules Target.run_probes ships with this part
 PATCH_ARGS = (
     "--binary",
     "--no-color",
@@ -81,23 +83,10 @@ PATCH_ARGS = (
 IDENTITY = ("user.name=pve-gpu-recover", "user.email=pve-gpu-recover@localhost")
 KEEP_REF = "refs/pve-gpu-recover/detached/"
 UNMERGED = {"DD", "AU", "UD", "UA", "DU", "AA", "UU"}
-OPERATIONS = (
-    ("MERGE_HEAD", "merge"),
-    ("rebase-merge", "rebase"),
-    ("rebase-apply/applying", "am"),
-    ("rebase-apply", "rebase"),
-    ("CHERRY_PICK_HEAD", "cherry-pick"),
-    ("REVERT_HEAD", "revert"),
-    ("BISECT_LOG", "bisect"),
-)
 SPARE = 1024 * 1024  # bytes the backup's file system keeps free beyond the backup
 TAIL_LINES = 40
 TAIL_CHARS = 4000
 KILL_WAIT = 5
-
-
-class ViewError(Exception):
-    """The repository's config could not be read to build the view git is shown."""
 
 
 class ResetError(Exception):
@@ -125,228 +114,6 @@ def shown(path):
     return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def split_z(data):
-    """NUL-separated git output -> paths (undecodable bytes kept as surrogates, so the file can still be opened)."""
-    return [p for p in data.decode("utf-8", "surrogateescape").split("\0") if p]
-
-
-def status_entries(data):
-    """``git status --porcelain=v1 -z`` -> ``[(XY, path, original path or None)]`` (see pve_code.parse_status)."""
-    fields = data.decode("utf-8", "surrogateescape").split("\0")
-    entries, index = [], 0
-    while index < len(fields):
-        field = fields[index]
-        index += 1
-        if not field:
-            continue
-        code, original = field[:2], None
-        if "R" in code or "C" in code:
-            original = fields[index] if index < len(fields) else None
-            index += 1
-        entries.append((code, field[3:], original))
-    return entries
-
-
-def find_git(git):
-    if "/" in git:
-        return git if os.path.isfile(git) and os.access(git, os.X_OK) else None
-    return shutil.which(git, path=os.environ.get("PATH") or DEFAULT_PATH)
-
-
-# The keys of the repository's own config that git is given (section and key lower case, as `git config --list`
-# writes them): how to read the object database, the work tree's file system, line endings and a remote's URL.
-# None of them names a program to run; everything else (filter.*, diff.*.textconv, core.fsmonitor, core.hooksPath,
-# core.sshCommand, core.pager, credential.*, remote.*.uploadpack, include.*, url.*.insteadOf...) is left out.
-ALLOWED = re.compile(
-    r"(?:core\.(?:repositoryformatversion|filemode|symlinks|ignorecase|precomposeunicode|autocrlf|eol|safecrlf"
-    r"|checkstat|trustctime|sparsecheckout|sparsecheckoutcone)|extensions\.(?:objectformat|refstorage)"
-    r"|remote\..+\.url)",
-    re.DOTALL,
-)
-# What the view's common dir does not link: the config (the view writes its own) and the hooks.
-NOT_LINKED = ("config", "config.worktree", "hooks")
-# Set on every call, over anything else: no program of git's own either (no fsmonitor, no hook, no auto gc, which
-# would pack refs into the view), and no submodule (git would read its config).
-FIXED = (
-    "core.fsmonitor=false",
-    "core.hooksPath=/dev/null",
-    "gc.auto=0",
-    "maintenance.auto=false",
-    "submodule.recurse=false",
-    "diff.ignoreSubmodules=dirty",
-    "protocol.ext.allow=never",
-)
-
-
-def git_env(top, environ=None):
-    """The environment of every git call: no ``GIT_*`` of the caller, the C locale, no prompt, no optional lock,
-    no system or global config, and a ceiling at the repository's parent."""
-    env = {
-        k: v
-        for k, v in (os.environ if environ is None else environ).items()
-        if not k.startswith("GIT_") and k not in ("XDG_CONFIG_HOME", "HOME")
-    }
-    env.update(
-        LC_ALL="C",
-        LANG="C",
-        GIT_TERMINAL_PROMPT="0",
-        GIT_OPTIONAL_LOCKS="0",
-        GIT_CEILING_DIRECTORIES=os.path.dirname(top),
-        GIT_CONFIG_NOSYSTEM="1",
-        GIT_CONFIG_GLOBAL=os.devnull,
-        GIT_ATTR_NOSYSTEM="1",
-    )
-    env.setdefault("PATH", DEFAULT_PATH)
-    return env
-
-
-def git_argv(git, top, args, config=()):
-    """``git -c core.fsmonitor=false -c core.hooksPath=/dev/null ... [-c <config>...] -C <top> <args...>``."""
-    fixed = [part for setting in (*FIXED, *config) for part in ("-c", setting)]
-    return [git, *fixed, "-C", top, *args]
-
-
-def locate(top):
-    """``(git_dir, common_dir)`` of the work tree at ``top``, read from its ``.git`` (a directory, or a file
-    ``gitdir: <path>``) and the git dir's ``commondir``, without running git; ``(None, None)`` when ``top`` has no
-    ``.git``."""
-    dotgit = os.path.join(top, ".git")
-    if os.path.isdir(dotgit):
-        git_dir = dotgit
-    elif os.path.isfile(dotgit):
-        with open(dotgit, "rb") as handle:
-            text = handle.read(4096).decode("utf-8", "surrogateescape")
-        if not text.startswith("gitdir: "):
-            return None, None
-        git_dir = os.path.normpath(os.path.join(top, text[len("gitdir: ") :].strip()))
-    else:
-        return None, None
-    common = git_dir
-    try:
-        with open(os.path.join(git_dir, "commondir"), "rb") as handle:
-            common = os.path.normpath(
-                os.path.join(git_dir, handle.read(4096).decode("utf-8", "surrogateescape").strip())
-            )
-    except FileNotFoundError:
-        pass
-    return git_dir, common
-
-
-def looks_bare(top):
-    """Whether ``top`` itself is a git dir (a bare repository): HEAD, objects and refs, no work tree."""
-    return all(os.path.exists(os.path.join(top, name)) for name in ("HEAD", "objects", "refs"))
-
-
-def parse_config_list(data):
-    """``git config --list --null`` output -> ``[(key, value)]`` in file order; a key without ``=`` has None.
-
-    ``b"core.bare\nfalse\0remote.origin.url\n/srv/up\0"`` -> ``[("core.bare", "false"), ("remote.origin.url",
-    "/srv/up")]``."""
-    entries = []
-    for item in data.decode("utf-8", "surrogateescape").split("\0"):
-        if item:
-            key, _, value = item.partition("\n")
-            entries.append((key, value if "\n" in item else None))
-    return entries
-
-
-def config_text(entries):
-    """The view's config: the allowed keys of ``entries``, the last value of each (git's rule for one value),
-    quoted so that no value can open a section of its own."""
-
-    def quoted(text):
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
-
-    chosen = {}
-    for key, value in entries:
-        if value is not None and ALLOWED.fullmatch(key):
-            chosen[key] = value
-    lines = []
-    for key, value in chosen.items():
-        section, _, rest = key.partition(".")
-        subsection, _, name = rest.rpartition(".")
-        header = f"[{section} {quoted(subsection)}]" if subsection else f"[{section}]"
-        lines += [header, f"\t{name} = {quoted(value)}"]
-    return "\n".join(lines) + "\n"
-
-
-# The fallback scratch directory: root's, sticky, and mkdtemp makes a 0700 directory of its own in it.
-ROOT_TMP = "/tmp"  # noqa: S108
-
-
-def scratch_root():
-    """Where the view and other scratch go: the temp directory when only root can replace what is in it (owned by
-    root, and not writable by others unless sticky), else /tmp. A TMPDIR a user owns would let them swap the view's
-    config under git."""
-    candidate = tempfile.gettempdir()
-    try:
-        info = os.stat(candidate)
-    except OSError:
-        return ROOT_TMP
-    shared = info.st_mode & 0o022 and not info.st_mode & 0o1000
-    return candidate if info.st_uid == os.geteuid() == 0 and not shared else ROOT_TMP
-
-
-class View:
-    """The repository as git is shown it: the real git dir, a common dir of links whose config is only the
-    allowed keys (see the module's docstring). ``env`` is what every git call runs with; ``close()`` removes it."""
-
-    def __init__(self, git, top, git_dir, common, environ=None):
-        self.top = top
-        self.git_dir = git_dir
-        self.common = common
-        self.scratch = tempfile.mkdtemp(prefix="pve-gpu-recover-git-", dir=scratch_root())
-        self.dir = os.path.join(self.scratch, "common")
-        home = os.path.join(self.scratch, "home")
-        os.mkdir(self.dir, 0o700)
-        os.mkdir(home, 0o700)
-        base = git_env(top, environ)
-        # Read the real config with git's parser alone: no repository (GIT_DIR names none), no include followed.
-        done = subprocess.run(
-            [git, "config", "--file", os.path.join(common, "config"), "--list", "--null"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            env=dict(base, HOME=home, GIT_DIR=os.path.join(self.scratch, "none")),
-            cwd=self.scratch,
-            timeout=60,
-            check=False,
-        )
-        if done.returncode != 0 and os.path.exists(os.path.join(common, "config")):
-            said = done.stderr.decode(errors="replace").strip().splitlines()
-            raise ViewError(f"cannot read {common}/config: {said[-1] if said else 'no output'}")
-        self.config = parse_config_list(done.stdout)
-        for name in os.listdir(common):
-            if name not in NOT_LINKED:
-                os.symlink(os.path.join(common, name), os.path.join(self.dir, name))
-        with open(os.open(os.path.join(self.dir, "config"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            f.write(config_text(self.config))
-        self.env = dict(base, HOME=home, GIT_DIR=git_dir, GIT_COMMON_DIR=self.dir, GIT_WORK_TREE=top)
-        # git checks no owner with GIT_DIR given; should a later one, the repository is safe to read: its config is
-        # not read at all. (GIT_CONFIG_COUNT is command-line config, which git takes safe.directory from.)
-        self.env.update(
-            GIT_CONFIG_COUNT="2",
-            GIT_CONFIG_KEY_0="safe.directory",
-            GIT_CONFIG_VALUE_0=top,
-            GIT_CONFIG_KEY_1="safe.directory",
-            GIT_CONFIG_VALUE_1=git_dir,
-        )
-
-    def value(self, key):
-        """The last value of ``key`` in the real config (read, never given to git unless allowed), or None."""
-        found = [value for name, value in self.config if name == key]
-        return found[-1] if found else None
-
-    def close(self):
-        # The links are removed, never followed (rmtree does not follow a link).
-        shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def first_error(err):
-    lines = [line.strip() for line in (err or "").splitlines() if line.strip()]
-    said = next((line for line in lines if line.startswith(("fatal:", "error:"))), lines[-1] if lines else "")
-    return said or "no output"
-
-
 class Git:
     """git in one repository within the reset's deadline; a command past it is killed with its process group."""
 
@@ -355,10 +122,10 @@ class Git:
         self.top = top
         self.deadline = deadline
         self.budget = budget
-        self.env = git_env(top)
+        self.env = pve_ct_git.git_env(top)
 
     def run(self, *args, config=(), env=None):
-        argv = git_argv(self.git, self.top, args, config)
+        argv = pve_ct_git.git_argv(self.git, self.top, args, config)
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise ResetError("timeout", f"the reset's {self.budget:g} s (reset_timeout) ran out before `git {args[0]}`")
@@ -395,38 +162,20 @@ class Git:
     def must(self, *args, what, kind="git", config=(), env=None):
         rc, out, err = self.run(*args, config=config, env=env)
         if rc != 0:
-            argv = git_argv(self.git, self.top, args, config)
-            raise ResetError(kind, f"{what} failed (exit {rc}): {first_error(err)}", cmd=argv, rc=rc, stderr=err)
+            argv = pve_ct_git.git_argv(self.git, self.top, args, config)
+            raise ResetError(
+                kind, f"{what} failed (exit {rc}): {pve_ct_git.first_error(err)}", cmd=argv, rc=rc, stderr=err
+            )
         return out
 
 
 def collisions(git, commit, untracked):
-    """Ignored files a checkout of ``commit`` would overwrite (see pve_probe_training_code.collisions)."""
-    tracked = set(split_z(git.must("ls-files", "-z", what="listing the tracked files")))
-    known = tracked | set(untracked)
-    found, checked = [], set()
-    for path in split_z(git.must("ls-tree", "-r", "--name-only", "-z", commit, what="listing the commit's files")):
-        if path in tracked:
-            continue
-        parts = path.split("/")
-        for depth in range(1, len(parts)):
-            parent = "/".join(parts[:depth])
-            if parent in checked:
-                continue
-            checked.add(parent)
-            full = os.path.join(git.top, parent)
-            if os.path.lexists(full) and (os.path.islink(full) or not os.path.isdir(full)) and parent not in known:
-                found.append(parent)
-        full = os.path.join(git.top, path)
-        if path in known or not os.path.lexists(full):
-            continue
-        if os.path.isdir(full) and not os.path.islink(full):
-            for directory, _, files in os.walk(full):
-                inside = [os.path.relpath(os.path.join(directory, f), git.top) for f in files]
-                found.extend(p for p in inside if p not in known)
-        else:
-            found.append(path)
-    return sorted(set(found))
+    """Ignored files a checkout of ``commit`` would overwrite (:func:`pve_ct_git.collisions`)."""
+    tracked = pve_ct_git.split_z(git.must("ls-files", "-z", what="listing the tracked files"))
+    listed = pve_ct_git.split_z(
+        git.must("ls-tree", "-r", "--name-only", "-z", commit, what="listing the commit's files")
+    )
+    return pve_ct_git.collisions(git.top, tracked, listed, untracked)
 
 
 def free_bytes(directory):
@@ -663,18 +412,18 @@ class Reset:
 
     # -- 1. re-check -------------------------------------------------------------------------------------------
     def check(self):
-        git = find_git(self.git_name)
+        git = pve_ct_git.find_git(self.git_name)
         if git is None:
             raise ResetError("no_git", f"git not found in the target (`{self.git_name}`); install it there")
         if not os.path.isdir(self.top):
             raise ResetError("no_repository", f"there is no directory {self.path}")
         self.git = Git(git, self.top, self.deadline, self.budget)
-        git_dir, common = locate(self.top)
+        git_dir, common = pve_ct_git.locate(self.top)
         if git_dir is None:
             raise ResetError("no_repository", f"{self.path} is not a git work tree (no .git)")
         try:
-            self.view = View(git, self.top, git_dir, common)
-        except (OSError, subprocess.SubprocessError, ViewError) as error:
+            self.view = pve_ct_git.View(git, self.top, git_dir, common)
+        except (OSError, subprocess.SubprocessError, pve_ct_git.ViewError) as error:
             raise ResetError("no_repository", f"cannot read the repository's config in {common}: {error}") from None
         self.git.env = self.view.env
         worktree = self.view.value("core.worktree")
@@ -684,9 +433,9 @@ class Reset:
         root = os.path.realpath(self.root)
         if root == self.top or root.startswith(self.top.rstrip("/") + "/"):
             raise ResetError("invalid", f"the backup directory {self.root} lies inside the repository {self.path}")
-        for name, what in OPERATIONS:
-            if os.path.exists(os.path.join(git_dir, name)):
-                raise ResetError("operation", f"a {what} is in progress in {self.path}; finish or abort it first")
+        what = pve_ct_git.operation(git_dir)
+        if what:
+            raise ResetError("operation", f"a {what} is in progress in {self.path}; finish or abort it first")
         rc, out, _ = self.git.run("rev-parse", "-q", "--verify", "HEAD^{commit}")
         head = out.decode().strip() if rc == 0 else None
         rc, out, _ = self.git.run("symbolic-ref", "-q", "--short", "HEAD")
@@ -699,14 +448,14 @@ class Reset:
             "--ignore-submodules=dirty",
             what="reading the status (`git status`)",
         )
-        entries = status_entries(status)
+        entries = pve_ct_git.status_entries(status)
         conflicts = [shown(path) for code, path, _ in entries if code in UNMERGED]
         if conflicts:
             raise ResetError("conflict", f"{self.path} has unmerged paths: {', '.join(conflicts[:5])}; resolve them")
         listed = self.git.must(
             "ls-files", "--others", "--exclude-standard", "-z", what="listing the untracked files (`git ls-files`)"
         )
-        untracked = split_z(listed)
+        untracked = pve_ct_git.split_z(listed)
         nested = [shown(path) for path in untracked if path.endswith("/")]
         if nested:
             raise ResetError("nested", f"{', '.join(nested[:5])} in {self.path}: untracked git repositories inside")
@@ -735,8 +484,8 @@ class Reset:
         if rc != 0:
             raise ResetError(
                 "fetch",
-                f"fetching {short(self.commit)} from {self.remote} failed (exit {rc}): {first_error(err)}",
-                cmd=git_argv(self.git.git, self.top, args),
+                f"fetching {short(self.commit)} from {self.remote} failed (exit {rc}): {pve_ct_git.first_error(err)}",
+                cmd=pve_ct_git.git_argv(self.git.git, self.top, args),
                 rc=rc,
                 stderr=err,
             )
@@ -764,7 +513,7 @@ class Reset:
         if head is None or head == self.commit:
             return []
         changed = {path for _, path, _ in tracked} | set(untracked)
-        rewritten = split_z(
+        rewritten = pve_ct_git.split_z(
             self.git.must(
                 "diff",
                 "--name-only",
@@ -779,7 +528,9 @@ class Reset:
         if not rewritten:
             return []
         index = {}
-        for line in split_z(self.git.must("ls-files", "-s", "-z", what="reading the index (`git ls-files -s`)")):
+        for line in pve_ct_git.split_z(
+            self.git.must("ls-files", "-s", "-z", what="reading the index (`git ls-files -s`)")
+        ):
             info, _, path = line.partition("\t")
             mode, sha, _ = info.split(" ", 2)
             index[path] = (mode, sha)
@@ -918,7 +669,7 @@ class Reset:
         """Each patch applied to the old HEAD in a throw-away index gives exactly the tree git records for the work
         tree (changes.patch) and for the index (staged.patch). Every object git writes for this goes to a scratch
         object directory: the repository is not written."""
-        with tempfile.TemporaryDirectory(prefix="pve-gpu-recover-", dir=scratch_root()) as scratch:
+        with tempfile.TemporaryDirectory(prefix="pve-gpu-recover-", dir=pve_ct_git.scratch_root()) as scratch:
             objects = {
                 "GIT_OBJECT_DIRECTORY": os.path.join(scratch, "objects"),
                 "GIT_ALTERNATE_OBJECT_DIRECTORIES": os.path.join(self.view.dir, "objects"),
@@ -996,7 +747,7 @@ class Reset:
     def remove(self, untracked):
         """Remove the saved untracked files that the commit does not track, exactly as they were saved, never
         through a link (see :func:`remove_entry`); prune directories left empty."""
-        tracked = set(split_z(self.git.must("ls-files", "-z", what="listing the tracked files")))
+        tracked = set(pve_ct_git.split_z(self.git.must("ls-files", "-z", what="listing the tracked files")))
         saved = {r["path"]: (r["kind"], r["sha256"]) for r in self.saved.get("untracked.tar.gz", [])}
         removed = []
         for path in untracked:

@@ -6,7 +6,7 @@ out. The probe part and the reset script against real repositories are in tests/
 """
 
 import pytest
-from ansible.module_utils import pve_code, pve_probe_training_code
+from ansible.module_utils import pve_code, pve_ct_git, pve_probe_training_code
 from ansible.module_utils import pve_script_training_code as script
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible.module_utils.pve_code import CodeError
@@ -112,11 +112,10 @@ def test_status_lines_read_like_porcelain_and_a_newline_cannot_forge_a_line():
     assert pve_code.quote("päth with space") == "päth with space"
 
 
-def test_the_probe_and_the_script_split_status_like_the_parser():
-    # Their sources travel alone to the target, so each has its own few lines; they must agree with the parser.
+def test_the_container_side_splits_status_like_the_parser():
+    # The probe and the script split it with pve_ct_git in the target; it must agree with the node's parser.
     parsed = [(e["code"], e["path"], e["orig"]) for e in pve_code.parse_status(STATUS)]
-    assert pve_probe_training_code.status_entries(STATUS) == parsed
-    assert script.status_entries(STATUS.encode()) == parsed
+    assert pve_ct_git.status_entries(STATUS.encode()) == parsed
 
 
 @pytest.mark.parametrize(
