@@ -4,7 +4,7 @@
 
 The compile cache's probe part and its acting script both import it (``SHARED``): ``Target.run_probes`` ships its
 source with theirs in the same ``pct exec``, and on a node it is imported as usual. So: standard library only,
-Python 3.9+, nothing of ours imported.
+Python 3.9+, nothing of ours imported. The node's judgement (pve_cache) applies the same :func:`refusal`.
 
 :func:`open_root` opens a root one component at a time with O_NOFOLLOW, each component owned by someone
 :func:`trusted_owners` trusts; :func:`open_inside` enters a subdirectory only on the same mount (mount id, so a bind
@@ -16,6 +16,58 @@ import os
 import pwd
 import stat
 
+# -- which paths are never a root to purge ---------------------------------------------------------------------
+# A root that IS one of these is refused (and so is any root with fewer than two path components).
+PROTECTED = ("/", "/usr", "/etc", "/var", "/opt", "/srv")
+# A root inside one of these is refused: no compile cache lives in the system's own files.
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin", "/sys")
+SYSTEM_TREES += ("/usr",)
+
+
+def clean(path):
+    """``/tmp//x/./y/`` -> ``/tmp/x/y``; a leading ``//`` (kept by POSIX normpath) becomes ``/``."""
+    path = os.path.normpath(path)
+    return "/" + path.lstrip("/") if path.startswith("//") else path
+
+
+def inside(path, directory):
+    """Whether ``path`` is ``directory`` or lies below it (plain string logic on clean absolute paths)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def refusal(path, homes):
+    """Why ``path`` may never be a cache root that is purged, or None. ``homes``: ``{home: [users]}``.
+
+    ``refusal("/", {})`` -> ``"it is the filesystem root /"``; ``refusal("/root", {"/root": ["root"]})`` ->
+    ``"it is the home directory of root"``; ``refusal("/home/alice/.cache/x", {})`` -> None;
+    ``refusal("/var/cache", {"/var/cache/man": ["man"]})`` -> ``"it contains the home directory /var/cache/man
+    of man"``; ``refusal("/tmp", {})`` -> ``"it has fewer than 2 path components (...)"``;
+    ``refusal("/usr/local/cache", {})`` -> ``"it lies inside the system tree /usr"``.
+    """
+    if not isinstance(path, str) or not path.startswith("/"):
+        return "it is not an absolute path"
+    if ".." in path.split("/"):
+        return "it contains '..'"
+    path = clean(path)
+    if path == "/":
+        return "it is the filesystem root /"
+    if path in PROTECTED:
+        return f"it is the system directory {path}"
+    for home, users in sorted(homes.items()):
+        if path == home:
+            return f"it is the home directory of {', '.join(users)}"
+    for home, users in sorted(homes.items()):
+        if home != path and inside(home, path):
+            return f"it contains the home directory {home} of {', '.join(users)}"
+    if len([part for part in path.split("/") if part]) < 2:
+        return "it has fewer than 2 path components (a cache is a directory of its own, like /tmp/torchinductor_root)"
+    for tree in SYSTEM_TREES:
+        if inside(path, tree):
+            return f"it lies inside the system tree {tree}"
+    return None
+
+
+# -- opening a root and walking it without trusting anyone who could have changed it ---------------------------
 DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 MAX_DEPTH = 64  # deeper directories are left alone (named): every level holds one fd while it is walked
 

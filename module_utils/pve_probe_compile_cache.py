@@ -40,11 +40,6 @@ _NAME_SEPARATORS = re.compile(r"[-_.]+")
 TRITON_NAMES = ("triton", "pytorch-triton")
 STAMP_LIMIT = 65536  # a stamp is a small JSON object; anything larger is not ours
 SHOWN = 20  # links out of a root and mount points named per root (the count says how many in all)
-# A root that IS one of these is refused (and so is any root with fewer than two path components).
-PROTECTED = ("/", "/usr", "/etc", "/var", "/opt", "/srv")
-# A root inside one of these is refused: no compile cache lives in the system's own files.
-SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin", "/sys")
-SYSTEM_TREES += ("/usr",)
 
 
 def _read(path):
@@ -137,54 +132,11 @@ def read_venv(path):
 
 
 # -- the roots -------------------------------------------------------------------------------------------------
-def clean(path):
-    """``/tmp//x/./y/`` -> ``/tmp/x/y``; a leading ``//`` (kept by POSIX normpath) becomes ``/``."""
-    path = os.path.normpath(path)
-    return "/" + path.lstrip("/") if path.startswith("//") else path
-
-
 def expand(template, user, home):
     """``{home}/.triton/cache`` -> ``/root/.triton/cache``; None when it needs a home the user lacks."""
     if "{home}" in template and not home:
         return None
     return template.replace("{user}", user).replace("{home}", home or "")
-
-
-def inside(path, directory):
-    """Whether ``path`` is ``directory`` or lies below it (plain string logic on clean absolute paths)."""
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
-
-
-def refusal(path, homes):
-    """Why ``path`` may never be a cache root that is purged, or None. ``homes``: ``{home: [users]}``.
-
-    ``refusal("/", {})`` -> ``"it is the filesystem root /"``; ``refusal("/root", {"/root": ["root"]})`` ->
-    ``"it is the home directory of root"``; ``refusal("/home/alice/.cache/x", {})`` -> None;
-    ``refusal("/var/cache", {"/var/cache/man": ["man"]})`` -> ``"it contains the home directory /var/cache/man
-    of man"``; ``refusal("/tmp", {})`` -> ``"it has fewer than 2 path components (...)"``;
-    ``refusal("/usr/local/cache", {})`` -> ``"it lies inside the system tree /usr"``.
-    """
-    if not isinstance(path, str) or not path.startswith("/"):
-        return "it is not an absolute path"
-    if ".." in path.split("/"):
-        return "it contains '..'"
-    path = clean(path)
-    if path == "/":
-        return "it is the filesystem root /"
-    if path in PROTECTED:
-        return f"it is the system directory {path}"
-    for home, users in sorted(homes.items()):
-        if path == home:
-            return f"it is the home directory of {', '.join(users)}"
-    for home, users in sorted(homes.items()):
-        if home != path and inside(home, path):
-            return f"it contains the home directory {home} of {', '.join(users)}"
-    if len([part for part in path.split("/") if part]) < 2:
-        return "it has fewer than 2 path components (a cache is a directory of its own, like /tmp/torchinductor_root)"
-    for tree in SYSTEM_TREES:
-        if inside(path, tree):
-            return f"it lies inside the system tree {tree}"
-    return None
 
 
 def read_stamp(directory, name):
@@ -269,7 +221,7 @@ def _count(here, name, found, deadline):
     if stat.S_ISLNK(entry.st_mode):
         found["links"] += 1
         target = _readlink(name, here.fd)
-        if target is not None and not inside(clean(os.path.join(here.path, target)), found["root"]):
+        if target is not None and not pve_ct_fs.inside(pve_ct_fs.clean(os.path.join(here.path, target)), found["root"]):
             found["escapes_count"] += 1
             if len(found["escapes"]) < SHOWN:
                 found["escapes"].append({"link": full, "target": target})
@@ -295,7 +247,7 @@ def _readlink(name, fd):
 
 
 def read_root(template, path, stamp_name, deadline, *, homes, uid):
-    """One root: where it is, whether it is a directory, its stamp and content. A root that :func:`refusal`
+    """One root: where it is, whether it is a directory, its stamp and content. A root that :func:`pve_ct_fs.refusal`
     refuses (by its path or where it resolves) is not walked: ``/`` would take the whole deadline, and it is never
     purged anyway. The others are opened by :func:`pve_ct_fs.open_root` (``unsafe``: why it cannot be, a refusal)
     and read through that one fd; ``id`` is its ``[st_dev, st_ino]``, so the acting script knows it acts on the
@@ -312,7 +264,7 @@ def read_root(template, path, stamp_name, deadline, *, homes, uid):
     except OSError:
         return answer  # nothing there (a dangling link is not a root either)
     answer.update(exists=True, is_dir=stat.S_ISDIR(info.st_mode), owner={"uid": info.st_uid, "gid": info.st_gid})
-    if not answer["is_dir"] or refusal(path, homes) or refusal(answer["real_path"], homes):
+    if not answer["is_dir"] or pve_ct_fs.refusal(path, homes) or pve_ct_fs.refusal(answer["real_path"], homes):
         return answer
     try:
         fd = pve_ct_fs.open_root(path, uid)
@@ -348,7 +300,7 @@ def _uses(pid, reals):
             return
         path = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
         for real in reals:
-            if inside(path, real):
+            if pve_ct_fs.inside(path, real):
                 used.setdefault(real, set()).add(how)
 
     note(_readlink_strict(f"{base}/cwd"), "cwd")
@@ -415,7 +367,7 @@ def read_homes():
     try:
         for entry in pwd.getpwall():
             if entry.pw_dir and entry.pw_dir.startswith("/"):
-                homes.setdefault(clean(entry.pw_dir), []).append(entry.pw_name)
+                homes.setdefault(pve_ct_fs.clean(entry.pw_dir), []).append(entry.pw_name)
     except OSError:
         pass
     return {home: sorted(names) for home, names in homes.items()}
@@ -444,12 +396,12 @@ def probe(payload):
     user = read_user(payload["user"])
     homes = read_homes()
     if user["home"] and user["home"].startswith("/"):
-        homes.setdefault(clean(user["home"]), [user["name"]])
+        homes.setdefault(pve_ct_fs.clean(user["home"]), [user["name"]])
     answer = {"user": user, "homes": homes, "venv": read_venv(payload["venv"]), "roots": []}
     answer.update(pid=os.getpid(), euid=os.geteuid(), errors=[], gpus=None)
     for template in payload["roots"]:
         expanded = expand(template, user["name"], user["home"])
-        path = clean(expanded) if expanded and expanded.startswith("/") else expanded
+        path = pve_ct_fs.clean(expanded) if expanded and expanded.startswith("/") else expanded
         root = read_root(template, path, payload["stamp_name"], deadline, homes=homes, uid=user["uid"])
         root["expanded"] = expanded
         answer["roots"].append(root)

@@ -8,15 +8,15 @@ Unlike a probe part, ``probe(payload)`` here changes the target. It is called th
 container-side modules of ``SHARED`` (the module sends its decisions as data), the answer is plain JSON.
 
 Safety does not rest on the module's reading alone: every root is checked again here, just before it is touched, by
-the same rules (:func:`refusal`, :func:`pve_ct_fs.open_root`) and must be the very directory the module judged (its
-``[st_dev, st_ino]``), and no root is purged while a live process uses it (its cwd, an open file or a mapped file in
-it). A root is opened once, from ``/``, one component at a time with O_NOFOLLOW, refused when a component is a
-symlink or could have been put there by a user other than root and the cache user; everything after (purge, stamp,
-sizes) works through that fd and the directory fds below it, never by path again. A purge never follows a symlink (a
-link is removed itself, never its target), never enters another mount (compared by mount id, so a bind mount of the
-same filesystem too) nor a directory its parent's non-root owner could have moved in, and never leaves the root.
-Before it deletes anything it replaces the stamp with a "purging" marker, so a purge that is cut short is never
-taken for a fresh or adoptable cache: the next run purges again.
+the same rules (:func:`pve_ct_fs.refusal`, :func:`pve_ct_fs.open_root`) and must be the very directory the module
+judged (its ``[st_dev, st_ino]``), and no root is purged while a live process uses it (its cwd, an open file or a
+mapped file in it). A root is opened once, from ``/``, one component at a time with O_NOFOLLOW, refused when a
+component is a symlink or could have been put there by a user other than root and the cache user; everything after
+(purge, stamp, sizes) works through that fd and the directory fds below it, never by path again. A purge never
+follows a symlink (a link is removed itself, never its target), never enters another mount (compared by mount id, so
+a bind mount of the same filesystem too) nor a directory its parent's non-root owner could have moved in, and never
+leaves the root. Before it deletes anything it replaces the stamp with a "purging" marker, so a purge that is cut
+short is never taken for a fresh or adoptable cache: the next run purges again.
 
 Order: check every root, check no process uses a root to purge, purge, stamp, warm up (once, alone, with a
 deadline, ``TORCHINDUCTOR_COMPILE_THREADS=1``), stamp the roots the warm-up created. A root to purge that a live
@@ -38,21 +38,6 @@ import time
 from ansible.module_utils import pve_ct_fs
 
 SHARED = (pve_ct_fs,)  # container-side modules Target.run_probes ships with this part
-PROTECTED = ("/", "/usr", "/etc", "/var", "/opt", "/srv")
-SYSTEM_TREES = (
-    "/bin",
-    "/boot",
-    "/dev",
-    "/etc",
-    "/lib",
-    "/lib32",
-    "/lib64",
-    "/libx32",
-    "/proc",
-    "/sbin",
-    "/sys",
-    "/usr",
-)
 TAIL_LINES = 20
 TAIL_CHARS = 4000
 
@@ -67,41 +52,6 @@ class ActError(Exception):
         self.rc = rc
         self.stdout = stdout
         self.stderr = stderr
-
-
-# -- the rules (the same as module_utils/pve_cache.py; a unit test keeps them equal) ---------------------------
-def clean(path):
-    path = os.path.normpath(path)
-    return "/" + path.lstrip("/") if path.startswith("//") else path
-
-
-def inside(path, directory):
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
-
-
-def refusal(path, homes):
-    """Why ``path`` may never be a cache root that is purged, or None (see pve_cache.refusal)."""
-    if not isinstance(path, str) or not path.startswith("/"):
-        return "it is not an absolute path"
-    if ".." in path.split("/"):
-        return "it contains '..'"
-    path = clean(path)
-    if path == "/":
-        return "it is the filesystem root /"
-    if path in PROTECTED:
-        return f"it is the system directory {path}"
-    for home, users in sorted(homes.items()):
-        if path == home:
-            return f"it is the home directory of {', '.join(users)}"
-    for home, users in sorted(homes.items()):
-        if home != path and inside(home, path):
-            return f"it contains the home directory {home} of {', '.join(users)}"
-    if len([part for part in path.split("/") if part]) < 2:
-        return "it has fewer than 2 path components (a cache is a directory of its own, like /tmp/torchinductor_root)"
-    for tree in SYSTEM_TREES:
-        if inside(path, tree):
-            return f"it lies inside the system tree {tree}"
-    return None
 
 
 def tail(text):
@@ -175,7 +125,7 @@ def _uses(pid, reals):
     def note(path, how):
         path = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
         for real in reals:
-            if inside(path, real):
+            if pve_ct_fs.inside(path, real):
                 used.setdefault(real, set()).add(how)
 
     note(os.readlink(f"{base}/cwd"), "cwd")
@@ -273,7 +223,7 @@ class Purge:
         if stat.S_ISLNK(entry.st_mode):
             target = os.readlink(name, dir_fd=here.fd)
             self.report["links"] += 1
-            if not inside(clean(os.path.join(here.path, target)), self.path):
+            if not pve_ct_fs.inside(pve_ct_fs.clean(os.path.join(here.path, target)), self.path):
                 self.report["links_out"].append({"link": full, "target": target})
         elif stat.S_ISREG(entry.st_mode):
             self.report["bytes"] += entry.st_size
@@ -348,7 +298,7 @@ class Act:
         self.roots = [dict(r) for r in payload["roots"]]
         self.fingerprint = payload["fingerprint"]
         self.stamp_name = payload["stamp_name"]
-        self.homes = {clean(h): list(u) for h, u in payload["homes"].items()}
+        self.homes = {pve_ct_fs.clean(h): list(u) for h, u in payload["homes"].items()}
         self.uid = int(payload["uid"])  # the cache user's: who may own what lies in a directory they can write
         self.warmup = payload.get("warmup")
         self.unattended = bool(payload.get("unattended"))
@@ -368,17 +318,17 @@ class Act:
         self.fds = {}
 
     def open_checked(self, index):
-        """The fd of root ``index`` after the rules (:func:`refusal`, :func:`pve_ct_fs.open_root`), the very
+        """The fd of root ``index`` after the rules (:func:`pve_ct_fs.refusal`, :func:`pve_ct_fs.open_root`), the very
         directory the module judged (its ``id``); None when it does not exist; an ActError when it may not be
         touched."""
         if index in self.fds:
             return self.fds[index]
         root = self.roots[index]
-        why = refusal(root["path"], self.homes)
+        why = pve_ct_fs.refusal(root["path"], self.homes)
         if why:
             raise ActError("refused", f"compile cache root {root['path']} refused: {why}; nothing was deleted")
         try:
-            fd = pve_ct_fs.open_root(clean(root["path"]), self.uid)
+            fd = pve_ct_fs.open_root(pve_ct_fs.clean(root["path"]), self.uid)
         except pve_ct_fs.Unsafe as error:
             raise ActError(
                 "unsafe", f"compile cache root {root['path']} refused: {error}; nothing was deleted"
@@ -398,7 +348,7 @@ class Act:
             fd = self.open_checked(index)
         except ActError:
             return None
-        return size_of(fd, clean(self.roots[index]["path"]), self.stamp_name) if fd is not None else 0
+        return size_of(fd, pve_ct_fs.clean(self.roots[index]["path"]), self.stamp_name) if fd is not None else 0
 
     def execute(self):
         started = time.monotonic()
@@ -406,14 +356,16 @@ class Act:
         for index in acting:
             if self.open_checked(index) is None:
                 raise ActError("changed", f"{self.roots[index]['path']} is no longer a directory; run again")
-        reals = {i: clean(self.roots[i]["path"]) for i in acting}  # no link on the way: the path is the real one
+        reals = {
+            i: pve_ct_fs.clean(self.roots[i]["path"]) for i in acting
+        }  # no link on the way: the path is the real one
         purging = [i for i in acting if self.roots[i]["action"] == "purge"]
         users = users_of(sorted({reals[i] for i in purging}), os.getpid())
         busy = [(self.roots[i], users[reals[i]]) for i in purging if users[reals[i]]]
         if busy and self.unattended:
             for root, found in busy:
                 root["action"] = None  # left for a window: neither purged nor stamped
-                self.window.append({"path": root["path"], "real_path": clean(root["path"]), "users": found})
+                self.window.append({"path": root["path"], "real_path": pve_ct_fs.clean(root["path"]), "users": found})
             self.warmup = None  # no compile while a live process uses the caches it would fill
             busy = []
         if busy:
@@ -425,7 +377,7 @@ class Act:
         for index, root in enumerate(self.roots):
             root["size_before"] = self.size(index)
             if root["action"] == "purge":
-                root["purged"] = Purge(self.fds[index], clean(root["path"]), self.stamp_name).run()
+                root["purged"] = Purge(self.fds[index], pve_ct_fs.clean(root["path"]), self.stamp_name).run()
             if root["action"] in ("purge", "stamp"):
                 write_stamp(self.fds[index], self.stamp_name, stamp_content(self.fingerprint))
                 root["stamped"] = True
@@ -470,7 +422,7 @@ class Act:
             fd = self.open_checked(index)  # created by the user: opened by the same rules before root writes
             if fd is None:
                 continue
-            root["real_path"] = root["real_path"] or clean(root["path"])
+            root["real_path"] = root["real_path"] or pve_ct_fs.clean(root["path"])
             if not root["stamped"] and pve_ct_fs.kind_at(fd, self.stamp_name) is None:
                 write_stamp(fd, self.stamp_name, stamp_content(self.fingerprint))
                 root["stamped"] = True
