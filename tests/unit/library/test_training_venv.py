@@ -32,11 +32,11 @@ import training_venv
 import yaml
 from ansible.module_utils import pve_probe_training_venv, pve_venv
 from ansible.module_utils import pve_script_training_venv as script
-from ansible.module_utils.pve_target import PROBES_MAIN, Target
+from ansible.module_utils.pve_target import PROBES_MAIN, Target, probes_input
 from ansible.module_utils.pve_venv import VenvError
 
 from tests.conftest import ROOT
-from tests.fakes import FakeRunner, run_module
+from tests.fakes import FakeRunner, run_module, run_probes_program
 
 UV = str(ROOT / ".venv" / "bin" / "uv")
 SYSTEM_PYTHON = "/usr/bin/python3.11"
@@ -778,7 +778,7 @@ def test_an_interrupted_build_is_removed_by_the_next_run(host, capsys):
     host.indexes.server.hang["idna-3.10-py3-none-any.whl"] = (requested, release)
     spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[1])
-    program = json.dumps({"sources": {"build": inspect.getsource(script)}, "payloads": {"build": payload}})
+    program = probes_input({"build": (script, payload)})
     build = subprocess.Popen(
         [SYSTEM_PYTHON, "-I", "-c", PROBES_MAIN],
         stdin=subprocess.PIPE,
@@ -951,9 +951,7 @@ def test_the_script_runs_as_shipped_on_python_3_9(host, capsys):
         pytest.skip("no python3.9 here")
     spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[0])
-    program = json.dumps({"sources": {"build": inspect.getsource(script)}, "payloads": {"build": payload}})
-    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
-    answer = json.loads(done.stdout)["build"]["answer"]
+    answer = run_probes_program(python, {"build": (script, payload)})["build"]["answer"]
     assert answer["current"] == str(host.version(STAMPS[0])), answer
     assert host.run(capsys)["changed"] is False
 
