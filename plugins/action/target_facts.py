@@ -14,7 +14,13 @@ beside Ansible's own local temp directories (``local_tmp``), under a key made of
 (ansible-core's version and location, the controller's Python, the module's bytes and every file of every
 ``module_utils`` directory), and puts it back where Ansible looks before it would build it again. A changed file is
 a new key, so a stale payload is never used; the store keeps the newest KEEP keys. Anything unexpected (a store
-that is not the user's own, a read-only home) leaves the action exactly as ``normal``: it only ever saves time.
+that is not the user's own, a read-only home, any exception of the store) leaves the action exactly as ``normal``:
+it only ever saves time.
+
+Where Ansible keeps its cache (``<local_tmp>/ansiballz_cache``) and how it names a payload there
+(``<fqn>-<compression>-<extension set>``) are ansible-core internals, so the store is used only on the ansible-core
+versions it was written and tested for, KNOWN_ANSIBLE (the project's supported range: ``make test`` runs the unit
+tests, these included, on both ends); on any other version Ansible builds the payload itself, as it always does.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from ansible.utils.display import Display
 display = Display()
 
 STORE_NAME = "pve-gpu-recover-ansiballz"
+# ansible-core versions (major, minor) whose AnsiballZ cache the store was written and tested for: 2.19 to 2.21.
+KNOWN_ANSIBLE = frozenset({(2, 19), (2, 20), (2, 21)})
 KEEP = 4  # payload keys kept: one per version of the code a controller still runs, about 0.3 MB each
 # The run's id, shared by the ansible-playbook process's workers through its own temp directory (local_tmp).
 RUN_ID_FILE = "pve-gpu-recover-run-id"
@@ -147,6 +155,22 @@ def _login_name():
     try:
         return getpass.getuser()
     except (KeyError, OSError):
+        return None
+
+
+def known_ansible(version):
+    """Whether ansible-core ``version`` (``2.19.14``, ``2.21.0rc1``) is one the payload store knows (KNOWN_ANSIBLE)."""
+    match = re.match(r"([0-9]+)\.([0-9]+)(?:\.|$)", str(version))
+    return bool(match) and (int(match[1]), int(match[2])) in KNOWN_ANSIBLE
+
+
+def guarded(what, function, *args):
+    """``function(*args)``, or None after any exception, said at -vvv: the store only ever saves time, so nothing it
+    does may fail the task (Ansible then builds the payload as it always does)."""
+    try:
+        return function(*args)
+    except Exception as error:  # by design: no failure of the store is a failure of the run
+        display.vvv(f"target_facts: AnsiballZ payload not {what}: {type(error).__name__}: {error}")
         return None
 
 
@@ -281,22 +305,23 @@ class ActionModule(NormalAction):
         return run_id
 
     def _run_keeping_payload(self, tmp, task_vars):
-        place = self._payload_place()
+        place = guarded("looked up", self._payload_place)
         if place:
-            try:
-                restore(*place)
-            except OSError as error:
-                display.vvv(f"target_facts: no kept AnsiballZ payload restored: {error}")
+            guarded("restored", restore, *place)
         result = super().run(tmp, task_vars)
         if place:
-            try:
-                keep(*place)
-            except OSError as error:
-                display.vvv(f"target_facts: the AnsiballZ payload was not kept: {error}")
+            guarded("kept", keep, *place)
         return result
 
     def _payload_place(self):
         """``(store, key, local_cache, fqn)``, or None when the payload is not to be kept (see the docstring)."""
+        if not known_ansible(ansible.__version__):
+            display.vvv(
+                f"target_facts: ansible-core {ansible.__version__} is not one the AnsiballZ payload store knows "
+                f"({', '.join(f'{major}.{minor}' for major, minor in sorted(KNOWN_ANSIBLE))}): Ansible builds the "
+                "payload itself"
+            )
+            return None
         try:
             module_path = self._shared_loader_obj.module_loader.find_plugin(self._task.action, mod_type=".py")
             if not module_path:

@@ -2,6 +2,9 @@
 project's ansible.cfg must find the same modules and plugins (target_facts needs its action to name the run)."""
 
 import configparser
+import os
+import subprocess
+import sys
 
 import yaml
 
@@ -32,3 +35,26 @@ def test_every_path_ansible_cfg_adds_is_set_for_molecule_too():
             continue
         assert env.get(PATH_SETTINGS[key]) == "${MOLECULE_PROJECT_DIRECTORY}/" + defaults[key], key
     assert env["ANSIBLE_CALLBACKS_ENABLED"] == defaults["callbacks_enabled"]
+
+
+def test_a_run_without_an_inventory_stops_and_names_one_never_the_lab():
+    """ansible.cfg names no real inventory: `ansible-playbook recover.yml` without -i must reach nothing (not the lab,
+    not a node), and say what to pass."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "ansible.cfg")
+    assert config["defaults"]["inventory"] == "inventory/none/hosts.sh"
+    assert config.getboolean("inventory", "any_unparsed_is_failed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
+    env.update(ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
+    done = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "ansible-inventory"), "--list"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0, done.stdout
+    assert "no inventory given. Name the targets: -i inventory/proxmox" in done.stderr
+    assert "pve-lab" not in done.stdout

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from harness import HOLDER, Lab, gpu_holder, gpulab, wait_until
 
+from tests.conftest import unavailable
+
 
 def proc_state(pid: int) -> str | None:
     stat = gpulab.read_proc_stat("/proc", pid)
@@ -175,7 +177,7 @@ def test_holder_in_a_pid_namespace_registers_its_host_pid(lab, tmp_path):
     """Like a holder in a container: its own pid is namespaced, the host's /proc is bind-mounted elsewhere."""
     unshare = shutil.which("unshare")
     if unshare is None or os.geteuid() != 0:
-        pytest.skip("needs root and unshare(1) for a private pid + mount namespace")
+        unavailable("needs root and unshare(1) for a private pid + mount namespace")
     hostproc = tmp_path / "hostproc"
     hostproc.mkdir()
     view = tmp_path / "view-pidns.json"
@@ -202,7 +204,7 @@ def test_holder_in_a_pid_namespace_registers_its_host_pid(lab, tmp_path):
     lab.procs.append(proc)
     line = proc.stdout.readline()
     if not line:
-        pytest.skip(f"cannot make namespaces here: {proc.stderr.read().strip()}")
+        unavailable(f"cannot make namespaces here: {proc.stderr.read().strip()}")
     host_pid = int(line.split()[1])
     try:
         nspid = next(x for x in Path(f"/proc/{host_pid}/status").read_text().splitlines() if x.startswith("NSpid"))

@@ -26,7 +26,7 @@ import pytest
 from ansible.module_utils import pve_cache, pve_ct_fs, pve_probe_compile_cache
 from ansible.module_utils import pve_script_compile_cache as script
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
 
 STAMP = ".pve-gpu-recover-stamp"
@@ -588,7 +588,7 @@ def test_a_warm_up_that_fills_no_root_is_an_error_not_a_run_that_repeats_forever
 def test_the_probe_and_script_run_as_shipped_on_python_3_9(host, capsys):
     python = Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9"
     if not python.exists():
-        pytest.skip("no python3.9 here")
+        unavailable("no python3.9 here")
     host.weeks_of_experiments()
     spec = {name: host.params().get(name, default) for name, default in pve_cache.SPEC_DEFAULTS.items()}
     read = pve_cache.probe_payload(spec, 30, gpus=True)
@@ -626,11 +626,11 @@ print(json.dumps({"first_call_s": round(first, 2), "torch": torch.__version__, "
 def cpu_torch_venv(tmp_path_factory):
     """A python 3.11 uv venv holding the CPU torch wheel FILE of /opt/wheels and its runtime dependencies."""
     if not TORCH_WHEEL.exists():
-        pytest.skip(f"{TORCH_WHEEL} is absent")
+        unavailable(f"{TORCH_WHEEL} is absent")
     if not (shutil.which("cc") and (shutil.which("c++") or shutil.which("g++"))):
-        pytest.skip("no C/C++ compiler here (inductor compiles its CPU kernels)")
+        unavailable("no C/C++ compiler here (inductor compiles its CPU kernels)")
     if not Path("/usr/bin/python3.11").exists():
-        pytest.skip("no /usr/bin/python3.11 (the wheel is cp311)")
+        unavailable("no /usr/bin/python3.11 (the wheel is cp311)")
     venv = tmp_path_factory.mktemp("torch") / "venv"
     env = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_NO_CONFIG="1", UV_NO_PROGRESS="1")
     for argv in (
@@ -640,7 +640,7 @@ def cpu_torch_venv(tmp_path_factory):
     ):
         done = subprocess.run([str(a) for a in argv], capture_output=True, text=True, env=env, check=False)
         if done.returncode != 0 and "pypi.org" in done.stderr:
-            pytest.skip(f"PyPI cannot be reached for torch's dependencies: {done.stderr.strip()[-300:]}")
+            unavailable(f"PyPI cannot be reached for torch's dependencies: {done.stderr.strip()[-300:]}")
         assert done.returncode == 0, done.stderr
     return venv
 

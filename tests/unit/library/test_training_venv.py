@@ -35,7 +35,7 @@ from ansible.module_utils import pve_script_training_venv as script
 from ansible.module_utils.pve_target import PROBES_MAIN, Target, probes_input
 from ansible.module_utils.pve_venv import VenvError
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
 
 UV = str(ROOT / ".venv" / "bin" / "uv")
@@ -589,7 +589,7 @@ def indexes(tmp_path_factory):
 def host(indexes, tmp_path, monkeypatch):
     """A bare host: PATH of a plain system, fresh uv/pip caches, no retries (a dropped wheel fails at once)."""
     if not (Path(UV).exists() and Path(SYSTEM_PYTHON).exists()):
-        pytest.skip(f"needs {UV} and {SYSTEM_PYTHON}")
+        unavailable(f"needs {UV} and {SYSTEM_PYTHON}")
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu1")
     stamps = iter(STAMPS)
     monkeypatch.setattr(training_venv, "utc_stamp", lambda: next(stamps))
@@ -860,7 +860,7 @@ def test_no_uv_and_no_venv_module_is_one_clear_error(host, capsys, tmp_path):
 def test_without_uv_the_venv_is_built_with_venv_and_pip(host, capsys, tooling):
     check = subprocess.run([SYSTEM_PYTHON, "-c", "import ensurepip, venv"], capture_output=True, check=False)
     if check.returncode != 0:
-        pytest.skip(f"{SYSTEM_PYTHON} has no venv/ensurepip")
+        unavailable(f"{SYSTEM_PYTHON} has no venv/ensurepip")
     result = host.run(capsys, uv="/nonexistent/uv", tooling=tooling)
     assert result["changed"] is True, result.get("msg")
     assert result["builder"]["name"] == "venv+pip"
@@ -948,7 +948,7 @@ def test_the_script_runs_as_shipped_on_python_3_9(host, capsys):
     candidates = [Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9", Path("/usr/bin/python3.9")]
     python = next((str(p) for p in candidates if p.exists()), None)
     if python is None or subprocess.run([python, "-c", "pass"], check=False).returncode != 0:
-        pytest.skip("no python3.9 here")
+        unavailable("no python3.9 here")
     spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[0])
     answer = run_probes_program(python, {"build": (script, payload)})["build"]["answer"]
@@ -1110,3 +1110,38 @@ def test_a_rebuild_counts_the_version_it_makes_and_never_removes_one_a_shell_sit
         [{"path": str(oldest), "pids": [shell.pid], "reason": f"in use by pid {shell.pid}"}],
     )
     assert oldest.is_dir()
+
+
+@pytest.mark.parametrize("fails_at", ["rename aside", "link over"])
+def test_a_failed_swap_over_a_real_venv_directory_puts_it_back_where_it_was(tmp_path, monkeypatch, fails_at):
+    # The first rebuild of a venv made before this tool: <path> is a real directory, renamed aside before the link
+    # can take its name. A failure at either rename must leave <path> the old, working venv, and no link behind.
+    old = tmp_path / "train"
+    (old / "bin").mkdir(parents=True)
+    (old / "bin" / "python").write_text("#!/bin/sh\n")
+    new = tmp_path / "train.20261203T101500Z"
+    new.mkdir()
+    build = script.Build(
+        {"path": str(old), "stamp": "20261203T101500Z", "lock": "six==1.17.0\n", "expected": {"six": "1.17.0"}}
+    )
+    real_rename, real_replace = os.rename, os.replace
+
+    def broken(name, real):
+        def call(src, dst):
+            if name == fails_at:
+                raise OSError(errno.EIO, "Input/output error")
+            return real(src, dst)
+
+        return call
+
+    monkeypatch.setattr(
+        script.os,
+        "rename",
+        lambda s, d: broken("rename aside", real_rename)(s, d) if str(d).endswith("-previous") else real_rename(s, d),
+    )
+    monkeypatch.setattr(script.os, "replace", broken("link over", real_replace))
+    with pytest.raises(OSError):
+        build.swap("dir", str(old))
+    assert old.is_dir() and not old.is_symlink(), "the old venv is not back at its path"
+    assert (old / "bin" / "python").read_text() == "#!/bin/sh\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train", "train.20261203T101500Z"]

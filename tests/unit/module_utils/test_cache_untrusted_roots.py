@@ -18,6 +18,7 @@ import pytest
 from ansible.module_utils import pve_cache, pve_ct_fs, pve_probe_compile_cache
 from ansible.module_utils import pve_script_compile_cache as script
 
+from tests.conftest import unavailable
 from tests.fakes import run_probes_program
 from tests.unit.module_utils.test_pve_cache import CU130, LABEL, SPEC, fake_venv, probe_of, write_stamp
 
@@ -179,7 +180,7 @@ def probe_then_act(python, root, payload, prefix=()):
 
 def test_a_bind_mount_inside_a_root_is_never_entered_and_its_source_survives(tmp_path):
     if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"], check=False).returncode != 0:
-        pytest.skip("no private mount namespace here (unshare -m)")
+        unavailable("no private mount namespace here (unshare -m)")
     source = checkpoints_in(tmp_path, "dataset")
     root = stale_cache(tmp_path / "inductor")
     (root / "data").mkdir()
@@ -277,7 +278,7 @@ def test_the_users_own_root_is_purged_but_a_directory_of_roots_moved_into_it_is_
 def test_the_probe_and_script_open_roots_this_way_on_python_3_9(tmp_path):
     python = Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9"
     if not python.exists():
-        pytest.skip("no python3.9 here")
+        unavailable("no python3.9 here")
     root = stale_cache(tmp_path / "inductor")
     fake_venv(tmp_path / "venv")
     spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root)])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import target_facts
 import yaml
-from ansible.module_utils import pve_gpu_cleanup, pve_preflight, pve_steps
+from ansible.module_utils import pve_code, pve_gpu_cleanup, pve_preflight, pve_steps
 from ansible.module_utils.pve_target import Target
 
 from tests.fakes import FakeRunner, run_module
@@ -67,3 +67,30 @@ def test_low_disk_is_a_warning_of_the_pass_before_it_is_a_failure(tmp_path, monk
     shown = [w["event"]["msg"] if isinstance(w, dict) else w for w in result["warnings"]]
     assert shown == facts["preflight"]["warnings"]
     assert "below the warning threshold of 40 GiB (preflight_warn_free_gib)" in shown[0]
+
+
+def test_a_pending_step_beside_another_steps_problem_leaves_no_lock(tmp_path, monkeypatch):
+    # The run stops at the fact pass's assert when any step has a problem, so no later task would release the
+    # lock: the pass must release it itself even though another step has work (issue 20 item 7: a keep rule of
+    # `bool(pending)` alone passed every test before this one).
+    monkeypatch.setattr(pve_preflight, "read_node_driver_version", lambda path: "580.159.04")
+    monkeypatch.setattr(pve_gpu_cleanup, "read_node", lambda *args: {})
+    work = {"changes": ["end pid 4242 (python3)"], "problems": [], "diff": {"before": "", "after": ""}}
+    monkeypatch.setattr(pve_gpu_cleanup, "evaluate_step", lambda *args: dict(work, pending=True))
+    # The code step reads nothing in this pass and finds a problem (say, its repository is missing).
+    monkeypatch.setattr(pve_code, "probe_payload", lambda *args: None)
+    monkeypatch.setattr(pve_code, "read_node", lambda *args, **kwargs: {})
+    problem = {"changes": [], "problems": ["CT 200: /srv/train is not a git repository"], "diff": {}}
+    monkeypatch.setattr(pve_code, "evaluate_step", lambda *args: dict(problem, pending=False))
+    argv = [*ANCHORS["probe_argv"], json.dumps({"preflight": ANCHORS["payload"]})]
+    runner = FakeRunner((argv, (0, json.dumps({"preflight": {"answer": ANCHORS["healthy"]}}), "")))
+    specs = pve_steps.validate_specs(
+        {"preflight": {"expected_gpu_count": 2}, "gpu_processes": {}, "training_code": {"commit": "a" * 40}}
+    )
+    lock = {"lock_dir": str(tmp_path), "run_id": "run-1", "owner": "alice@ctl", "ttl": 7200}
+    facts = pve_steps.fact_pass(Target(200, node="pve1", runner=runner), specs, lock=lock)
+    assert facts["pending"] == ["gpu_processes"]
+    assert facts["problems"] == ["CT 200: /srv/train is not a git repository"]
+    assert facts["lock"]["held"] is False
+    assert list(tmp_path.iterdir()) == []
+    runner.assert_done()

@@ -20,6 +20,7 @@ from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible.module_utils.pve_cache import CacheError
 from ansible.module_utils.pve_target import probe_name
 
+from tests.conftest import unavailable
 from tests.fakes import not_shippable, run_probes_program
 
 LABEL = "CT 200 on pve1"
@@ -635,7 +636,7 @@ def test_the_probe_names_a_process_whose_cwd_or_open_file_is_in_a_root(tmp_path)
 def test_the_probe_runs_as_the_fact_pass_ships_it_on_python_3_9(tmp_path):
     python = Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9"
     if not python.exists():
-        pytest.skip("no python3.9 here")
+        unavailable("no python3.9 here")
     fake_venv(tmp_path / "venv")
     root = tmp_path / "inductor"
     root.mkdir()
@@ -721,7 +722,7 @@ def test_a_directory_mounted_inside_a_root_is_left_alone(tmp_path):
         ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root / "data")], check=False, capture_output=True
     )
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+        unavailable(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
         (root / "data" / "dataset").write_text("not a cache")
         answer = probe_of(tmp_path, [str(root)])

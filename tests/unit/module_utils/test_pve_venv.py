@@ -24,7 +24,7 @@ from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible.module_utils.pve_target import probe_name
 from ansible.module_utils.pve_venv import VenvError
 
-from tests.conftest import FIXTURES, ROOT
+from tests.conftest import FIXTURES, ROOT, unavailable
 from tests.fakes import run_probes_program
 
 VENV_FIXTURES = FIXTURES / "venv"
@@ -517,7 +517,7 @@ def test_version_py_is_parsed_without_exec():
 # -- the probe part against real venvs -------------------------------------------------------------------------
 def uv(*args):
     if UV is None:
-        pytest.skip("uv is not installed (make setup installs it into .venv)")
+        unavailable("uv is not installed (make setup installs it into .venv)")
     return subprocess.run([UV, *map(str, args)], capture_output=True, text=True, env=UV_ENV, check=False)
 
 
@@ -605,7 +605,7 @@ def test_a_uv_venv_with_packages_from_pypi(tmp_path):
     venv = make_venv(tmp_path / "venv")
     done = uv("pip", "install", "--quiet", "--python", venv, "six==1.17.0", "idna==3.10")
     if done.returncode != 0:
-        pytest.skip(f"PyPI cannot be reached: {done.stderr.strip().splitlines()[-1:]}")
+        unavailable(f"PyPI cannot be reached: {done.stderr.strip().splitlines()[-1:]}")
     answer = probe(venv)
     assert answer["exists"] is True
     assert answer["python"] == "{}.{}".format(*sys.version_info[:2])
@@ -722,7 +722,7 @@ def other_python(minor):
 def test_the_probe_runs_as_the_fact_pass_ships_it_on_old_pythons(tmp_path, minor):
     python = other_python(minor)
     if python is None:
-        pytest.skip(f"no python{minor} here")
+        unavailable(f"no python{minor} here")
     venv = fake_torch_venv(tmp_path, "2.11.0", VERSION_PY_CU130)
     payload = pve_venv.probe_payload(dict(SPEC, path=str(venv)), 30)
     answer = run_probes_program(python, {pve_venv.NAME: (pve_probe_training_venv, payload)})[pve_venv.NAME]["answer"]
@@ -734,10 +734,10 @@ def test_the_probe_runs_as_the_fact_pass_ships_it_on_old_pythons(tmp_path, minor
 def cpu_torch_venv(tmp_path_factory):
     """A python 3.11 uv venv holding the real CPU torch wheel of /opt/wheels, without its dependencies."""
     if not TORCH_WHEEL.exists():
-        pytest.skip(f"{TORCH_WHEEL} is absent")
+        unavailable(f"{TORCH_WHEEL} is absent")
     python = other_python("3.11")
     if python is None:
-        pytest.skip("no python3.11 here (the wheel is cp311)")
+        unavailable("no python3.11 here (the wheel is cp311)")
     venv = make_venv(tmp_path_factory.mktemp("torch") / "venv", python)
     done = uv("pip", "install", "--quiet", "--python", venv, "--no-deps", TORCH_WHEEL)
     assert done.returncode == 0, done.stderr

@@ -21,7 +21,7 @@ from ansible.module_utils.nvidia_smi import GPU_FIELDS
 from ansible.module_utils.pve_target import probe_name
 from ansible.module_utils.pve_verify import VerifyError
 
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, unavailable
 from tests.fakes import run_probes_program
 
 LABEL = "CT 200 on pve1"
@@ -692,7 +692,7 @@ def other_python(minor):
 def test_the_probe_part_runs_as_the_fact_pass_ships_it(tmp_path, minor):
     python = other_python(minor) if minor != "3.12" else sys.executable
     if python is None:
-        pytest.skip(f"no python{minor} here")
+        unavailable(f"no python{minor} here")
     venv = make_venv_dir(tmp_path / "train")
     payload = pve_verify.probe_payload(KNOWN_GOOD | {"venv": str(venv)})
     answer = run_probes_program(python, {"verify": (pve_probe_verify, payload)})["verify"]["answer"]
@@ -807,7 +807,7 @@ def test_a_venv_without_torch_and_an_old_python_answer_too(tmp_path):
     assert (facts["failure"], facts["error"]) == ("import", "ModuleNotFoundError: No module named 'torch'")
     python = other_python("3.9")
     if python is None:
-        pytest.skip("no python3.9 here")
+        unavailable("no python3.9 here")
     _, facts = run_script(stub_venv(tmp_path / "old", python=python))
     assert (facts["version"], facts["python_version"][:4]) == ("2.11.0+cu128", "3.9.")
 

@@ -118,6 +118,30 @@ def test_a_store_others_can_write_is_not_used(action, tmp_path):
     assert not action.private_dir(str(tmp_path / "file"))
 
 
+def test_the_store_knows_the_supported_ansible_core_range_only(action):
+    for known in ("2.19.0", "2.19.14", "2.20.3", "2.21.5", "2.21.0rc1", "2.21"):
+        assert action.known_ansible(known), known
+    for unknown in ("2.18.12", "2.22.0", "2.22.0.dev0", "2.190.1", "3.19.1", "", "devel", None):
+        assert not action.known_ansible(unknown), unknown
+
+
+def test_the_ansible_core_under_test_is_one_the_store_knows(action):
+    """`make test` runs these tests on each end of the supported range (.venv: 2.19, .venv-latest: 2.21), so the
+    tests below that run real ansible processes prove the store on both; an ansible-core outside the range would
+    only prove the fallback."""
+    import ansible  # noqa: PLC0415 (the plugin's ansible, imported with it)
+
+    assert action.known_ansible(ansible.__version__), f"ansible-core {ansible.__version__}: add it to KNOWN_ANSIBLE"
+
+
+def test_a_store_failure_of_any_kind_is_none(action):
+    def broken():
+        raise RuntimeError("an internal Ansible moved")
+
+    assert action.guarded("kept", broken) is None
+    assert action.guarded("kept", lambda a, b: a + b, 1, 2) == 3
+
+
 # -- the inventory, the run's id, who runs it ------------------------------------------------------------------
 SHAPE = "pve_vmid must be a Proxmox CT id (an integer from 100 to 999999999) with pve_node naming its node"
 
@@ -198,6 +222,7 @@ def ad_hoc(local_tmp, hosts, *args, debug=False):
     env = dict(
         os.environ,
         ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
+        PYTHONPATH=os.pathsep.join(p for p in [str(local_tmp / "site"), os.environ.get("PYTHONPATH")] if p),
         ANSIBLE_LOCAL_TEMP=str(local_tmp),
         ANSIBLE_NOCOLOR="1",
         ANSIBLE_LOAD_CALLBACK_PLUGINS="1",
@@ -275,9 +300,9 @@ def test_a_run_id_that_cannot_name_a_file_fails_and_names_nothing(tmp_path):
     assert not list(tmp_path.rglob("escaped*"))
 
 
-def run_ad_hoc(local_tmp):
+def run_ad_hoc(local_tmp, *args):
     """The real module through the action, with ansible-core's debug lines (it fails on its steps: enough)."""
-    done = ad_hoc(local_tmp, "localhost,", "-c", "local", "-a", UNKNOWN_STEP, debug=True)
+    done = ad_hoc(local_tmp, "localhost,", "-c", "local", "-a", UNKNOWN_STEP, *args, debug=True)
     assert "unknown step(s) nope" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     return done.stdout + done.stderr
 
@@ -289,3 +314,44 @@ def test_a_second_ansible_process_uses_the_payload_the_first_one_built(action, t
     assert os.listdir(tmp_path / action.STORE_NAME / kept) == [PAYLOAD]
     second = run_ad_hoc(tmp_path)
     assert "ANSIBALLZ: using cached module" in second and "ANSIBALLZ: Creating module" not in second
+
+
+def sitecustomize(local_tmp, code):
+    """Python code every process of the next ad hoc runs starts with (before Ansible loads anything)."""
+    (local_tmp / "site").mkdir(exist_ok=True)
+    (local_tmp / "site" / "sitecustomize.py").write_text(code)
+
+
+def test_an_ansible_core_the_store_does_not_know_builds_the_payload_itself(action, tmp_path):
+    sitecustomize(
+        tmp_path,
+        "import os, sys\n"
+        "if os.path.basename(sys.argv[0]) == 'ansible':  # the controller only, not the module's own python\n"
+        "    import ansible\n"
+        "    ansible.__version__ = '2.22.0'\n",
+    )
+    for _ in range(2):
+        output = run_ad_hoc(tmp_path, "-vvv")
+        assert "ANSIBALLZ: Creating module" in output and "ANSIBALLZ: using cached module" not in output
+        assert "ansible-core 2.22.0 is not one the AnsiballZ payload store knows (2.19, 2.20, 2.21)" in output
+    assert not (tmp_path / action.STORE_NAME).exists()
+
+
+def test_any_exception_of_the_store_leaves_the_payload_to_ansible_and_never_fails_the_run(action, tmp_path):
+    """The store's directory listings raise what no OSError handler catches: each run still gets its module's
+    answer (run_ad_hoc asserts it), Ansible building the payload, and says why at -vvv."""
+    sitecustomize(
+        tmp_path,
+        "import os\n"
+        "_listdir = os.listdir\n"
+        "def listdir(path='.'):\n"
+        f"    if {action.STORE_NAME!r} in os.fsdecode(path):\n"
+        "        raise RuntimeError('the store broke')\n"
+        "    return _listdir(path)\n"
+        "os.listdir = listdir\n",
+    )
+    outputs = [run_ad_hoc(tmp_path, "-vvv") for _ in range(2)]
+    for output in outputs:
+        assert "ANSIBALLZ: Creating module" in output and "ANSIBALLZ: using cached module" not in output
+        assert "AnsiballZ payload not restored: RuntimeError: the store broke" in output
+    assert "AnsiballZ payload not kept: RuntimeError: the store broke" in outputs[0]
