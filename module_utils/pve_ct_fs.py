@@ -9,6 +9,7 @@ Python 3.9+, nothing of ours imported. The node's judgement (pve_cache) applies 
 :func:`open_root` opens a root one component at a time with O_NOFOLLOW, each component owned by someone
 :func:`trusted_owners` trusts; :func:`open_inside` enters a subdirectory only on the same mount (mount id, so a bind
 mount too) and only when its parent's non-root owner owns it. Everything after works through these fds.
+:func:`refusal` names the paths that are never a root to purge; :func:`uses` what a live process holds in one.
 """
 
 import errno
@@ -220,3 +221,31 @@ LEFT = {
     "owner": "owned by another user than its directory's owner, who could have moved it in: never entered",
     "depth": f"more than {MAX_DEPTH} levels deep: never entered",
 }
+
+
+# -- processes using a root ------------------------------------------------------------------------------------
+def uses(pid, reals):
+    """``{real: set of how}`` for the roots process ``pid`` uses: ``cwd``, ``open`` (an fd), ``mapped``."""
+    base = f"/proc/{pid}"
+    used = {}
+
+    def note(path, how):
+        if not path:
+            return
+        path = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
+        for real in reals:
+            if inside(path, real):
+                used.setdefault(real, set()).add(how)
+
+    note(os.readlink(f"{base}/cwd"), "cwd")
+    for fd in os.listdir(f"{base}/fd"):
+        try:
+            note(os.readlink(f"{base}/fd/{fd}"), "open")
+        except FileNotFoundError:
+            continue  # closed while we looked
+    with open(f"{base}/maps", encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                note(fields[5].rstrip("\n"), "mapped")
+    return used

@@ -290,37 +290,6 @@ def read_root(template, path, stamp_name, deadline, *, homes, uid):
 
 
 # -- processes using a root ------------------------------------------------------------------------------------
-def _uses(pid, reals):
-    """``{real: set of how}`` for the roots process ``pid`` uses: ``cwd``, ``open`` (an fd), ``mapped``."""
-    base = f"/proc/{pid}"
-    used = {}
-
-    def note(path, how):
-        if not path:
-            return
-        path = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
-        for real in reals:
-            if pve_ct_fs.inside(path, real):
-                used.setdefault(real, set()).add(how)
-
-    note(_readlink_strict(f"{base}/cwd"), "cwd")
-    for fd in os.listdir(f"{base}/fd"):
-        try:
-            note(os.readlink(f"{base}/fd/{fd}"), "open")
-        except FileNotFoundError:
-            continue  # closed while we looked
-    with open(f"{base}/maps", encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            fields = line.split(None, 5)
-            if len(fields) == 6 and fields[5].startswith("/"):
-                note(fields[5].rstrip("\n"), "mapped")
-    return used
-
-
-def _readlink_strict(path):
-    return os.readlink(path)
-
-
 def read_users(reals, deadline, own_pid):
     """Live processes that use a root: ``({real: [{"pid", "name", "how"}]}, unreadable count, partial)``."""
     users = {real: [] for real in reals}
@@ -337,7 +306,7 @@ def read_users(reals, deadline, own_pid):
         if pid == own_pid:
             continue
         try:
-            used = _uses(pid, reals)
+            used = pve_ct_fs.uses(pid, reals)
         except (FileNotFoundError, ProcessLookupError):
             continue  # it ended while we looked
         except PermissionError:

@@ -104,7 +104,7 @@ def users_of(reals, own_pid):
         if not name.isdigit() or int(name) == own_pid:
             continue
         try:
-            used = _uses(int(name), reals)
+            used = pve_ct_fs.uses(int(name), reals)
         except OSError:
             continue  # gone, or not ours to read (the module's read already counted those)
         if used:
@@ -116,30 +116,6 @@ def users_of(reals, own_pid):
             for real, how in used.items():
                 found[real].append({"pid": int(name), "name": comm, "how": sorted(how)})
     return found
-
-
-def _uses(pid, reals):
-    base = f"/proc/{pid}"
-    used = {}
-
-    def note(path, how):
-        path = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
-        for real in reals:
-            if pve_ct_fs.inside(path, real):
-                used.setdefault(real, set()).add(how)
-
-    note(os.readlink(f"{base}/cwd"), "cwd")
-    for fd in os.listdir(f"{base}/fd"):
-        try:
-            note(os.readlink(f"{base}/fd/{fd}"), "open")
-        except FileNotFoundError:
-            continue
-    with open(f"{base}/maps", encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            fields = line.split(None, 5)
-            if len(fields) == 6 and fields[5].startswith("/"):
-                note(fields[5].rstrip("\n"), "mapped")
-    return used
 
 
 # -- writing ---------------------------------------------------------------------------------------------------
