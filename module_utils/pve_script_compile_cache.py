@@ -27,7 +27,6 @@ the other roots are purged and stamped. Any failure answers
 """
 
 import contextlib
-import errno
 import json
 import os
 import signal
@@ -35,28 +34,10 @@ import stat
 import subprocess
 import time
 
-from ansible.module_utils import pve_ct_fs
+from ansible.module_utils import pve_ct_act, pve_ct_fs
 
-SHARED = (pve_ct_fs,)  # container-side modules Target.run_probes ships with this part
+SHARED = (pve_ct_act, pve_ct_fs)  # container-side modules Target.run_probes ships with this part
 TAIL_LINES = 20
-TAIL_CHARS = 4000
-
-
-class ActError(Exception):
-    """One failure: ``kind`` for code, the message for people, the command when one ran."""
-
-    def __init__(self, kind, message, *, cmd=None, rc=None, stdout="", stderr=""):
-        super().__init__(message)
-        self.kind = kind
-        self.cmd = cmd
-        self.rc = rc
-        self.stdout = stdout
-        self.stderr = stderr
-
-
-def tail(text):
-    lines = (text or "").rstrip("\n").splitlines()[-TAIL_LINES:]
-    return "\n".join(lines)[-TAIL_CHARS:]
 
 
 def last_line(text):
@@ -230,7 +211,7 @@ def run_warmup(warmup, deadline):
     uid, gid = warmup.get("uid"), warmup.get("gid")
     if uid is not None and uid != os.geteuid():
         if os.geteuid() != 0:
-            raise ActError(
+            raise pve_ct_act.ActError(
                 "warmup_user",
                 f"the warm-up must run as {warmup['user']} (uid {uid}), but this runs as uid {os.geteuid()}",
                 cmd=argv,
@@ -249,7 +230,9 @@ def run_warmup(warmup, deadline):
             **extra,
         )
     except OSError as error:
-        raise ActError("warmup_not_found", f"cannot run the warm-up `{argv[0]}`: {error.strerror}", cmd=argv) from None
+        raise pve_ct_act.ActError(
+            "warmup_not_found", f"cannot run the warm-up `{argv[0]}`: {error.strerror}", cmd=argv
+        ) from None
     try:
         out, err = process.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
@@ -259,7 +242,7 @@ def run_warmup(warmup, deadline):
             out, err = process.communicate(timeout=5)
         except subprocess.TimeoutExpired:
             out, err = b"", b""
-        raise ActError(
+        raise pve_ct_act.ActError(
             "warmup_timeout",
             f"the warm-up `{' '.join(argv)}` did not finish within {seconds:g} s (warmup_timeout) and was killed",
             cmd=argv,
@@ -295,18 +278,20 @@ class Act:
 
     def open_checked(self, index):
         """The fd of root ``index`` after the rules (:func:`pve_ct_fs.refusal`, :func:`pve_ct_fs.open_root`), the very
-        directory the module judged (its ``id``); None when it does not exist; an ActError when it may not be
+        directory the module judged (its ``id``); None when it does not exist; an pve_ct_act.ActError when it may not be
         touched."""
         if index in self.fds:
             return self.fds[index]
         root = self.roots[index]
         why = pve_ct_fs.refusal(root["path"], self.homes)
         if why:
-            raise ActError("refused", f"compile cache root {root['path']} refused: {why}; nothing was deleted")
+            raise pve_ct_act.ActError(
+                "refused", f"compile cache root {root['path']} refused: {why}; nothing was deleted"
+            )
         try:
             fd = pve_ct_fs.open_root(pve_ct_fs.clean(root["path"]), self.uid)
         except pve_ct_fs.Unsafe as error:
-            raise ActError(
+            raise pve_ct_act.ActError(
                 "unsafe", f"compile cache root {root['path']} refused: {error}; nothing was deleted"
             ) from None
         if fd is None:
@@ -314,7 +299,7 @@ class Act:
         info = os.fstat(fd)
         if root.get("id") is not None and [info.st_dev, info.st_ino] != list(root["id"]):
             os.close(fd)
-            raise ActError("changed", f"{root['path']} is another directory than the one read; run again")
+            raise pve_ct_act.ActError("changed", f"{root['path']} is another directory than the one read; run again")
         self.fds[index] = fd
         return fd
 
@@ -322,7 +307,7 @@ class Act:
         """Bytes in root ``index``; 0 when it does not exist, None when it cannot be opened."""
         try:
             fd = self.open_checked(index)
-        except ActError:
+        except pve_ct_act.ActError:
             return None
         return size_of(fd, pve_ct_fs.clean(self.roots[index]["path"]), self.stamp_name) if fd is not None else 0
 
@@ -331,7 +316,7 @@ class Act:
         acting = [i for i, r in enumerate(self.roots) if r["action"]]
         for index in acting:
             if self.open_checked(index) is None:
-                raise ActError("changed", f"{self.roots[index]['path']} is no longer a directory; run again")
+                raise pve_ct_act.ActError("changed", f"{self.roots[index]['path']} is no longer a directory; run again")
         reals = {
             i: pve_ct_fs.clean(self.roots[i]["path"]) for i in acting
         }  # no link on the way: the path is the real one
@@ -349,7 +334,7 @@ class Act:
                 f"{r['path']} by " + ", ".join(f"pid {u['pid']} ({u['name']}: {', '.join(u['how'])})" for u in found)
                 for r, found in busy
             )
-            raise ActError("busy", f"nothing was purged: a live process uses a cache to purge: {named}")
+            raise pve_ct_act.ActError("busy", f"nothing was purged: a live process uses a cache to purge: {named}")
         for index, root in enumerate(self.roots):
             root["size_before"] = self.size(index)
             if root["action"] == "purge":
@@ -380,11 +365,11 @@ class Act:
             "size_before": before,
             "size_after": after,
             "filled": after > before,
-            "stdout_tail": tail(out),
-            "stderr_tail": tail(err),
+            "stdout_tail": pve_ct_act.tail(out, TAIL_LINES),
+            "stderr_tail": pve_ct_act.tail(err, TAIL_LINES),
         }
         if rc != 0:
-            raise ActError(
+            raise pve_ct_act.ActError(
                 "warmup_failed",
                 f"the warm-up `{' '.join(map(str, self.warmup['argv']))}` failed with exit code {rc}: "
                 f"{last_line(err or out)}",
@@ -404,7 +389,7 @@ class Act:
                 root["stamped"] = True
             filled = filled or has_content(fd, self.stamp_name)
         if not filled:
-            raise ActError(
+            raise pve_ct_act.ActError(
                 "warmup_empty",
                 f"the warm-up `{' '.join(map(str, self.warmup['argv']))}` succeeded but left every cache root "
                 "empty: does it compile, and does it use TORCHINDUCTOR_CACHE_DIR (the first root)?",
@@ -436,14 +421,11 @@ def probe(payload):
         return {"error": "invalid", "message": f"the compile cache payload is incomplete: {error}", "done": None}
     try:
         return act.execute()
-    except ActError as error:
-        failure = {"error": error.kind, "message": str(error), "cmd": error.cmd, "rc": error.rc}
-        failure.update(stdout_tail=tail(error.stdout), stderr_tail=tail(error.stderr))
+    except pve_ct_act.ActError as error:
+        out, err = pve_ct_act.tail(error.stdout, TAIL_LINES), pve_ct_act.tail(error.stderr, TAIL_LINES)
+        failure = dict(pve_ct_act.failure(error), stdout_tail=out, stderr_tail=err)
     except OSError as error:
-        kind = "no_space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "os_error"
-        where = f" ({error.filename})" if error.filename else ""
-        failure = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
-        failure.update(stdout_tail="", stderr_tail="")
+        failure = dict(pve_ct_act.failure(error), stdout_tail="", stderr_tail="")
     finally:
         act.close()
     failure["done"] = act.done()

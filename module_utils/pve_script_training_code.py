@@ -67,9 +67,9 @@ import tarfile
 import tempfile
 import time
 
-from ansible.module_utils import pve_ct_git
+from ansible.module_utils import pve_ct_act, pve_ct_git
 
-SHARED = (pve_ct_git,)  # container-side modules Target.run_probes ships with this part
+SHARED = (pve_ct_act, pve_ct_git)  # container-side modules Target.run_probes ships with this part
 PATCH_ARGS = (
     "--binary",
     "--no-color",
@@ -85,24 +85,7 @@ KEEP_REF = "refs/pve-gpu-recover/detached/"
 UNMERGED = {"DD", "AU", "UD", "UA", "DU", "AA", "UU"}
 SPARE = 1024 * 1024  # bytes the backup's file system keeps free beyond the backup
 TAIL_LINES = 40
-TAIL_CHARS = 4000
 KILL_WAIT = 5
-
-
-class ResetError(Exception):
-    """One failure of the reset: ``kind`` for code, the message for people, the command when one ran."""
-
-    def __init__(self, kind, message, *, cmd=None, rc=None, stderr=""):
-        super().__init__(message)
-        self.kind = kind
-        self.cmd = cmd
-        self.rc = rc
-        self.stderr = stderr
-
-
-def tail(text):
-    """The last TAIL_LINES lines of ``text``, at most TAIL_CHARS characters."""
-    return "\n".join((text or "").rstrip("\n").splitlines()[-TAIL_LINES:])[-TAIL_CHARS:]
 
 
 def short(sha):
@@ -128,7 +111,9 @@ class Git:
         argv = pve_ct_git.git_argv(self.git, self.top, args, config)
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise ResetError("timeout", f"the reset's {self.budget:g} s (reset_timeout) ran out before `git {args[0]}`")
+            raise pve_ct_act.ActError(
+                "timeout", f"the reset's {self.budget:g} s (reset_timeout) ran out before `git {args[0]}`"
+            )
         try:
             process = subprocess.Popen(
                 argv,
@@ -140,7 +125,7 @@ class Git:
                 start_new_session=True,  # so that a timeout kills what git started too (ssh, remote helpers)
             )
         except OSError as error:
-            raise ResetError("no_git", f"cannot run `{self.git}`: {error.strerror}", cmd=argv) from None
+            raise pve_ct_act.ActError("no_git", f"cannot run `{self.git}`: {error.strerror}", cmd=argv) from None
         try:
             out, err = process.communicate(timeout=remaining)
         except subprocess.TimeoutExpired:
@@ -150,7 +135,7 @@ class Git:
                 out, err = process.communicate(timeout=KILL_WAIT)
             except subprocess.TimeoutExpired:
                 out, err = b"", b""
-            raise ResetError(
+            raise pve_ct_act.ActError(
                 "timeout",
                 f"`git {' '.join(args)}` did not finish within the reset's {self.budget:g} s (reset_timeout) and "
                 f"was killed",
@@ -163,7 +148,7 @@ class Git:
         rc, out, err = self.run(*args, config=config, env=env)
         if rc != 0:
             argv = pve_ct_git.git_argv(self.git, self.top, args, config)
-            raise ResetError(
+            raise pve_ct_act.ActError(
                 kind, f"{what} failed (exit {rc}): {pve_ct_git.first_error(err)}", cmd=argv, rc=rc, stderr=err
             )
         return out
@@ -289,7 +274,7 @@ def add_entry(tar, top, path):
         with os.fdopen(handle, "rb") as f:
             opened = os.fstat(f.fileno())
             if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
-                raise ResetError("backup", f"{shown(path)} was replaced while it was saved; run again")
+                raise pve_ct_act.ActError("backup", f"{shown(path)} was replaced while it was saved; run again")
             member.size = opened.st_size
             reader = Hashing(f, hashlib.sha256())
             tar.addfile(member, reader)
@@ -406,36 +391,44 @@ class Reset:
         self.saved = {}  # the tarballs' manifest records, by tarball
         self.touched = False  # whether anything of the repository was changed (step 5 on)
         if self.remote and self.remote.startswith("-"):
-            raise ResetError("invalid", f"remote {self.remote!r} starts with '-'; give a remote's name or a URL")
+            raise pve_ct_act.ActError(
+                "invalid", f"remote {self.remote!r} starts with '-'; give a remote's name or a URL"
+            )
         if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
-            raise ResetError("invalid", f"keep is {self.keep!r}; keep at least the newest backup (1) or all (None)")
+            raise pve_ct_act.ActError(
+                "invalid", f"keep is {self.keep!r}; keep at least the newest backup (1) or all (None)"
+            )
 
     # -- 1. re-check -------------------------------------------------------------------------------------------
     def check(self):
         git = pve_ct_git.find_git(self.git_name)
         if git is None:
-            raise ResetError("no_git", f"git not found in the target (`{self.git_name}`); install it there")
+            raise pve_ct_act.ActError("no_git", f"git not found in the target (`{self.git_name}`); install it there")
         if not os.path.isdir(self.top):
-            raise ResetError("no_repository", f"there is no directory {self.path}")
+            raise pve_ct_act.ActError("no_repository", f"there is no directory {self.path}")
         self.git = Git(git, self.top, self.deadline, self.budget)
         git_dir, common = pve_ct_git.locate(self.top)
         if git_dir is None:
-            raise ResetError("no_repository", f"{self.path} is not a git work tree (no .git)")
+            raise pve_ct_act.ActError("no_repository", f"{self.path} is not a git work tree (no .git)")
         try:
             self.view = pve_ct_git.View(git, self.top, git_dir, common)
         except (OSError, subprocess.SubprocessError, pve_ct_git.ViewError) as error:
-            raise ResetError("no_repository", f"cannot read the repository's config in {common}: {error}") from None
+            raise pve_ct_act.ActError(
+                "no_repository", f"cannot read the repository's config in {common}: {error}"
+            ) from None
         self.git.env = self.view.env
         worktree = self.view.value("core.worktree")
         if worktree is not None and os.path.realpath(os.path.join(git_dir, worktree)) != self.top:
-            raise ResetError("no_repository", f"the work tree of the repository at {self.path} is {worktree}")
+            raise pve_ct_act.ActError("no_repository", f"the work tree of the repository at {self.path} is {worktree}")
         self.git_dir = git_dir
         root = os.path.realpath(self.root)
         if root == self.top or root.startswith(self.top.rstrip("/") + "/"):
-            raise ResetError("invalid", f"the backup directory {self.root} lies inside the repository {self.path}")
+            raise pve_ct_act.ActError(
+                "invalid", f"the backup directory {self.root} lies inside the repository {self.path}"
+            )
         what = pve_ct_git.operation(git_dir)
         if what:
-            raise ResetError("operation", f"a {what} is in progress in {self.path}; finish or abort it first")
+            raise pve_ct_act.ActError("operation", f"a {what} is in progress in {self.path}; finish or abort it first")
         rc, out, _ = self.git.run("rev-parse", "-q", "--verify", "HEAD^{commit}")
         head = out.decode().strip() if rc == 0 else None
         rc, out, _ = self.git.run("symbolic-ref", "-q", "--short", "HEAD")
@@ -451,17 +444,23 @@ class Reset:
         entries = pve_ct_git.status_entries(status)
         conflicts = [shown(path) for code, path, _ in entries if code in UNMERGED]
         if conflicts:
-            raise ResetError("conflict", f"{self.path} has unmerged paths: {', '.join(conflicts[:5])}; resolve them")
+            raise pve_ct_act.ActError(
+                "conflict", f"{self.path} has unmerged paths: {', '.join(conflicts[:5])}; resolve them"
+            )
         listed = self.git.must(
             "ls-files", "--others", "--exclude-standard", "-z", what="listing the untracked files (`git ls-files`)"
         )
         untracked = pve_ct_git.split_z(listed)
         nested = [shown(path) for path in untracked if path.endswith("/")]
         if nested:
-            raise ResetError("nested", f"{', '.join(nested[:5])} in {self.path}: untracked git repositories inside")
+            raise pve_ct_act.ActError(
+                "nested", f"{', '.join(nested[:5])} in {self.path}: untracked git repositories inside"
+            )
         tracked = entries
         if head is None and tracked:
-            raise ResetError("unborn", f"{self.path} has no commit yet but files are staged; commit or unstage them")
+            raise pve_ct_act.ActError(
+                "unborn", f"{self.path} has no commit yet but files are staged; commit or unstage them"
+            )
         return head, branch, tracked, untracked
 
     # -- 2. fetch ----------------------------------------------------------------------------------------------
@@ -474,7 +473,7 @@ class Reset:
         if self.present():
             return False
         if not self.remote:
-            raise ResetError(
+            raise pve_ct_act.ActError(
                 "missing",
                 f"commit {self.commit} is not in the repository at {self.path} and no remote is set to fetch it from",
             )
@@ -482,7 +481,7 @@ class Reset:
         rc, _, err = self.git.run(*args)
         self.settle()
         if rc != 0:
-            raise ResetError(
+            raise pve_ct_act.ActError(
                 "fetch",
                 f"fetching {short(self.commit)} from {self.remote} failed (exit {rc}): {pve_ct_git.first_error(err)}",
                 cmd=pve_ct_git.git_argv(self.git.git, self.top, args),
@@ -490,7 +489,7 @@ class Reset:
                 stderr=err,
             )
         if not self.present():
-            raise ResetError("fetch", f"{self.remote} was fetched but it has no commit {self.commit}")
+            raise pve_ct_act.ActError("fetch", f"{self.remote} was fetched but it has no commit {self.commit}")
         return True
 
     def settle(self):
@@ -556,7 +555,7 @@ class Reset:
                 "diff", "--cached", *PATCH_ARGS, "--ignore-submodules=dirty", "HEAD", what="saving the staged changes"
             )
             if not changes and not staged:
-                raise ResetError(
+                raise pve_ct_act.ActError(
                     "backup",
                     f"`git diff HEAD` shows nothing for {len(tracked)} changed paths (changes inside a submodule? "
                     f"submodules are not managed: commit or discard them there)",
@@ -577,7 +576,7 @@ class Reset:
                 sizes += os.lstat(os.path.join(self.top, path)).st_size
         need, free = len(changes) + len(staged) + sizes + SPARE, free_bytes(self.root)
         if need > free:
-            raise ResetError(
+            raise pve_ct_act.ActError(
                 "no_space",
                 f"saving the local changes needs about {need // 2**20 + 1} MiB but {self.root} has "
                 f"{free // 2**20} MiB free; free space there, or add large files to .gitignore (ignored files are "
@@ -630,7 +629,7 @@ class Reset:
             except FileExistsError:
                 continue
             return directory
-        raise ResetError("backup", f"{self.root} holds 99 backups named {self.stamp}*; remove some")
+        raise pve_ct_act.ActError("backup", f"{self.root} holds 99 backups named {self.stamp}*; remove some")
 
     def write_tarball(self, target, paths):
         """The entries at ``paths``, their bytes as on disk; the manifest's records of what it holds."""
@@ -643,7 +642,7 @@ class Reset:
                     except OSError as error:
                         if error.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                             continue  # deleted, or a directory of it is not one now: the patch holds the deletion
-                        raise ResetError("backup", f"cannot save {shown(path)}: {error.strerror}") from None
+                        raise pve_ct_act.ActError("backup", f"cannot save {shown(path)}: {error.strerror}") from None
                     if record is not None:
                         records.append(record)
             handle.flush()
@@ -658,10 +657,10 @@ class Reset:
             got = {member.name: member_digest(tar, member) for member in tar.getmembers()}
         if got != want:
             wrong = sorted(shown(p) for p in set(got) ^ set(want) | {p for p in want if got.get(p) != want[p]})
-            raise ResetError("backup", f"{target} does not hold exactly the saved files (wrong: {wrong[:5]})")
+            raise pve_ct_act.ActError("backup", f"{target} does not hold exactly the saved files (wrong: {wrong[:5]})")
         moved = sorted(shown(p) for p, digest in want.items() if entry_digest(self.top, p) != digest)
         if moved:
-            raise ResetError(
+            raise pve_ct_act.ActError(
                 "backup", f"{', '.join(moved[:5])} changed while it was saved (a live job writing?); run again"
             )
 
@@ -687,7 +686,9 @@ class Reset:
                 env=dict(objects, GIT_INDEX_FILE=index),
             ).decode()
             if not stash.strip():
-                raise ResetError("backup", "`git stash create` recorded nothing although tracked files changed")
+                raise pve_ct_act.ActError(
+                    "backup", "`git stash create` recorded nothing although tracked files changed"
+                )
             trees = f"{stash.strip()}^{{tree}}", f"{stash.strip()}^2^{{tree}}"
             work_tree, index_tree = (
                 self.git.must("rev-parse", *trees, what="reading its trees", env=objects).decode().split()
@@ -702,7 +703,7 @@ class Reset:
                     )
                 got = self.git.must("write-tree", what="writing the scratch tree", env=env).decode().strip()
                 if got != want:
-                    raise ResetError(
+                    raise pve_ct_act.ActError(
                         "backup", f"{name} applied to {short(head)} gives tree {got}, not the saved state's {want}"
                     )
 
@@ -781,7 +782,7 @@ class Reset:
         if head != self.commit:
             in_the_way = collisions(self.git, self.commit, untracked)
             if in_the_way:
-                raise ResetError(
+                raise pve_ct_act.ActError(
                     "collision",
                     f"checking out {short(self.commit)} would overwrite ignored files: "
                     f"{', '.join(shown(p) for p in in_the_way[:5])}; move them out of {self.path}",
@@ -830,18 +831,14 @@ def probe(payload):
             "backup": None,
             "touched": False,
         }
-    except ResetError as error:
+    except pve_ct_act.ActError as error:
         return {"error": error.kind, "message": str(error), "backup": None, "touched": False}
     try:
         return reset.execute()
-    except ResetError as error:
-        failure = {"error": error.kind, "message": str(error), "cmd": error.cmd, "rc": error.rc}
-        failure["stderr_tail"] = tail(error.stderr)
+    except pve_ct_act.ActError as error:
+        failure = dict(pve_ct_act.failure(error), stderr_tail=pve_ct_act.tail(error.stderr, TAIL_LINES))
     except OSError as error:
-        kind = "no_space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "os_error"
-        where = f" ({error.filename})" if error.filename else ""
-        failure = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
-        failure["stderr_tail"] = ""
+        failure = dict(pve_ct_act.failure(error), stderr_tail="")
     finally:
         if reset.view is not None:
             reset.view.close()

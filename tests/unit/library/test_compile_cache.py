@@ -23,7 +23,7 @@ from pathlib import Path
 
 import compile_cache
 import pytest
-from ansible.module_utils import pve_cache, pve_ct_fs, pve_probe_compile_cache
+from ansible.module_utils import pve_cache, pve_ct_act, pve_ct_fs, pve_probe_compile_cache
 from ansible.module_utils import pve_script_compile_cache as script
 
 from tests.conftest import ROOT, unavailable
@@ -205,7 +205,7 @@ def test_ct_check_mode_reports_the_purge_and_the_real_run_does_it_in_one_more_pc
     # What travels on stdin: the shared module once, then the script's and the reader's sources, run in that order
     # in one process.
     given = json.loads(runner.stdin[1])
-    assert given["shared"] == {"pve_ct_fs": inspect.getsource(pve_ct_fs)}
+    assert given["shared"] == {"pve_ct_act": inspect.getsource(pve_ct_act), "pve_ct_fs": inspect.getsource(pve_ct_fs)}
     assert given["sources"] == {
         "act": inspect.getsource(script),
         "compile_cache": inspect.getsource(pve_probe_compile_cache),

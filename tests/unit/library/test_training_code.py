@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import training_code
 import yaml
-from ansible.module_utils import pve_ct_git, pve_probe_training_code
+from ansible.module_utils import pve_ct_act, pve_ct_git, pve_probe_training_code
 from ansible.module_utils import pve_script_training_code as script
 
 from tests.conftest import ROOT, unavailable
@@ -161,7 +161,7 @@ def test_ct_check_mode_reports_the_reset_and_the_real_run_does_it_in_one_more_pc
     # What travels on stdin: the shared git module once, then the reset script's and the reader's sources, run in
     # that order in one process.
     given = json.loads(runner.stdin[1])
-    assert given["shared"] == {"pve_ct_git": inspect.getsource(pve_ct_git)}
+    assert given["shared"] == {"pve_ct_act": inspect.getsource(pve_ct_act), "pve_ct_git": inspect.getsource(pve_ct_git)}
     sources = {"reset": inspect.getsource(script), "training_code": inspect.getsource(pve_probe_training_code)}
     assert given["sources"] == sources
 
@@ -650,7 +650,7 @@ def test_a_backup_that_fails_its_proof_is_removed_and_nothing_is_reset(lab, caps
     before = snapshot(lab.repo)
 
     def unreadable(self, target, untracked):
-        raise script.ResetError("backup", f"{target} does not hold every untracked file")
+        raise pve_ct_act.ActError("backup", f"{target} does not hold every untracked file")
 
     monkeypatch.setattr(script.Reset, "prove_tarball", unreadable)
     result = lab.run(capsys)

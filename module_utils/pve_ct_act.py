@@ -1,0 +1,39 @@
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Container side, shared: how an acting script fails and what of a command's output its answer carries.
+
+The acting scripts (compile cache, training code, training venv) import it (``SHARED``): ``Target.run_probes``
+ships its source with theirs in the same ``pct exec``, and on a node it is imported as usual. So: standard
+library only, Python 3.9+, nothing of ours imported.
+"""
+
+import errno
+
+TAIL_CHARS = 4000
+
+
+class ActError(Exception):
+    """One failure of an acting script: ``kind`` for code, the message for people, the command when one ran."""
+
+    def __init__(self, kind, message, *, cmd=None, rc=None, stdout="", stderr=""):
+        super().__init__(message)
+        self.kind = kind
+        self.cmd = cmd
+        self.rc = rc
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+def tail(text, lines):
+    """The last ``lines`` lines of ``text``, at most TAIL_CHARS characters (the answer travels as one JSON line)."""
+    return "\n".join((text or "").rstrip("\n").splitlines()[-lines:])[-TAIL_CHARS:]
+
+
+def failure(error):
+    """``{"error", "message", "cmd", "rc"}`` of an answer for ``error``: an ActError, or an OSError (``no_space``
+    when the file system is full, else ``os_error``, with the file it names)."""
+    if isinstance(error, ActError):
+        return {"error": error.kind, "message": str(error), "cmd": error.cmd, "rc": error.rc}
+    kind = "no_space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "os_error"
+    where = f" ({error.filename})" if error.filename else ""
+    return {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
