@@ -29,11 +29,14 @@ def tail(text, lines):
     return "\n".join((text or "").rstrip("\n").splitlines()[-lines:])[-TAIL_CHARS:]
 
 
-def failure(error):
-    """``{"error", "message", "cmd", "rc"}`` of an answer for ``error``: an ActError, or an OSError (``no_space``
-    when the file system is full, else ``os_error``, with the file it names)."""
+def failure(error, lines):
+    """``{"error", "message", "cmd", "rc", "stdout_tail", "stderr_tail"}`` of an answer for ``error``: an ActError
+    (its command's last ``lines`` lines), or an OSError (``no_space`` when the file system is full, else
+    ``os_error``, with the file it names)."""
     if isinstance(error, ActError):
-        return {"error": error.kind, "message": str(error), "cmd": error.cmd, "rc": error.rc}
+        found = {"error": error.kind, "message": str(error), "cmd": error.cmd, "rc": error.rc}
+        return dict(found, stdout_tail=tail(error.stdout, lines), stderr_tail=tail(error.stderr, lines))
     kind = "no_space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "os_error"
     where = f" ({error.filename})" if error.filename else ""
-    return {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
+    found = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
+    return dict(found, stdout_tail="", stderr_tail="")

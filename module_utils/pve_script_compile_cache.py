@@ -421,11 +421,8 @@ def probe(payload):
         return {"error": "invalid", "message": f"the compile cache payload is incomplete: {error}", "done": None}
     try:
         return act.execute()
-    except pve_ct_act.ActError as error:
-        out, err = pve_ct_act.tail(error.stdout, TAIL_LINES), pve_ct_act.tail(error.stderr, TAIL_LINES)
-        failure = dict(pve_ct_act.failure(error), stdout_tail=out, stderr_tail=err)
-    except OSError as error:
-        failure = dict(pve_ct_act.failure(error), stdout_tail="", stderr_tail="")
+    except (pve_ct_act.ActError, OSError) as error:
+        failure = pve_ct_act.failure(error, TAIL_LINES)
     finally:
         act.close()
     failure["done"] = act.done()

@@ -48,8 +48,8 @@ In this order, and nothing is changed in the work tree, the index, HEAD or any b
    elsewhere is not entered); a directory they leave empty goes too;
 8. with ``keep``, remove the oldest backups in ``backup_dir`` beyond the newest ``keep`` (this run's is kept).
 
-Failure answers ``{"error": kind, "message", "cmd", "rc", "stderr_tail", "backup" (the backup directory, or None),
-"touched" (whether step 5 or later had begun)}``.
+Failure answers ``{"error": kind, "message", "cmd", "rc", "stdout_tail", "stderr_tail", "backup" (the backup
+directory, or None), "touched" (whether step 5 or later had begun)}``.
 """
 
 import contextlib
@@ -820,7 +820,7 @@ def probe(payload):
 
     Success: ``{"head_before", "branch_before", "head", "fetched", "backup" ({"dir", "files", "changed",
     "untracked", "filtered", "restore"} or None: nothing was dirty), "kept_ref", "removed", "pruned", "seconds"}``.
-    Failure: ``{"error", "message", "cmd", "rc", "stderr_tail", "backup", "touched"}``.
+    Failure: ``{"error", "message", "cmd", "rc", "stdout_tail", "stderr_tail", "backup", "touched"}``.
     """
     try:
         reset = Reset(payload)
@@ -835,10 +835,8 @@ def probe(payload):
         return {"error": error.kind, "message": str(error), "backup": None, "touched": False}
     try:
         return reset.execute()
-    except pve_ct_act.ActError as error:
-        failure = dict(pve_ct_act.failure(error), stderr_tail=pve_ct_act.tail(error.stderr, TAIL_LINES))
-    except OSError as error:
-        failure = dict(pve_ct_act.failure(error), stderr_tail="")
+    except (pve_ct_act.ActError, OSError) as error:
+        failure = pve_ct_act.failure(error, TAIL_LINES)
     finally:
         if reset.view is not None:
             reset.view.close()

@@ -814,9 +814,10 @@ def probe(payload):
 
     Success: ``{"path", "current", "previous" ({"path", "freeze", "moved", "note"} or None), "builder" ({"name",
     "path", "version"[, "fallback"]}), "python", "lock_file", "cleaned", "removed", "retention_skipped",
-    "seconds"}``. Failure: ``{"error", "message", "cmd", "rc", "stderr_tail", "cleaned", "left_behind"}``. Not
-    swapped because a live process uses the current venv (``window_check``): ``{"needs_window", "cleaned",
-    "left_behind", "seconds"}``. ``prune_only``: ``{"pruned": true, "removed", "retention_skipped", "seconds"}``.
+    "seconds"}``. Failure: ``{"error", "message", "cmd", "rc", "stdout_tail", "stderr_tail", "cleaned",
+    "left_behind"}``. Not swapped because a live process uses the current venv (``window_check``):
+    ``{"needs_window", "cleaned", "left_behind", "seconds"}``. ``prune_only``: ``{"pruned": true, "removed",
+    "retention_skipped", "seconds"}``.
     """
     try:
         build = Build(payload)
@@ -826,10 +827,8 @@ def probe(payload):
         return {"error": error.kind, "message": str(error), "cleaned": []}
     try:
         return build.execute()
-    except pve_ct_act.ActError as error:
-        failure = dict(pve_ct_act.failure(error), stderr_tail=pve_ct_act.tail(error.stderr, TAIL_LINES))
-    except OSError as error:
-        failure = dict(pve_ct_act.failure(error), stderr_tail="")
+    except (pve_ct_act.ActError, OSError) as error:
+        failure = pve_ct_act.failure(error, TAIL_LINES)
     finally:
         build.drop_private()
     failure.update(cleaned=build.cleaned, left_behind=build.discard())
