@@ -21,7 +21,6 @@ Interleaved in one loop, medians of ``--runs``:
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import shutil
 import statistics
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import conftest  # noqa: E402,F401  (module_utils importable as ansible.module_utils.*)
 from ansible.module_utils import pve_probe_training_venv, pve_venv  # noqa: E402
-from ansible.module_utils.pve_target import PROBES_MAIN  # noqa: E402
+from ansible.module_utils.pve_target import PROBES_MAIN, probes_input  # noqa: E402
 
 WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
 TORCH_DEPS = ("filelock", "typing-extensions", "sympy", "networkx", "jinja2", "fsspec")
@@ -60,8 +59,7 @@ def timed(argv, stdin=None):
 
 def read_venv(venv, python):
     """The probe part's answer for ``venv``, run as the fact pass runs it: ``(seconds, answer)``."""
-    sources = {"training_venv": inspect.getsource(pve_probe_training_venv)}
-    program = json.dumps({"sources": sources, "payloads": {"training_venv": {"path": venv, "timeout": 60}}})
+    program = probes_input({"training_venv": (pve_probe_training_venv, {"path": venv, "timeout": 60})})
     seconds, out = timed([python, "-I", "-c", PROBES_MAIN], stdin=program)
     return seconds, json.loads(out)["training_venv"]["answer"]
 

@@ -30,9 +30,9 @@ import shlex
 
 from ansible.module_utils import pve_probe_compile_cache
 from ansible.module_utils.nvidia_smi import NvidiaSmiError, classify_failure, parse_gpus, query_gpu_argv
+from ansible.module_utils.pve_ct_fs import clean, inside, refusal
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_gpu_cleanup import ending_pids_of  # pids the GPU step ends before this step runs
-from ansible.module_utils.pve_probe_compile_cache import clean, inside, refusal
 from ansible.module_utils.pve_target import ENV_NAME
 from ansible.module_utils.pve_text import printable
 from ansible.module_utils.pve_torch_build import cuda_of, variant

@@ -3,14 +3,14 @@
 """Compile cache probe: what the cache roots hold, what they are stamped for, and what the venv's torch is.
 
 In a CT this file's source is fed to the CT's python3 on stdin by ``Target.run_probes`` (one ``pct exec``);
-on a bare host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, no
-imports from ansible, and the answer is plain JSON.
+on a bare host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing
+of ours but the container-side modules of ``SHARED`` (shipped with it), and the answer is plain JSON.
 
 It only reads, and never follows a symlink: each root is opened from ``/`` one component at a time
-(:func:`open_root`: a link, or a component someone other than root and the cache user could have put there, makes
-it ``unsafe``) and walked through directory fds by ``lstat`` (a link is counted and, when it leads out of the root,
-named; another mount and a directory its parent's non-root owner does not own are named and not entered), so it
-sees what the acting script would delete.
+(:func:`pve_ct_fs.open_root`: a link, or a component someone other than root and the cache user could have put
+there, makes it ``unsafe``) and walked through directory fds by ``lstat`` (a link is counted and, when it leads
+out of the root, named; another mount and a directory its parent's non-root owner does not own are named and not
+entered), so it sees what the acting script would delete.
 It reads the venv's ``torch/version.py`` as text and triton's dist-info METADATA header, never ``import torch``.
 The homes of the target's users, every live process that uses a root (its cwd, an open file or a mapped file
 in it) and, when asked, the GPU names from ``nvidia-smi`` complete the answer. The module decides what is wrong.
@@ -26,6 +26,9 @@ import stat
 import subprocess
 import time
 
+from ansible.module_utils import pve_ct_fs
+
+SHARED = (pve_ct_fs,)  # container-side modules Target.run_probes ships with this part
 # torch/version.py assigns plain literals (`cuda: Optional[str] = '12.8'`); an annotation may sit before `=`.
 _ASSIGNMENT = re.compile(r"^(\w+)\s*(?::[^=\n]*)?=\s*(.+?)\s*$", re.MULTILINE)
 _STRING = re.compile(r"""^(?:'([^'\\]*)'|"([^"\\]*)")$""")
@@ -37,11 +40,6 @@ _NAME_SEPARATORS = re.compile(r"[-_.]+")
 TRITON_NAMES = ("triton", "pytorch-triton")
 STAMP_LIMIT = 65536  # a stamp is a small JSON object; anything larger is not ours
 SHOWN = 20  # links out of a root and mount points named per root (the count says how many in all)
-# A root that IS one of these is refused (and so is any root with fewer than two path components).
-PROTECTED = ("/", "/usr", "/etc", "/var", "/opt", "/srv")
-# A root inside one of these is refused: no compile cache lives in the system's own files.
-SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin", "/sys")
-SYSTEM_TREES += ("/usr",)
 
 
 def _read(path):
@@ -134,54 +132,11 @@ def read_venv(path):
 
 
 # -- the roots -------------------------------------------------------------------------------------------------
-def clean(path):
-    """``/tmp//x/./y/`` -> ``/tmp/x/y``; a leading ``//`` (kept by POSIX normpath) becomes ``/``."""
-    path = os.path.normpath(path)
-    return "/" + path.lstrip("/") if path.startswith("//") else path
-
-
 def expand(template, user, home):
     """``{home}/.triton/cache`` -> ``/root/.triton/cache``; None when it needs a home the user lacks."""
     if "{home}" in template and not home:
         return None
     return template.replace("{user}", user).replace("{home}", home or "")
-
-
-def inside(path, directory):
-    """Whether ``path`` is ``directory`` or lies below it (plain string logic on clean absolute paths)."""
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
-
-
-def refusal(path, homes):
-    """Why ``path`` may never be a cache root that is purged, or None. ``homes``: ``{home: [users]}``.
-
-    ``refusal("/", {})`` -> ``"it is the filesystem root /"``; ``refusal("/root", {"/root": ["root"]})`` ->
-    ``"it is the home directory of root"``; ``refusal("/home/alice/.cache/x", {})`` -> None;
-    ``refusal("/var/cache", {"/var/cache/man": ["man"]})`` -> ``"it contains the home directory /var/cache/man
-    of man"``; ``refusal("/tmp", {})`` -> ``"it has fewer than 2 path components (...)"``;
-    ``refusal("/usr/local/cache", {})`` -> ``"it lies inside the system tree /usr"``.
-    """
-    if not isinstance(path, str) or not path.startswith("/"):
-        return "it is not an absolute path"
-    if ".." in path.split("/"):
-        return "it contains '..'"
-    path = clean(path)
-    if path == "/":
-        return "it is the filesystem root /"
-    if path in PROTECTED:
-        return f"it is the system directory {path}"
-    for home, users in sorted(homes.items()):
-        if path == home:
-            return f"it is the home directory of {', '.join(users)}"
-    for home, users in sorted(homes.items()):
-        if home != path and inside(home, path):
-            return f"it contains the home directory {home} of {', '.join(users)}"
-    if len([part for part in path.split("/") if part]) < 2:
-        return "it has fewer than 2 path components (a cache is a directory of its own, like /tmp/torchinductor_root)"
-    for tree in SYSTEM_TREES:
-        if inside(path, tree):
-            return f"it lies inside the system tree {tree}"
-    return None
 
 
 def read_stamp(directory, name):
@@ -221,175 +176,16 @@ def read_stamp(directory, name):
     return {"state": "ok", "fingerprint": fingerprint, "reason": None, "content": content}
 
 
-# -- opening a root and walking it without trusting anyone who could have changed it ---------------------------
-# The same source in pve_probe_compile_cache.py and pve_script_compile_cache.py (a unit test keeps it equal):
-# each file travels alone into the target.
-DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-MAX_DEPTH = 64  # deeper directories are left alone (named): every level holds one fd while it is walked
-
-
-class Unsafe(Exception):
-    """A root that cannot be opened without trusting a user who could have changed it: what was found, the fix."""
-
-
-def who(uid):
-    """``alice (uid 1000)``; ``uid 4321`` when the target's passwd has no such user."""
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except (KeyError, OverflowError):
-        return f"uid {uid}"
-
-
-def mount_id(fd):
-    """The mount id of the open ``fd`` (``mnt_id`` of /proc/self/fdinfo): a bind mount of the same filesystem has
-    its parent's st_dev, never its mount id."""
-    with open(f"/proc/self/fdinfo/{fd}", encoding="ascii", errors="replace") as handle:
-        for line in handle:
-            if line.startswith("mnt_id:"):
-                return int(line.split()[1])
-    raise OSError(errno.ENOTSUP, "/proc/self/fdinfo names no mnt_id, so mount points cannot be told")
-
-
-def trusted_owners(here, info, uid):
-    """Who may own a directory found in the directory ``here`` (its ``info``), for the cache user ``uid``: None
-    when only root can put entries there; ``(0, uid)`` in a sticky directory of root's (``/tmp``: an entry can be
-    swapped only by its owner); ``(uid,)`` in the cache user's own directory (they may move any entry of it).
-    Unsafe where another user, a group or everyone may put any directory in place of the next component."""
-    others = info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
-    sticky = info.st_mode & stat.S_ISVTX
-    if info.st_uid == 0 and not others:
-        return None
-    if info.st_uid == 0 and sticky:
-        return (0, uid)
-    if info.st_uid == uid and (sticky or not others):
-        return (uid,)
-    if info.st_uid not in (0, uid):
-        raise Unsafe(f"it lies under {here}, owned by {who(info.st_uid)}, who could put any directory in its place")
-    writers = "every user" if info.st_mode & stat.S_IWOTH else f"group {info.st_gid}"
-    raise Unsafe(
-        f"it lies under {here}, which {writers} may write (mode {stat.S_IMODE(info.st_mode):04o}, no sticky bit): "
-        f"any of them could put another directory in its place; chmod +t {here}, or give a root under a directory "
-        "only root and the cache user can write"
-    )
-
-
-def open_root(path, uid):
-    """Open the directory ``path`` (clean, absolute) from ``/``, one component at a time, never following a link,
-    each component owned by someone :func:`trusted_owners` trusts: its fd, or None when it does not exist."""
-    fd = os.open("/", DIRECTORY)
-    here = "/"
-    try:
-        for name in [part for part in path.split("/") if part]:
-            owners = trusted_owners(here, os.fstat(fd), uid)
-            below = os.path.join(here, name)
-            try:
-                child = os.open(name, DIRECTORY, dir_fd=fd)
-            except OSError as error:
-                if error.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                    raise
-                kind = _kind_at(fd, name)
-                if kind == "link":
-                    raise Unsafe(
-                        f"{below} is a symlink (to {os.readlink(name, dir_fd=fd)}); a root is opened without "
-                        "following links: give the directory itself as the root"
-                    ) from None
-                if kind and below == path:
-                    raise Unsafe("it is not a directory") from None
-                return None
-            os.close(fd)
-            fd = child
-            owner = os.fstat(fd).st_uid
-            if owners is not None and owner not in owners:
-                trusted = " or ".join(map(who, sorted(set(owners))))
-                raise Unsafe(
-                    f"{below} is owned by {who(owner)}, but in {here} only {trusted} "
-                    "can be trusted (another user may have put it there): remove it, or give another root"
-                )
-            here = below
-        opened, fd = fd, None
-        return opened
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _kind_at(fd, name):
-    """``"link"``, ``"dir"``, ``"other"`` for the entry ``name`` of the directory ``fd``; None when it is gone."""
-    try:
-        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
-    except FileNotFoundError:
-        return None
-    return "link" if stat.S_ISLNK(mode) else "dir" if stat.S_ISDIR(mode) else "other"
-
-
-class Dir:
-    """A directory open for a walk: its fd, path, fstat, mount id and depth below the root (the caller closes)."""
-
-    __slots__ = ("depth", "fd", "info", "mount", "path")
-
-    def __init__(self, fd, path, depth=0):
-        self.fd, self.path, self.depth = fd, path, depth
-        self.info = os.fstat(fd)
-        self.mount = mount_id(fd)
-
-
-def open_dir(fd, path):
-    """A :class:`Dir` of a dup of ``fd``, the root open as ``path``."""
-    copy = os.dup(fd)
-    try:
-        return Dir(copy, path)
-    except BaseException:
-        os.close(copy)
-        raise
-
-
-def open_inside(parent, name):
-    """Open the subdirectory ``name`` of the :class:`Dir` ``parent`` to walk it: ``(Dir, None)``, or ``(None,
-    why)`` for one never entered: ``"mount"`` (another st_dev or mount id: a bind mount too), ``"owner"`` (not
-    owned by the owner of its parent, a non-root user, who could have moved it in from where they may not delete),
-    ``"depth"``, or ``"gone"`` (no directory now: a link or a file took its place)."""
-    if parent.depth >= MAX_DEPTH:
-        return None, "depth"
-    try:
-        fd = os.open(name, DIRECTORY | getattr(os, "O_NONBLOCK", 0), dir_fd=parent.fd)
-    except OSError as error:
-        if error.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-            return None, "gone"
-        raise
-    try:
-        child = Dir(fd, os.path.join(parent.path, name), parent.depth + 1)
-    except BaseException:
-        os.close(fd)
-        raise
-    why = None
-    if child.info.st_dev != parent.info.st_dev or child.mount != parent.mount:
-        why = "mount"
-    elif parent.info.st_uid not in (0, child.info.st_uid):
-        why = "owner"
-    if why:
-        os.close(fd)
-        return None, why
-    return child, None
-
-
-LEFT = {
-    "owner": "owned by another user than its directory's owner, who could have moved it in: never entered",
-    "depth": f"more than {MAX_DEPTH} levels deep: never entered",
-}
-
-
-# -- end of the shared part ------------------------------------------------------------------------------------
-
-
 def walk(fd, root, stamp_name, deadline):
     """Size and content of the directory open as ``fd`` (the root ``root``), through directory fds, by lstat only:
     ``{"size_bytes", "files", "entries" (top-level entries besides the stamp), "links", "escapes" ([{"link",
     "target"}] leading out of it), "escapes_count", "mounts" (other mounts, bind mounts too: never entered),
-    "left" ([{"path", "why"}] other directories not entered, :func:`open_inside`), "partial" (the deadline cut the
-    walk short), "unreadable" (directories that could not be listed)}``. It enters what a purge would enter."""
+    "left" ([{"path", "why"}] other directories not entered, :func:`pve_ct_fs.open_inside`), "partial" (the
+    deadline cut the walk short), "unreadable" (directories that could not be listed)}``. It enters what a purge
+    would enter."""
     found = {"size_bytes": 0, "files": 0, "entries": 0, "links": 0, "escapes": [], "escapes_count": 0}
     found.update(mounts=[], left=[], partial=False, unreadable=[], root=root, stamp_name=stamp_name)
-    _walk_dir(open_dir(fd, root), found, deadline)
+    _walk_dir(pve_ct_fs.open_dir(fd, root), found, deadline)
     del found["root"], found["stamp_name"]
     return found
 
@@ -415,7 +211,8 @@ def _walk_dir(here, found, deadline):
 
 
 def _count(here, name, found, deadline):
-    """Count one entry of a walk; a directory is walked when :func:`open_inside` lets it, a link never followed."""
+    """Count one entry of a walk; a directory is walked when :func:`pve_ct_fs.open_inside` lets it, a link never
+    followed."""
     full = os.path.join(here.path, name)
     try:
         entry = os.stat(name, dir_fd=here.fd, follow_symlinks=False)
@@ -424,16 +221,16 @@ def _count(here, name, found, deadline):
     if stat.S_ISLNK(entry.st_mode):
         found["links"] += 1
         target = _readlink(name, here.fd)
-        if target is not None and not inside(clean(os.path.join(here.path, target)), found["root"]):
+        if target is not None and not pve_ct_fs.inside(pve_ct_fs.clean(os.path.join(here.path, target)), found["root"]):
             found["escapes_count"] += 1
             if len(found["escapes"]) < SHOWN:
                 found["escapes"].append({"link": full, "target": target})
     elif stat.S_ISDIR(entry.st_mode):
-        child, why = open_inside(here, name)
+        child, why = pve_ct_fs.open_inside(here, name)
         if why == "mount" and len(found["mounts"]) < SHOWN:
             found["mounts"].append(full)
-        elif why in LEFT and len(found["left"]) < SHOWN:
-            found["left"].append({"path": full, "why": LEFT[why]})
+        elif why in pve_ct_fs.LEFT and len(found["left"]) < SHOWN:
+            found["left"].append({"path": full, "why": pve_ct_fs.LEFT[why]})
         if child is not None:
             _walk_dir(child, found, deadline)
     else:
@@ -450,10 +247,11 @@ def _readlink(name, fd):
 
 
 def read_root(template, path, stamp_name, deadline, *, homes, uid):
-    """One root: where it is, whether it is a directory, its stamp and content. A root that :func:`refusal`
+    """One root: where it is, whether it is a directory, its stamp and content. A root that :func:`pve_ct_fs.refusal`
     refuses (by its path or where it resolves) is not walked: ``/`` would take the whole deadline, and it is never
-    purged anyway. The others are opened by :func:`open_root` (``unsafe``: why it cannot be, a refusal) and read
-    through that one fd; ``id`` is its ``[st_dev, st_ino]``, so the acting script knows it acts on the same one."""
+    purged anyway. The others are opened by :func:`pve_ct_fs.open_root` (``unsafe``: why it cannot be, a refusal)
+    and read through that one fd; ``id`` is its ``[st_dev, st_ino]``, so the acting script knows it acts on the
+    same one."""
     answer = {"template": template, "path": path, "exists": False, "is_link": False, "is_dir": False}
     answer.update(real_path=None, owner=None, stamp=None, walk=None, walked=False, unsafe=None, id=None)
     if path is None:
@@ -466,11 +264,11 @@ def read_root(template, path, stamp_name, deadline, *, homes, uid):
     except OSError:
         return answer  # nothing there (a dangling link is not a root either)
     answer.update(exists=True, is_dir=stat.S_ISDIR(info.st_mode), owner={"uid": info.st_uid, "gid": info.st_gid})
-    if not answer["is_dir"] or refusal(path, homes) or refusal(answer["real_path"], homes):
+    if not answer["is_dir"] or pve_ct_fs.refusal(path, homes) or pve_ct_fs.refusal(answer["real_path"], homes):
         return answer
     try:
-        fd = open_root(path, uid)
-    except Unsafe as error:
+        fd = pve_ct_fs.open_root(path, uid)
+    except pve_ct_fs.Unsafe as error:
         answer["unsafe"] = str(error)
         return answer
     except OSError as error:
@@ -492,37 +290,6 @@ def read_root(template, path, stamp_name, deadline, *, homes, uid):
 
 
 # -- processes using a root ------------------------------------------------------------------------------------
-def _uses(pid, reals):
-    """``{real: set of how}`` for the roots process ``pid`` uses: ``cwd``, ``open`` (an fd), ``mapped``."""
-    base = f"/proc/{pid}"
-    used = {}
-
-    def note(path, how):
-        if not path:
-            return
-        path = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
-        for real in reals:
-            if inside(path, real):
-                used.setdefault(real, set()).add(how)
-
-    note(_readlink_strict(f"{base}/cwd"), "cwd")
-    for fd in os.listdir(f"{base}/fd"):
-        try:
-            note(os.readlink(f"{base}/fd/{fd}"), "open")
-        except FileNotFoundError:
-            continue  # closed while we looked
-    with open(f"{base}/maps", encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            fields = line.split(None, 5)
-            if len(fields) == 6 and fields[5].startswith("/"):
-                note(fields[5].rstrip("\n"), "mapped")
-    return used
-
-
-def _readlink_strict(path):
-    return os.readlink(path)
-
-
 def read_users(reals, deadline, own_pid):
     """Live processes that use a root: ``({real: [{"pid", "name", "how"}]}, unreadable count, partial)``."""
     users = {real: [] for real in reals}
@@ -539,7 +306,7 @@ def read_users(reals, deadline, own_pid):
         if pid == own_pid:
             continue
         try:
-            used = _uses(pid, reals)
+            used = pve_ct_fs.uses(pid, reals)
         except (FileNotFoundError, ProcessLookupError):
             continue  # it ended while we looked
         except PermissionError:
@@ -569,7 +336,7 @@ def read_homes():
     try:
         for entry in pwd.getpwall():
             if entry.pw_dir and entry.pw_dir.startswith("/"):
-                homes.setdefault(clean(entry.pw_dir), []).append(entry.pw_name)
+                homes.setdefault(pve_ct_fs.clean(entry.pw_dir), []).append(entry.pw_name)
     except OSError:
         pass
     return {home: sorted(names) for home, names in homes.items()}
@@ -598,12 +365,12 @@ def probe(payload):
     user = read_user(payload["user"])
     homes = read_homes()
     if user["home"] and user["home"].startswith("/"):
-        homes.setdefault(clean(user["home"]), [user["name"]])
+        homes.setdefault(pve_ct_fs.clean(user["home"]), [user["name"]])
     answer = {"user": user, "homes": homes, "venv": read_venv(payload["venv"]), "roots": []}
     answer.update(pid=os.getpid(), euid=os.geteuid(), errors=[], gpus=None)
     for template in payload["roots"]:
         expanded = expand(template, user["name"], user["home"])
-        path = clean(expanded) if expanded and expanded.startswith("/") else expanded
+        path = pve_ct_fs.clean(expanded) if expanded and expanded.startswith("/") else expanded
         root = read_root(template, path, payload["stamp_name"], deadline, homes=homes, uid=user["uid"])
         root["expanded"] = expanded
         answer["roots"].append(root)

@@ -3,251 +3,26 @@
 """Training code probe: where the repository's HEAD is, what is dirty, whether the pinned commit is there. READ ONLY.
 
 In a CT this file's source is fed to the CT's python3 on stdin by ``Target.run_probes`` (one ``pct exec``); on a
-bare host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, no imports from
-ansible, and the answer is plain JSON.
+bare host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of ours
+but the container-side modules of ``SHARED`` (shipped with it), and the answer is plain JSON.
 
 It runs git (never a shell) with a deadline and only reads: ``status`` runs with ``GIT_OPTIONAL_LOCKS=0``, so not
-even the index's stat cache is rewritten. How every git call here is made (the acting script makes them the same
-way, see pve_script_training_code):
-
-* git never reads a configuration the repository's owner wrote, so nothing they name runs as root (filters,
-  textconv, an fsmonitor, hooks, ssh commands, pagers, credential helpers, includes...). git has no switch to skip
-  a repository's own config, so it is given a VIEW of the repository instead: ``GIT_DIR`` is the real git dir
-  (HEAD and the index are written there), ``GIT_COMMON_DIR`` a private scratch directory whose entries are links
-  to the real common dir's (objects, refs, packed-refs...) except ``config`` and ``hooks``, and whose ``config``
-  holds only the keys of :data:`ALLOWED` copied from the real one (none of them names a program): an allowlist, so
-  a setting git adds tomorrow is left out too. ``GIT_CONFIG_NOSYSTEM``, ``GIT_CONFIG_GLOBAL=/dev/null`` and an
-  empty ``HOME`` leave out the system's and root's config, so every run reads the same. The real config is read
-  with ``git config --file`` (a parser: it follows no include and runs nothing). The view lives in a 0700 temp
-  directory that is removed at the end; nothing of the repository is written;
-* with ``GIT_DIR`` given, git does not look for a repository (a directory that is not one is never mistaken for
-  one further up) nor check its owner (``safe.directory`` is given all the same, for a git that would);
-* submodules are not entered (``--ignore-submodules=dirty``): git would run a submodule's own config;
-* every ``GIT_*`` variable of the environment dropped (``GIT_INDEX_FILE``... would point git elsewhere),
-  ``LC_ALL=C`` (messages are matched), ``GIT_TERMINAL_PROMPT=0`` (nothing ever waits for a password).
+even the index's stat cache is rewritten. Every git call goes through :mod:`pve_ct_git`, as the acting script's
+do: a view of the repository whose config is an allowlist of the real one's keys, no system or global config, no
+``GIT_*`` of the caller, no submodule; nothing of the repository is written.
 """
 
 import os
-import re
-import shutil
 import subprocess
-import tempfile
 import time
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# What an unfinished operation leaves in the git dir, first match wins (rebase-apply/applying is `git am`).
-OPERATIONS = (
-    ("MERGE_HEAD", "merge"),
-    ("rebase-merge", "rebase"),
-    ("rebase-apply/applying", "am"),
-    ("rebase-apply", "rebase"),
-    ("CHERRY_PICK_HEAD", "cherry-pick"),
-    ("REVERT_HEAD", "revert"),
-    ("BISECT_LOG", "bisect"),
-)
+from ansible.module_utils import pve_ct_git
 
-
-class ViewError(Exception):
-    """The repository's config could not be read to build the view git is shown."""
+SHARED = (pve_ct_git,)  # container-side modules Target.run_probes ships with this part
 
 
 class Stop(Exception):
     """A git call that could not give an answer (timed out, could not run, failed): the probe says so and stops."""
-
-
-def find_git(git, env):
-    """The git executable: ``git`` itself when it is a path, else looked up on PATH; None when there is none."""
-    if "/" in git:
-        return git if os.path.isfile(git) and os.access(git, os.X_OK) else None
-    return shutil.which(git, path=env.get("PATH") or DEFAULT_PATH)
-
-
-# The keys of the repository's own config that git is given (section and key lower case, as `git config --list`
-# writes them): how to read the object database, the work tree's file system, line endings and a remote's URL.
-# None of them names a program to run; everything else (filter.*, diff.*.textconv, core.fsmonitor, core.hooksPath,
-# core.sshCommand, core.pager, credential.*, remote.*.uploadpack, include.*, url.*.insteadOf...) is left out.
-ALLOWED = re.compile(
-    r"(?:core\.(?:repositoryformatversion|filemode|symlinks|ignorecase|precomposeunicode|autocrlf|eol|safecrlf"
-    r"|checkstat|trustctime|sparsecheckout|sparsecheckoutcone)|extensions\.(?:objectformat|refstorage)"
-    r"|remote\..+\.url)",
-    re.DOTALL,
-)
-# What the view's common dir does not link: the config (the view writes its own) and the hooks.
-NOT_LINKED = ("config", "config.worktree", "hooks")
-# Set on every call, over anything else: no program of git's own either (no fsmonitor, no hook, no auto gc, which
-# would pack refs into the view), and no submodule (git would read its config).
-FIXED = (
-    "core.fsmonitor=false",
-    "core.hooksPath=/dev/null",
-    "gc.auto=0",
-    "maintenance.auto=false",
-    "submodule.recurse=false",
-    "diff.ignoreSubmodules=dirty",
-    "protocol.ext.allow=never",
-)
-
-
-def git_env(top, environ=None):
-    """The environment of every git call: no ``GIT_*`` of the caller, the C locale, no prompt, no optional lock,
-    no system or global config, and a ceiling at the repository's parent."""
-    env = {
-        k: v
-        for k, v in (os.environ if environ is None else environ).items()
-        if not k.startswith("GIT_") and k not in ("XDG_CONFIG_HOME", "HOME")
-    }
-    env.update(
-        LC_ALL="C",
-        LANG="C",
-        GIT_TERMINAL_PROMPT="0",
-        GIT_OPTIONAL_LOCKS="0",
-        GIT_CEILING_DIRECTORIES=os.path.dirname(top),
-        GIT_CONFIG_NOSYSTEM="1",
-        GIT_CONFIG_GLOBAL=os.devnull,
-        GIT_ATTR_NOSYSTEM="1",
-    )
-    env.setdefault("PATH", DEFAULT_PATH)
-    return env
-
-
-def git_argv(git, top, args):
-    """``git -c core.fsmonitor=false -c core.hooksPath=/dev/null ... -C <top> <args...>``."""
-    fixed = [part for setting in FIXED for part in ("-c", setting)]
-    return [git, *fixed, "-C", top, *args]
-
-
-def locate(top):
-    """``(git_dir, common_dir)`` of the work tree at ``top``, read from its ``.git`` (a directory, or a file
-    ``gitdir: <path>``) and the git dir's ``commondir``, without running git; ``(None, None)`` when ``top`` has no
-    ``.git``."""
-    dotgit = os.path.join(top, ".git")
-    if os.path.isdir(dotgit):
-        git_dir = dotgit
-    elif os.path.isfile(dotgit):
-        with open(dotgit, "rb") as handle:
-            text = handle.read(4096).decode("utf-8", "surrogateescape")
-        if not text.startswith("gitdir: "):
-            return None, None
-        git_dir = os.path.normpath(os.path.join(top, text[len("gitdir: ") :].strip()))
-    else:
-        return None, None
-    common = git_dir
-    try:
-        with open(os.path.join(git_dir, "commondir"), "rb") as handle:
-            common = os.path.normpath(
-                os.path.join(git_dir, handle.read(4096).decode("utf-8", "surrogateescape").strip())
-            )
-    except FileNotFoundError:
-        pass
-    return git_dir, common
-
-
-def looks_bare(top):
-    """Whether ``top`` itself is a git dir (a bare repository): HEAD, objects and refs, no work tree."""
-    return all(os.path.exists(os.path.join(top, name)) for name in ("HEAD", "objects", "refs"))
-
-
-def parse_config_list(data):
-    """``git config --list --null`` output -> ``[(key, value)]`` in file order; a key without ``=`` has None.
-
-    ``b"core.bare\nfalse\0remote.origin.url\n/srv/up\0"`` -> ``[("core.bare", "false"), ("remote.origin.url",
-    "/srv/up")]``."""
-    entries = []
-    for item in data.decode("utf-8", "surrogateescape").split("\0"):
-        if item:
-            key, _, value = item.partition("\n")
-            entries.append((key, value if "\n" in item else None))
-    return entries
-
-
-def config_text(entries):
-    """The view's config: the allowed keys of ``entries``, the last value of each (git's rule for one value),
-    quoted so that no value can open a section of its own."""
-
-    def quoted(text):
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
-
-    chosen = {}
-    for key, value in entries:
-        if value is not None and ALLOWED.fullmatch(key):
-            chosen[key] = value
-    lines = []
-    for key, value in chosen.items():
-        section, _, rest = key.partition(".")
-        subsection, _, name = rest.rpartition(".")
-        header = f"[{section} {quoted(subsection)}]" if subsection else f"[{section}]"
-        lines += [header, f"\t{name} = {quoted(value)}"]
-    return "\n".join(lines) + "\n"
-
-
-# The fallback scratch directory: root's, sticky, and mkdtemp makes a 0700 directory of its own in it.
-ROOT_TMP = "/tmp"  # noqa: S108
-
-
-def scratch_root():
-    """Where the view and other scratch go: the temp directory when only root can replace what is in it (owned by
-    root, and not writable by others unless sticky), else /tmp. A TMPDIR a user owns would let them swap the view's
-    config under git."""
-    candidate = tempfile.gettempdir()
-    try:
-        info = os.stat(candidate)
-    except OSError:
-        return ROOT_TMP
-    shared = info.st_mode & 0o022 and not info.st_mode & 0o1000
-    return candidate if info.st_uid == os.geteuid() == 0 and not shared else ROOT_TMP
-
-
-class View:
-    """The repository as git is shown it: the real git dir, a common dir of links whose config is only the
-    allowed keys (see the module's docstring). ``env`` is what every git call runs with; ``close()`` removes it."""
-
-    def __init__(self, git, top, git_dir, common, environ=None):
-        self.top = top
-        self.git_dir = git_dir
-        self.common = common
-        self.scratch = tempfile.mkdtemp(prefix="pve-gpu-recover-git-", dir=scratch_root())
-        self.dir = os.path.join(self.scratch, "common")
-        home = os.path.join(self.scratch, "home")
-        os.mkdir(self.dir, 0o700)
-        os.mkdir(home, 0o700)
-        base = git_env(top, environ)
-        # Read the real config with git's parser alone: no repository (GIT_DIR names none), no include followed.
-        done = subprocess.run(
-            [git, "config", "--file", os.path.join(common, "config"), "--list", "--null"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            env=dict(base, HOME=home, GIT_DIR=os.path.join(self.scratch, "none")),
-            cwd=self.scratch,
-            timeout=60,
-            check=False,
-        )
-        if done.returncode != 0 and os.path.exists(os.path.join(common, "config")):
-            said = done.stderr.decode(errors="replace").strip().splitlines()
-            raise ViewError(f"cannot read {common}/config: {said[-1] if said else 'no output'}")
-        self.config = parse_config_list(done.stdout)
-        for name in os.listdir(common):
-            if name not in NOT_LINKED:
-                os.symlink(os.path.join(common, name), os.path.join(self.dir, name))
-        with open(os.open(os.path.join(self.dir, "config"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            f.write(config_text(self.config))
-        self.env = dict(base, HOME=home, GIT_DIR=git_dir, GIT_COMMON_DIR=self.dir, GIT_WORK_TREE=top)
-        # git checks no owner with GIT_DIR given; should a later one, the repository is safe to read: its config is
-        # not read at all. (GIT_CONFIG_COUNT is command-line config, which git takes safe.directory from.)
-        self.env.update(
-            GIT_CONFIG_COUNT="2",
-            GIT_CONFIG_KEY_0="safe.directory",
-            GIT_CONFIG_VALUE_0=top,
-            GIT_CONFIG_KEY_1="safe.directory",
-            GIT_CONFIG_VALUE_1=git_dir,
-        )
-
-    def value(self, key):
-        """The last value of ``key`` in the real config (read, never given to git unless allowed), or None."""
-        found = [value for name, value in self.config if name == key]
-        return found[-1] if found else None
-
-    def close(self):
-        # The links are removed, never followed (rmtree does not follow a link).
-        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 class Git:
@@ -257,7 +32,7 @@ class Git:
         self.git = git
         self.top = top
         self.deadline = deadline
-        self.env = git_env(top)  # until the view is open: `git --version` only
+        self.env = pve_ct_git.git_env(top)  # until the view is open: `git --version` only
 
     def run(self, *args):
         remaining = self.deadline - time.monotonic()
@@ -266,7 +41,7 @@ class Git:
             raise Stop(f"stopped before `{shown}`: the probe's time is up")
         try:
             done = subprocess.run(
-                git_argv(self.git, self.top, args),
+                pve_ct_git.git_argv(self.git, self.top, args),
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 env=self.env,
@@ -283,80 +58,15 @@ class Git:
     def must(self, *args):
         rc, out, err = self.run(*args)
         if rc != 0:
-            raise Stop(failure(self.top, args, rc, err))
+            raise Stop(f"`git {' '.join(args)}` in {self.top} failed (exit {rc}): {pve_ct_git.first_error(err)}")
         return out
 
 
-def failure(top, args, rc, err):
-    """One sentence for a failed git call."""
-    lines = [line.strip() for line in err.splitlines() if line.strip()]
-    said = next((line for line in lines if line.startswith(("fatal:", "error:"))), lines[-1] if lines else "")
-    return f"`git {' '.join(args)}` in {top} failed (exit {rc}): {said or 'no output'}"
-
-
-def status_entries(text):
-    """``git status --porcelain=v1 -z`` -> ``[(XY, path, original path or None)]``; a rename or copy is followed
-    by its original path in the next NUL-separated field. Paths come as git wrote them: no quoting at all."""
-    fields = text.split("\0")
-    entries, index = [], 0
-    while index < len(fields):
-        field = fields[index]
-        index += 1
-        if not field:
-            continue
-        code, path, original = field[:2], field[3:], None
-        if "R" in code or "C" in code:
-            original = fields[index] if index < len(fields) else None
-            index += 1
-        entries.append((code, path, original))
-    return entries
-
-
-def operation(git_dir):
-    """The unfinished merge, rebase, am, cherry-pick, revert or bisect in ``git_dir``, or None."""
-    for name, what in OPERATIONS:
-        if os.path.exists(os.path.join(git_dir, name)):
-            return what
-    return None
-
-
-def split_z(data):
-    """NUL-separated git output -> list of paths (bytes decoded as UTF-8, undecodable bytes kept as escapes)."""
-    return [p for p in data.decode("utf-8", errors="surrogateescape").split("\0") if p]
-
-
 def collisions(git, commit, untracked):
-    """Files in the way of checking out ``commit`` that a checkout would overwrite but nothing saves: IGNORED files.
-
-    A path the commit tracks collides when something exists there that is neither tracked now (its changes are
-    in the patch) nor untracked (it is in the tarball): an ignored file, or a directory holding ignored files, or
-    an ignored file where the commit needs a directory. ``git checkout --force`` would overwrite it silently.
-    """
-    tracked = set(split_z(git.must("ls-files", "-z")))
-    known = tracked | set(untracked)
-    found, checked = [], set()
-    for path in split_z(git.must("ls-tree", "-r", "--name-only", "-z", commit)):
-        if path in tracked:
-            continue
-        parts = path.split("/")
-        for depth in range(1, len(parts)):  # a file where the commit needs a directory
-            parent = "/".join(parts[:depth])
-            if parent in checked:
-                continue
-            checked.add(parent)
-            full = os.path.join(git.top, parent)
-            if os.path.lexists(full) and (os.path.islink(full) or not os.path.isdir(full)) and parent not in known:
-                found.append(parent)
-        full = os.path.join(git.top, path)
-        if path in known or not os.path.lexists(full):
-            continue
-        if os.path.isdir(full) and not os.path.islink(full):
-            for directory, _, files in os.walk(full):
-                inside = [os.path.relpath(os.path.join(directory, f), git.top) for f in files]
-                found.extend(p for p in inside if p not in known)
-        else:
-            found.append(path)
-    return sorted(set(found))
+    """Ignored files a checkout of ``commit`` would overwrite (:func:`pve_ct_git.collisions`)."""
+    tracked = pve_ct_git.split_z(git.must("ls-files", "-z"))
+    listed = pve_ct_git.split_z(git.must("ls-tree", "-r", "--name-only", "-z", commit))
+    return pve_ct_git.collisions(git.top, tracked, listed, untracked)
 
 
 def probe(payload):
@@ -388,7 +98,7 @@ def probe(payload):
         "collisions": [],
         "errors": [],
     }
-    git_path = find_git(payload.get("git") or "git", os.environ)
+    git_path = pve_ct_git.find_git(payload.get("git") or "git")
     if git_path is None:
         return answer
     answer["git"] = git_path
@@ -399,13 +109,13 @@ def probe(payload):
         answer["git_version"] = version[2] if len(version) > 2 else None
         if not answer["exists"]:
             return answer
-        git_dir, common = locate(top)
+        git_dir, common = pve_ct_git.locate(top)
         if git_dir is None:
-            answer["bare"] = looks_bare(top)
+            answer["bare"] = pve_ct_git.looks_bare(top)
             return answer
         try:
-            view = View(git_path, top, git_dir, common)
-        except (OSError, subprocess.SubprocessError, ViewError) as error:
+            view = pve_ct_git.View(git_path, top, git_dir, common)
+        except (OSError, subprocess.SubprocessError, pve_ct_git.ViewError) as error:
             raise Stop(f"cannot read the repository's config in {common}: {error}") from None
         git.env = view.env
         worktree = view.value("core.worktree")
@@ -418,7 +128,7 @@ def probe(payload):
                 return answer  # a work tree that starts elsewhere (core.worktree): the module refuses it
         answer["toplevel"] = top
         answer["repo"] = True
-        answer["operation"] = operation(git_dir)
+        answer["operation"] = pve_ct_git.operation(git_dir)
         rc, out, _ = git.run("rev-parse", "-q", "--verify", "HEAD^{commit}")
         answer["head"] = out.decode().strip() if rc == 0 else None
         rc, out, _ = git.run("symbolic-ref", "-q", "--short", "HEAD")
@@ -431,7 +141,7 @@ def probe(payload):
         rc, _, _ = git.run("cat-file", "-e", f"{commit}^{{commit}}")
         answer["commit_present"] = rc == 0
         if answer["commit_present"]:
-            untracked = [p for code, p, _ in status_entries(status.decode("utf-8", "surrogateescape")) if code == "??"]
+            untracked = [p for code, p, _ in pve_ct_git.status_entries(status) if code == "??"]
             answer["collisions"] = [
                 p.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
                 for p in collisions(git, commit, untracked)

@@ -4,17 +4,17 @@
 
 Unlike a probe part, ``probe(payload)`` here changes the target. It is called the same way so that it costs one
 ``pct exec``: ``Target.run_probes`` ships this file's source to the target's python on stdin; on a bare host
-``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, imports nothing of ours
-(the module sends its decisions as data), the answer is plain JSON.
+``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of ours but the
+container-side modules of ``SHARED`` (the module sends its decisions as data), the answer is plain JSON.
 
-Safety does not rest on the module's reading alone: every root is checked again here, just before it is
-touched, by the same rules (:func:`refusal`, :func:`open_root`) and must be the very directory the module judged
-(its ``[st_dev, st_ino]``), and no root is purged while a live process uses it (its cwd, an open file or a mapped
-file in it). A root is opened once, from ``/``, one component at a time with O_NOFOLLOW, refused when a component
-is a symlink or could have been put there by a user other than root and the cache user; everything after (purge,
-stamp, sizes) works through that fd and the directory fds below it, never by path again. A purge never follows a
-symlink (a link is removed itself, never its target), never enters another mount (compared by mount id, so a bind
-mount of the same filesystem too) nor a directory its parent's non-root owner could have moved in, and never
+Safety does not rest on the module's reading alone: every root is checked again here, just before it is touched, by
+the same rules (:func:`pve_ct_fs.refusal`, :func:`pve_ct_fs.open_root`) and must be the very directory the module
+judged (its ``[st_dev, st_ino]``), and no root is purged while a live process uses it (its cwd, an open file or a
+mapped file in it). A root is opened once, from ``/``, one component at a time with O_NOFOLLOW, refused when a
+component is a symlink or could have been put there by a user other than root and the cache user; everything after
+(purge, stamp, sizes) works through that fd and the directory fds below it, never by path again. A purge never
+follows a symlink (a link is removed itself, never its target), never enters another mount (compared by mount id, so
+a bind mount of the same filesystem too) nor a directory its parent's non-root owner could have moved in, and never
 leaves the root. Before it deletes anything it replaces the stamp with a "purging" marker, so a purge that is cut
 short is never taken for a fresh or adoptable cache: the next run purges again.
 
@@ -27,84 +27,17 @@ the other roots are purged and stamped. Any failure answers
 """
 
 import contextlib
-import errno
 import json
 import os
-import pwd
 import signal
 import stat
 import subprocess
 import time
 
-PROTECTED = ("/", "/usr", "/etc", "/var", "/opt", "/srv")
-SYSTEM_TREES = (
-    "/bin",
-    "/boot",
-    "/dev",
-    "/etc",
-    "/lib",
-    "/lib32",
-    "/lib64",
-    "/libx32",
-    "/proc",
-    "/sbin",
-    "/sys",
-    "/usr",
-)
+from ansible.module_utils import pve_ct_act, pve_ct_fs
+
+SHARED = (pve_ct_act, pve_ct_fs)  # container-side modules Target.run_probes ships with this part
 TAIL_LINES = 20
-TAIL_CHARS = 4000
-
-
-class ActError(Exception):
-    """One failure: ``kind`` for code, the message for people, the command when one ran."""
-
-    def __init__(self, kind, message, *, cmd=None, rc=None, stdout="", stderr=""):
-        super().__init__(message)
-        self.kind = kind
-        self.cmd = cmd
-        self.rc = rc
-        self.stdout = stdout
-        self.stderr = stderr
-
-
-# -- the rules (the same as module_utils/pve_cache.py; a unit test keeps them equal) ---------------------------
-def clean(path):
-    path = os.path.normpath(path)
-    return "/" + path.lstrip("/") if path.startswith("//") else path
-
-
-def inside(path, directory):
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
-
-
-def refusal(path, homes):
-    """Why ``path`` may never be a cache root that is purged, or None (see pve_cache.refusal)."""
-    if not isinstance(path, str) or not path.startswith("/"):
-        return "it is not an absolute path"
-    if ".." in path.split("/"):
-        return "it contains '..'"
-    path = clean(path)
-    if path == "/":
-        return "it is the filesystem root /"
-    if path in PROTECTED:
-        return f"it is the system directory {path}"
-    for home, users in sorted(homes.items()):
-        if path == home:
-            return f"it is the home directory of {', '.join(users)}"
-    for home, users in sorted(homes.items()):
-        if home != path and inside(home, path):
-            return f"it contains the home directory {home} of {', '.join(users)}"
-    if len([part for part in path.split("/") if part]) < 2:
-        return "it has fewer than 2 path components (a cache is a directory of its own, like /tmp/torchinductor_root)"
-    for tree in SYSTEM_TREES:
-        if inside(path, tree):
-            return f"it lies inside the system tree {tree}"
-    return None
-
-
-def tail(text):
-    lines = (text or "").rstrip("\n").splitlines()[-TAIL_LINES:]
-    return "\n".join(lines)[-TAIL_CHARS:]
 
 
 def last_line(text):
@@ -112,171 +45,11 @@ def last_line(text):
     return lines[-1] if lines else "no output"
 
 
-# -- opening a root and walking it without trusting anyone who could have changed it ---------------------------
-# The same source in pve_probe_compile_cache.py and pve_script_compile_cache.py (a unit test keeps it equal):
-# each file travels alone into the target.
-DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-MAX_DEPTH = 64  # deeper directories are left alone (named): every level holds one fd while it is walked
-
-
-class Unsafe(Exception):
-    """A root that cannot be opened without trusting a user who could have changed it: what was found, the fix."""
-
-
-def who(uid):
-    """``alice (uid 1000)``; ``uid 4321`` when the target's passwd has no such user."""
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except (KeyError, OverflowError):
-        return f"uid {uid}"
-
-
-def mount_id(fd):
-    """The mount id of the open ``fd`` (``mnt_id`` of /proc/self/fdinfo): a bind mount of the same filesystem has
-    its parent's st_dev, never its mount id."""
-    with open(f"/proc/self/fdinfo/{fd}", encoding="ascii", errors="replace") as handle:
-        for line in handle:
-            if line.startswith("mnt_id:"):
-                return int(line.split()[1])
-    raise OSError(errno.ENOTSUP, "/proc/self/fdinfo names no mnt_id, so mount points cannot be told")
-
-
-def trusted_owners(here, info, uid):
-    """Who may own a directory found in the directory ``here`` (its ``info``), for the cache user ``uid``: None
-    when only root can put entries there; ``(0, uid)`` in a sticky directory of root's (``/tmp``: an entry can be
-    swapped only by its owner); ``(uid,)`` in the cache user's own directory (they may move any entry of it).
-    Unsafe where another user, a group or everyone may put any directory in place of the next component."""
-    others = info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
-    sticky = info.st_mode & stat.S_ISVTX
-    if info.st_uid == 0 and not others:
-        return None
-    if info.st_uid == 0 and sticky:
-        return (0, uid)
-    if info.st_uid == uid and (sticky or not others):
-        return (uid,)
-    if info.st_uid not in (0, uid):
-        raise Unsafe(f"it lies under {here}, owned by {who(info.st_uid)}, who could put any directory in its place")
-    writers = "every user" if info.st_mode & stat.S_IWOTH else f"group {info.st_gid}"
-    raise Unsafe(
-        f"it lies under {here}, which {writers} may write (mode {stat.S_IMODE(info.st_mode):04o}, no sticky bit): "
-        f"any of them could put another directory in its place; chmod +t {here}, or give a root under a directory "
-        "only root and the cache user can write"
-    )
-
-
-def open_root(path, uid):
-    """Open the directory ``path`` (clean, absolute) from ``/``, one component at a time, never following a link,
-    each component owned by someone :func:`trusted_owners` trusts: its fd, or None when it does not exist."""
-    fd = os.open("/", DIRECTORY)
-    here = "/"
-    try:
-        for name in [part for part in path.split("/") if part]:
-            owners = trusted_owners(here, os.fstat(fd), uid)
-            below = os.path.join(here, name)
-            try:
-                child = os.open(name, DIRECTORY, dir_fd=fd)
-            except OSError as error:
-                if error.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                    raise
-                kind = _kind_at(fd, name)
-                if kind == "link":
-                    raise Unsafe(
-                        f"{below} is a symlink (to {os.readlink(name, dir_fd=fd)}); a root is opened without "
-                        "following links: give the directory itself as the root"
-                    ) from None
-                if kind and below == path:
-                    raise Unsafe("it is not a directory") from None
-                return None
-            os.close(fd)
-            fd = child
-            owner = os.fstat(fd).st_uid
-            if owners is not None and owner not in owners:
-                trusted = " or ".join(map(who, sorted(set(owners))))
-                raise Unsafe(
-                    f"{below} is owned by {who(owner)}, but in {here} only {trusted} "
-                    "can be trusted (another user may have put it there): remove it, or give another root"
-                )
-            here = below
-        opened, fd = fd, None
-        return opened
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _kind_at(fd, name):
-    """``"link"``, ``"dir"``, ``"other"`` for the entry ``name`` of the directory ``fd``; None when it is gone."""
-    try:
-        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
-    except FileNotFoundError:
-        return None
-    return "link" if stat.S_ISLNK(mode) else "dir" if stat.S_ISDIR(mode) else "other"
-
-
-class Dir:
-    """A directory open for a walk: its fd, path, fstat, mount id and depth below the root (the caller closes)."""
-
-    __slots__ = ("depth", "fd", "info", "mount", "path")
-
-    def __init__(self, fd, path, depth=0):
-        self.fd, self.path, self.depth = fd, path, depth
-        self.info = os.fstat(fd)
-        self.mount = mount_id(fd)
-
-
-def open_dir(fd, path):
-    """A :class:`Dir` of a dup of ``fd``, the root open as ``path``."""
-    copy = os.dup(fd)
-    try:
-        return Dir(copy, path)
-    except BaseException:
-        os.close(copy)
-        raise
-
-
-def open_inside(parent, name):
-    """Open the subdirectory ``name`` of the :class:`Dir` ``parent`` to walk it: ``(Dir, None)``, or ``(None,
-    why)`` for one never entered: ``"mount"`` (another st_dev or mount id: a bind mount too), ``"owner"`` (not
-    owned by the owner of its parent, a non-root user, who could have moved it in from where they may not delete),
-    ``"depth"``, or ``"gone"`` (no directory now: a link or a file took its place)."""
-    if parent.depth >= MAX_DEPTH:
-        return None, "depth"
-    try:
-        fd = os.open(name, DIRECTORY | getattr(os, "O_NONBLOCK", 0), dir_fd=parent.fd)
-    except OSError as error:
-        if error.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-            return None, "gone"
-        raise
-    try:
-        child = Dir(fd, os.path.join(parent.path, name), parent.depth + 1)
-    except BaseException:
-        os.close(fd)
-        raise
-    why = None
-    if child.info.st_dev != parent.info.st_dev or child.mount != parent.mount:
-        why = "mount"
-    elif parent.info.st_uid not in (0, child.info.st_uid):
-        why = "owner"
-    if why:
-        os.close(fd)
-        return None, why
-    return child, None
-
-
-LEFT = {
-    "owner": "owned by another user than its directory's owner, who could have moved it in: never entered",
-    "depth": f"more than {MAX_DEPTH} levels deep: never entered",
-}
-
-
-# -- end of the shared part ------------------------------------------------------------------------------------
-
-
 # -- reading ---------------------------------------------------------------------------------------------------
 def size_of(fd, path, stamp_name):
     """Bytes in regular files under the directory open as ``fd`` (named ``path``; the stamp left out), entering
-    only what a purge would enter (:func:`open_inside`)."""
-    return _size(open_dir(fd, path), stamp_name)
+    only what a purge would enter (:func:`pve_ct_fs.open_inside`)."""
+    return _size(pve_ct_fs.open_dir(fd, path), stamp_name)
 
 
 def _size(here, skip):
@@ -290,7 +63,7 @@ def _size(here, skip):
             except OSError:
                 continue
             if stat.S_ISDIR(entry.st_mode):
-                child, _ = open_inside(here, name)
+                child, _ = pve_ct_fs.open_inside(here, name)
                 total += _size(child, None) if child is not None else 0
             elif stat.S_ISREG(entry.st_mode):
                 total += entry.st_size
@@ -312,7 +85,7 @@ def users_of(reals, own_pid):
         if not name.isdigit() or int(name) == own_pid:
             continue
         try:
-            used = _uses(int(name), reals)
+            used = pve_ct_fs.uses(int(name), reals)
         except OSError:
             continue  # gone, or not ours to read (the module's read already counted those)
         if used:
@@ -324,30 +97,6 @@ def users_of(reals, own_pid):
             for real, how in used.items():
                 found[real].append({"pid": int(name), "name": comm, "how": sorted(how)})
     return found
-
-
-def _uses(pid, reals):
-    base = f"/proc/{pid}"
-    used = {}
-
-    def note(path, how):
-        path = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
-        for real in reals:
-            if inside(path, real):
-                used.setdefault(real, set()).add(how)
-
-    note(os.readlink(f"{base}/cwd"), "cwd")
-    for fd in os.listdir(f"{base}/fd"):
-        try:
-            note(os.readlink(f"{base}/fd/{fd}"), "open")
-        except FileNotFoundError:
-            continue
-    with open(f"{base}/maps", encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            fields = line.split(None, 5)
-            if len(fields) == 6 and fields[5].startswith("/"):
-                note(fields[5].rstrip("\n"), "mapped")
-    return used
 
 
 # -- writing ---------------------------------------------------------------------------------------------------
@@ -371,7 +120,7 @@ def write_stamp(directory, name, content):
 
 
 class Purge:
-    """Empties the root open as ``fd`` (named ``path``) through directory fds (:func:`open_inside`): never
+    """Empties the root open as ``fd`` (named ``path``) through directory fds (:func:`pve_ct_fs.open_inside`): never
     through a symlink, never into another mount (a bind mount of the same filesystem too), never into a directory
     its parent's non-root owner could have moved in, never outside the root. ``report`` counts what went and names
     what was left."""
@@ -384,9 +133,9 @@ class Purge:
 
     def run(self):
         """Empty the root (the stamp excepted, which first becomes a "purging" marker)."""
-        top = open_dir(self.fd, self.path)
+        top = pve_ct_fs.open_dir(self.fd, self.path)
         try:
-            if _kind_at(top.fd, self.stamp_name) == "dir":  # a directory where the stamp belongs is not ours
+            if pve_ct_fs.kind_at(top.fd, self.stamp_name) == "dir":  # a directory where the stamp belongs is not ours
                 self.remove(top, self.stamp_name)
             write_stamp(top.fd, self.stamp_name, {"state": "purging", "fingerprint": None})
             self.empty(top, skip=self.stamp_name)
@@ -395,7 +144,7 @@ class Purge:
         return self.report
 
     def empty(self, here, skip=None):
-        """Remove everything in the :class:`Dir` ``here``; True when it is empty."""
+        """Remove everything in the :class:`pve_ct_fs.Dir` ``here``; True when it is empty."""
         emptied = True
         for name in os.listdir(here.fd):
             if name != skip:
@@ -403,16 +152,17 @@ class Purge:
         return emptied
 
     def remove(self, here, name):
-        """Remove the entry ``name`` of ``here``: a directory emptied first, when :func:`open_inside` lets it in."""
+        """Remove the entry ``name`` of ``here``: a directory emptied first, when :func:`pve_ct_fs.open_inside`
+        lets it in."""
         full = os.path.join(here.path, name)
-        kind = _kind_at(here.fd, name)
+        kind = pve_ct_fs.kind_at(here.fd, name)
         if kind == "dir":
-            child, why = open_inside(here, name)
+            child, why = pve_ct_fs.open_inside(here, name)
             if why == "mount":
                 self.report["mounts_left"].append(full)
                 return False
-            if why in LEFT:
-                self.report["left"].append({"path": full, "why": LEFT[why]})
+            if why in pve_ct_fs.LEFT:
+                self.report["left"].append({"path": full, "why": pve_ct_fs.LEFT[why]})
                 return False
             if child is not None:
                 try:
@@ -423,14 +173,14 @@ class Purge:
                     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                         os.rmdir(name, dir_fd=here.fd)  # only ever an empty directory
                 return empty
-            kind = _kind_at(here.fd, name)  # no directory any more: a link or a file took its place
+            kind = pve_ct_fs.kind_at(here.fd, name)  # no directory any more: a link or a file took its place
         if kind is None:
             return True
         entry = os.stat(name, dir_fd=here.fd, follow_symlinks=False)
         if stat.S_ISLNK(entry.st_mode):
             target = os.readlink(name, dir_fd=here.fd)
             self.report["links"] += 1
-            if not inside(clean(os.path.join(here.path, target)), self.path):
+            if not pve_ct_fs.inside(pve_ct_fs.clean(os.path.join(here.path, target)), self.path):
                 self.report["links_out"].append({"link": full, "target": target})
         elif stat.S_ISREG(entry.st_mode):
             self.report["bytes"] += entry.st_size
@@ -461,7 +211,7 @@ def run_warmup(warmup, deadline):
     uid, gid = warmup.get("uid"), warmup.get("gid")
     if uid is not None and uid != os.geteuid():
         if os.geteuid() != 0:
-            raise ActError(
+            raise pve_ct_act.ActError(
                 "warmup_user",
                 f"the warm-up must run as {warmup['user']} (uid {uid}), but this runs as uid {os.geteuid()}",
                 cmd=argv,
@@ -480,7 +230,9 @@ def run_warmup(warmup, deadline):
             **extra,
         )
     except OSError as error:
-        raise ActError("warmup_not_found", f"cannot run the warm-up `{argv[0]}`: {error.strerror}", cmd=argv) from None
+        raise pve_ct_act.ActError(
+            "warmup_not_found", f"cannot run the warm-up `{argv[0]}`: {error.strerror}", cmd=argv
+        ) from None
     try:
         out, err = process.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
@@ -490,7 +242,7 @@ def run_warmup(warmup, deadline):
             out, err = process.communicate(timeout=5)
         except subprocess.TimeoutExpired:
             out, err = b"", b""
-        raise ActError(
+        raise pve_ct_act.ActError(
             "warmup_timeout",
             f"the warm-up `{' '.join(argv)}` did not finish within {seconds:g} s (warmup_timeout) and was killed",
             cmd=argv,
@@ -505,7 +257,7 @@ class Act:
         self.roots = [dict(r) for r in payload["roots"]]
         self.fingerprint = payload["fingerprint"]
         self.stamp_name = payload["stamp_name"]
-        self.homes = {clean(h): list(u) for h, u in payload["homes"].items()}
+        self.homes = {pve_ct_fs.clean(h): list(u) for h, u in payload["homes"].items()}
         self.uid = int(payload["uid"])  # the cache user's: who may own what lies in a directory they can write
         self.warmup = payload.get("warmup")
         self.unattended = bool(payload.get("unattended"))
@@ -525,18 +277,21 @@ class Act:
         self.fds = {}
 
     def open_checked(self, index):
-        """The fd of root ``index`` after the rules (:func:`refusal`, :func:`open_root`), the very directory the
-        module judged (its ``id``); None when it does not exist; an ActError when it may not be touched."""
+        """The fd of root ``index`` after the rules (:func:`pve_ct_fs.refusal`, :func:`pve_ct_fs.open_root`), the very
+        directory the module judged (its ``id``); None when it does not exist; an pve_ct_act.ActError when it may not be
+        touched."""
         if index in self.fds:
             return self.fds[index]
         root = self.roots[index]
-        why = refusal(root["path"], self.homes)
+        why = pve_ct_fs.refusal(root["path"], self.homes)
         if why:
-            raise ActError("refused", f"compile cache root {root['path']} refused: {why}; nothing was deleted")
+            raise pve_ct_act.ActError(
+                "refused", f"compile cache root {root['path']} refused: {why}; nothing was deleted"
+            )
         try:
-            fd = open_root(clean(root["path"]), self.uid)
-        except Unsafe as error:
-            raise ActError(
+            fd = pve_ct_fs.open_root(pve_ct_fs.clean(root["path"]), self.uid)
+        except pve_ct_fs.Unsafe as error:
+            raise pve_ct_act.ActError(
                 "unsafe", f"compile cache root {root['path']} refused: {error}; nothing was deleted"
             ) from None
         if fd is None:
@@ -544,7 +299,7 @@ class Act:
         info = os.fstat(fd)
         if root.get("id") is not None and [info.st_dev, info.st_ino] != list(root["id"]):
             os.close(fd)
-            raise ActError("changed", f"{root['path']} is another directory than the one read; run again")
+            raise pve_ct_act.ActError("changed", f"{root['path']} is another directory than the one read; run again")
         self.fds[index] = fd
         return fd
 
@@ -552,24 +307,26 @@ class Act:
         """Bytes in root ``index``; 0 when it does not exist, None when it cannot be opened."""
         try:
             fd = self.open_checked(index)
-        except ActError:
+        except pve_ct_act.ActError:
             return None
-        return size_of(fd, clean(self.roots[index]["path"]), self.stamp_name) if fd is not None else 0
+        return size_of(fd, pve_ct_fs.clean(self.roots[index]["path"]), self.stamp_name) if fd is not None else 0
 
     def execute(self):
         started = time.monotonic()
         acting = [i for i, r in enumerate(self.roots) if r["action"]]
         for index in acting:
             if self.open_checked(index) is None:
-                raise ActError("changed", f"{self.roots[index]['path']} is no longer a directory; run again")
-        reals = {i: clean(self.roots[i]["path"]) for i in acting}  # no link on the way: the path is the real one
+                raise pve_ct_act.ActError("changed", f"{self.roots[index]['path']} is no longer a directory; run again")
+        reals = {
+            i: pve_ct_fs.clean(self.roots[i]["path"]) for i in acting
+        }  # no link on the way: the path is the real one
         purging = [i for i in acting if self.roots[i]["action"] == "purge"]
         users = users_of(sorted({reals[i] for i in purging}), os.getpid())
         busy = [(self.roots[i], users[reals[i]]) for i in purging if users[reals[i]]]
         if busy and self.unattended:
             for root, found in busy:
                 root["action"] = None  # left for a window: neither purged nor stamped
-                self.window.append({"path": root["path"], "real_path": clean(root["path"]), "users": found})
+                self.window.append({"path": root["path"], "real_path": pve_ct_fs.clean(root["path"]), "users": found})
             self.warmup = None  # no compile while a live process uses the caches it would fill
             busy = []
         if busy:
@@ -577,11 +334,11 @@ class Act:
                 f"{r['path']} by " + ", ".join(f"pid {u['pid']} ({u['name']}: {', '.join(u['how'])})" for u in found)
                 for r, found in busy
             )
-            raise ActError("busy", f"nothing was purged: a live process uses a cache to purge: {named}")
+            raise pve_ct_act.ActError("busy", f"nothing was purged: a live process uses a cache to purge: {named}")
         for index, root in enumerate(self.roots):
             root["size_before"] = self.size(index)
             if root["action"] == "purge":
-                root["purged"] = Purge(self.fds[index], clean(root["path"]), self.stamp_name).run()
+                root["purged"] = Purge(self.fds[index], pve_ct_fs.clean(root["path"]), self.stamp_name).run()
             if root["action"] in ("purge", "stamp"):
                 write_stamp(self.fds[index], self.stamp_name, stamp_content(self.fingerprint))
                 root["stamped"] = True
@@ -608,11 +365,11 @@ class Act:
             "size_before": before,
             "size_after": after,
             "filled": after > before,
-            "stdout_tail": tail(out),
-            "stderr_tail": tail(err),
+            "stdout_tail": pve_ct_act.tail(out, TAIL_LINES),
+            "stderr_tail": pve_ct_act.tail(err, TAIL_LINES),
         }
         if rc != 0:
-            raise ActError(
+            raise pve_ct_act.ActError(
                 "warmup_failed",
                 f"the warm-up `{' '.join(map(str, self.warmup['argv']))}` failed with exit code {rc}: "
                 f"{last_line(err or out)}",
@@ -626,13 +383,13 @@ class Act:
             fd = self.open_checked(index)  # created by the user: opened by the same rules before root writes
             if fd is None:
                 continue
-            root["real_path"] = root["real_path"] or clean(root["path"])
-            if not root["stamped"] and _kind_at(fd, self.stamp_name) is None:
+            root["real_path"] = root["real_path"] or pve_ct_fs.clean(root["path"])
+            if not root["stamped"] and pve_ct_fs.kind_at(fd, self.stamp_name) is None:
                 write_stamp(fd, self.stamp_name, stamp_content(self.fingerprint))
                 root["stamped"] = True
             filled = filled or has_content(fd, self.stamp_name)
         if not filled:
-            raise ActError(
+            raise pve_ct_act.ActError(
                 "warmup_empty",
                 f"the warm-up `{' '.join(map(str, self.warmup['argv']))}` succeeded but left every cache root "
                 "empty: does it compile, and does it use TORCHINDUCTOR_CACHE_DIR (the first root)?",
@@ -664,14 +421,8 @@ def probe(payload):
         return {"error": "invalid", "message": f"the compile cache payload is incomplete: {error}", "done": None}
     try:
         return act.execute()
-    except ActError as error:
-        failure = {"error": error.kind, "message": str(error), "cmd": error.cmd, "rc": error.rc}
-        failure.update(stdout_tail=tail(error.stdout), stderr_tail=tail(error.stderr))
-    except OSError as error:
-        kind = "no_space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "os_error"
-        where = f" ({error.filename})" if error.filename else ""
-        failure = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
-        failure.update(stdout_tail="", stderr_tail="")
+    except (pve_ct_act.ActError, OSError) as error:
+        failure = pve_ct_act.failure(error, TAIL_LINES)
     finally:
         act.close()
     failure["done"] = act.done()

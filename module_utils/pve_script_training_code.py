@@ -4,11 +4,11 @@
 
 Unlike a probe part, ``probe(payload)`` here changes the target. It is called the same way so that it costs one
 ``pct exec``: ``Target.run_probes`` ships this file's source to the target's python on stdin; on a bare host
-``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, imports nothing of ours,
-the answer is plain JSON. git is called exactly as the probe part calls it (pve_probe_training_code: through a
-view of the repository whose config is an allowlist of the real one's keys, so nothing the repository's owner
-configured runs as root; no system or global config; no ``GIT_*`` of the caller). Files of the work tree are read
-and removed through directory file descriptors, never through a link.
+``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of ours but the
+container-side modules of ``SHARED``, the answer is plain JSON. git is called exactly as the probe part calls it,
+through :mod:`pve_ct_git` (a view of the repository whose config is an allowlist of the real one's keys, so nothing
+the repository's owner configured runs as root; no system or global config; no ``GIT_*`` of the caller). Files of
+the work tree are read and removed through directory file descriptors, never through a link.
 
 In this order, and nothing is changed in the work tree, the index, HEAD or any branch before step 5:
 
@@ -48,8 +48,8 @@ In this order, and nothing is changed in the work tree, the index, HEAD or any b
    elsewhere is not entered); a directory they leave empty goes too;
 8. with ``keep``, remove the oldest backups in ``backup_dir`` beyond the newest ``keep`` (this run's is kept).
 
-Failure answers ``{"error": kind, "message", "cmd", "rc", "stderr_tail", "backup" (the backup directory, or None),
-"touched" (whether step 5 or later had begun)}``.
+Failure answers ``{"error": kind, "message", "cmd", "rc", "stdout_tail", "stderr_tail", "backup" (the backup
+directory, or None), "touched" (whether step 5 or later had begun)}``.
 """
 
 import contextlib
@@ -67,7 +67,9 @@ import tarfile
 import tempfile
 import time
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+from ansible.module_utils import pve_ct_act, pve_ct_git
+
+SHARED = (pve_ct_act, pve_ct_git)  # container-side modules Target.run_probes ships with this part
 PATCH_ARGS = (
     "--binary",
     "--no-color",
@@ -81,39 +83,9 @@ PATCH_ARGS = (
 IDENTITY = ("user.name=pve-gpu-recover", "user.email=pve-gpu-recover@localhost")
 KEEP_REF = "refs/pve-gpu-recover/detached/"
 UNMERGED = {"DD", "AU", "UD", "UA", "DU", "AA", "UU"}
-OPERATIONS = (
-    ("MERGE_HEAD", "merge"),
-    ("rebase-merge", "rebase"),
-    ("rebase-apply/applying", "am"),
-    ("rebase-apply", "rebase"),
-    ("CHERRY_PICK_HEAD", "cherry-pick"),
-    ("REVERT_HEAD", "revert"),
-    ("BISECT_LOG", "bisect"),
-)
 SPARE = 1024 * 1024  # bytes the backup's file system keeps free beyond the backup
 TAIL_LINES = 40
-TAIL_CHARS = 4000
 KILL_WAIT = 5
-
-
-class ViewError(Exception):
-    """The repository's config could not be read to build the view git is shown."""
-
-
-class ResetError(Exception):
-    """One failure of the reset: ``kind`` for code, the message for people, the command when one ran."""
-
-    def __init__(self, kind, message, *, cmd=None, rc=None, stderr=""):
-        super().__init__(message)
-        self.kind = kind
-        self.cmd = cmd
-        self.rc = rc
-        self.stderr = stderr
-
-
-def tail(text):
-    """The last TAIL_LINES lines of ``text``, at most TAIL_CHARS characters."""
-    return "\n".join((text or "").rstrip("\n").splitlines()[-TAIL_LINES:])[-TAIL_CHARS:]
 
 
 def short(sha):
@@ -125,228 +97,6 @@ def shown(path):
     return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def split_z(data):
-    """NUL-separated git output -> paths (undecodable bytes kept as surrogates, so the file can still be opened)."""
-    return [p for p in data.decode("utf-8", "surrogateescape").split("\0") if p]
-
-
-def status_entries(data):
-    """``git status --porcelain=v1 -z`` -> ``[(XY, path, original path or None)]`` (see pve_code.parse_status)."""
-    fields = data.decode("utf-8", "surrogateescape").split("\0")
-    entries, index = [], 0
-    while index < len(fields):
-        field = fields[index]
-        index += 1
-        if not field:
-            continue
-        code, original = field[:2], None
-        if "R" in code or "C" in code:
-            original = fields[index] if index < len(fields) else None
-            index += 1
-        entries.append((code, field[3:], original))
-    return entries
-
-
-def find_git(git):
-    if "/" in git:
-        return git if os.path.isfile(git) and os.access(git, os.X_OK) else None
-    return shutil.which(git, path=os.environ.get("PATH") or DEFAULT_PATH)
-
-
-# The keys of the repository's own config that git is given (section and key lower case, as `git config --list`
-# writes them): how to read the object database, the work tree's file system, line endings and a remote's URL.
-# None of them names a program to run; everything else (filter.*, diff.*.textconv, core.fsmonitor, core.hooksPath,
-# core.sshCommand, core.pager, credential.*, remote.*.uploadpack, include.*, url.*.insteadOf...) is left out.
-ALLOWED = re.compile(
-    r"(?:core\.(?:repositoryformatversion|filemode|symlinks|ignorecase|precomposeunicode|autocrlf|eol|safecrlf"
-    r"|checkstat|trustctime|sparsecheckout|sparsecheckoutcone)|extensions\.(?:objectformat|refstorage)"
-    r"|remote\..+\.url)",
-    re.DOTALL,
-)
-# What the view's common dir does not link: the config (the view writes its own) and the hooks.
-NOT_LINKED = ("config", "config.worktree", "hooks")
-# Set on every call, over anything else: no program of git's own either (no fsmonitor, no hook, no auto gc, which
-# would pack refs into the view), and no submodule (git would read its config).
-FIXED = (
-    "core.fsmonitor=false",
-    "core.hooksPath=/dev/null",
-    "gc.auto=0",
-    "maintenance.auto=false",
-    "submodule.recurse=false",
-    "diff.ignoreSubmodules=dirty",
-    "protocol.ext.allow=never",
-)
-
-
-def git_env(top, environ=None):
-    """The environment of every git call: no ``GIT_*`` of the caller, the C locale, no prompt, no optional lock,
-    no system or global config, and a ceiling at the repository's parent."""
-    env = {
-        k: v
-        for k, v in (os.environ if environ is None else environ).items()
-        if not k.startswith("GIT_") and k not in ("XDG_CONFIG_HOME", "HOME")
-    }
-    env.update(
-        LC_ALL="C",
-        LANG="C",
-        GIT_TERMINAL_PROMPT="0",
-        GIT_OPTIONAL_LOCKS="0",
-        GIT_CEILING_DIRECTORIES=os.path.dirname(top),
-        GIT_CONFIG_NOSYSTEM="1",
-        GIT_CONFIG_GLOBAL=os.devnull,
-        GIT_ATTR_NOSYSTEM="1",
-    )
-    env.setdefault("PATH", DEFAULT_PATH)
-    return env
-
-
-def git_argv(git, top, args, config=()):
-    """``git -c core.fsmonitor=false -c core.hooksPath=/dev/null ... [-c <config>...] -C <top> <args...>``."""
-    fixed = [part for setting in (*FIXED, *config) for part in ("-c", setting)]
-    return [git, *fixed, "-C", top, *args]
-
-
-def locate(top):
-    """``(git_dir, common_dir)`` of the work tree at ``top``, read from its ``.git`` (a directory, or a file
-    ``gitdir: <path>``) and the git dir's ``commondir``, without running git; ``(None, None)`` when ``top`` has no
-    ``.git``."""
-    dotgit = os.path.join(top, ".git")
-    if os.path.isdir(dotgit):
-        git_dir = dotgit
-    elif os.path.isfile(dotgit):
-        with open(dotgit, "rb") as handle:
-            text = handle.read(4096).decode("utf-8", "surrogateescape")
-        if not text.startswith("gitdir: "):
-            return None, None
-        git_dir = os.path.normpath(os.path.join(top, text[len("gitdir: ") :].strip()))
-    else:
-        return None, None
-    common = git_dir
-    try:
-        with open(os.path.join(git_dir, "commondir"), "rb") as handle:
-            common = os.path.normpath(
-                os.path.join(git_dir, handle.read(4096).decode("utf-8", "surrogateescape").strip())
-            )
-    except FileNotFoundError:
-        pass
-    return git_dir, common
-
-
-def looks_bare(top):
-    """Whether ``top`` itself is a git dir (a bare repository): HEAD, objects and refs, no work tree."""
-    return all(os.path.exists(os.path.join(top, name)) for name in ("HEAD", "objects", "refs"))
-
-
-def parse_config_list(data):
-    """``git config --list --null`` output -> ``[(key, value)]`` in file order; a key without ``=`` has None.
-
-    ``b"core.bare\nfalse\0remote.origin.url\n/srv/up\0"`` -> ``[("core.bare", "false"), ("remote.origin.url",
-    "/srv/up")]``."""
-    entries = []
-    for item in data.decode("utf-8", "surrogateescape").split("\0"):
-        if item:
-            key, _, value = item.partition("\n")
-            entries.append((key, value if "\n" in item else None))
-    return entries
-
-
-def config_text(entries):
-    """The view's config: the allowed keys of ``entries``, the last value of each (git's rule for one value),
-    quoted so that no value can open a section of its own."""
-
-    def quoted(text):
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
-
-    chosen = {}
-    for key, value in entries:
-        if value is not None and ALLOWED.fullmatch(key):
-            chosen[key] = value
-    lines = []
-    for key, value in chosen.items():
-        section, _, rest = key.partition(".")
-        subsection, _, name = rest.rpartition(".")
-        header = f"[{section} {quoted(subsection)}]" if subsection else f"[{section}]"
-        lines += [header, f"\t{name} = {quoted(value)}"]
-    return "\n".join(lines) + "\n"
-
-
-# The fallback scratch directory: root's, sticky, and mkdtemp makes a 0700 directory of its own in it.
-ROOT_TMP = "/tmp"  # noqa: S108
-
-
-def scratch_root():
-    """Where the view and other scratch go: the temp directory when only root can replace what is in it (owned by
-    root, and not writable by others unless sticky), else /tmp. A TMPDIR a user owns would let them swap the view's
-    config under git."""
-    candidate = tempfile.gettempdir()
-    try:
-        info = os.stat(candidate)
-    except OSError:
-        return ROOT_TMP
-    shared = info.st_mode & 0o022 and not info.st_mode & 0o1000
-    return candidate if info.st_uid == os.geteuid() == 0 and not shared else ROOT_TMP
-
-
-class View:
-    """The repository as git is shown it: the real git dir, a common dir of links whose config is only the
-    allowed keys (see the module's docstring). ``env`` is what every git call runs with; ``close()`` removes it."""
-
-    def __init__(self, git, top, git_dir, common, environ=None):
-        self.top = top
-        self.git_dir = git_dir
-        self.common = common
-        self.scratch = tempfile.mkdtemp(prefix="pve-gpu-recover-git-", dir=scratch_root())
-        self.dir = os.path.join(self.scratch, "common")
-        home = os.path.join(self.scratch, "home")
-        os.mkdir(self.dir, 0o700)
-        os.mkdir(home, 0o700)
-        base = git_env(top, environ)
-        # Read the real config with git's parser alone: no repository (GIT_DIR names none), no include followed.
-        done = subprocess.run(
-            [git, "config", "--file", os.path.join(common, "config"), "--list", "--null"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            env=dict(base, HOME=home, GIT_DIR=os.path.join(self.scratch, "none")),
-            cwd=self.scratch,
-            timeout=60,
-            check=False,
-        )
-        if done.returncode != 0 and os.path.exists(os.path.join(common, "config")):
-            said = done.stderr.decode(errors="replace").strip().splitlines()
-            raise ViewError(f"cannot read {common}/config: {said[-1] if said else 'no output'}")
-        self.config = parse_config_list(done.stdout)
-        for name in os.listdir(common):
-            if name not in NOT_LINKED:
-                os.symlink(os.path.join(common, name), os.path.join(self.dir, name))
-        with open(os.open(os.path.join(self.dir, "config"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            f.write(config_text(self.config))
-        self.env = dict(base, HOME=home, GIT_DIR=git_dir, GIT_COMMON_DIR=self.dir, GIT_WORK_TREE=top)
-        # git checks no owner with GIT_DIR given; should a later one, the repository is safe to read: its config is
-        # not read at all. (GIT_CONFIG_COUNT is command-line config, which git takes safe.directory from.)
-        self.env.update(
-            GIT_CONFIG_COUNT="2",
-            GIT_CONFIG_KEY_0="safe.directory",
-            GIT_CONFIG_VALUE_0=top,
-            GIT_CONFIG_KEY_1="safe.directory",
-            GIT_CONFIG_VALUE_1=git_dir,
-        )
-
-    def value(self, key):
-        """The last value of ``key`` in the real config (read, never given to git unless allowed), or None."""
-        found = [value for name, value in self.config if name == key]
-        return found[-1] if found else None
-
-    def close(self):
-        # The links are removed, never followed (rmtree does not follow a link).
-        shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def first_error(err):
-    lines = [line.strip() for line in (err or "").splitlines() if line.strip()]
-    said = next((line for line in lines if line.startswith(("fatal:", "error:"))), lines[-1] if lines else "")
-    return said or "no output"
-
-
 class Git:
     """git in one repository within the reset's deadline; a command past it is killed with its process group."""
 
@@ -355,13 +105,15 @@ class Git:
         self.top = top
         self.deadline = deadline
         self.budget = budget
-        self.env = git_env(top)
+        self.env = pve_ct_git.git_env(top)
 
     def run(self, *args, config=(), env=None):
-        argv = git_argv(self.git, self.top, args, config)
+        argv = pve_ct_git.git_argv(self.git, self.top, args, config)
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise ResetError("timeout", f"the reset's {self.budget:g} s (reset_timeout) ran out before `git {args[0]}`")
+            raise pve_ct_act.ActError(
+                "timeout", f"the reset's {self.budget:g} s (reset_timeout) ran out before `git {args[0]}`"
+            )
         try:
             process = subprocess.Popen(
                 argv,
@@ -373,7 +125,7 @@ class Git:
                 start_new_session=True,  # so that a timeout kills what git started too (ssh, remote helpers)
             )
         except OSError as error:
-            raise ResetError("no_git", f"cannot run `{self.git}`: {error.strerror}", cmd=argv) from None
+            raise pve_ct_act.ActError("no_git", f"cannot run `{self.git}`: {error.strerror}", cmd=argv) from None
         try:
             out, err = process.communicate(timeout=remaining)
         except subprocess.TimeoutExpired:
@@ -383,7 +135,7 @@ class Git:
                 out, err = process.communicate(timeout=KILL_WAIT)
             except subprocess.TimeoutExpired:
                 out, err = b"", b""
-            raise ResetError(
+            raise pve_ct_act.ActError(
                 "timeout",
                 f"`git {' '.join(args)}` did not finish within the reset's {self.budget:g} s (reset_timeout) and "
                 f"was killed",
@@ -395,38 +147,20 @@ class Git:
     def must(self, *args, what, kind="git", config=(), env=None):
         rc, out, err = self.run(*args, config=config, env=env)
         if rc != 0:
-            argv = git_argv(self.git, self.top, args, config)
-            raise ResetError(kind, f"{what} failed (exit {rc}): {first_error(err)}", cmd=argv, rc=rc, stderr=err)
+            argv = pve_ct_git.git_argv(self.git, self.top, args, config)
+            raise pve_ct_act.ActError(
+                kind, f"{what} failed (exit {rc}): {pve_ct_git.first_error(err)}", cmd=argv, rc=rc, stderr=err
+            )
         return out
 
 
 def collisions(git, commit, untracked):
-    """Ignored files a checkout of ``commit`` would overwrite (see pve_probe_training_code.collisions)."""
-    tracked = set(split_z(git.must("ls-files", "-z", what="listing the tracked files")))
-    known = tracked | set(untracked)
-    found, checked = [], set()
-    for path in split_z(git.must("ls-tree", "-r", "--name-only", "-z", commit, what="listing the commit's files")):
-        if path in tracked:
-            continue
-        parts = path.split("/")
-        for depth in range(1, len(parts)):
-            parent = "/".join(parts[:depth])
-            if parent in checked:
-                continue
-            checked.add(parent)
-            full = os.path.join(git.top, parent)
-            if os.path.lexists(full) and (os.path.islink(full) or not os.path.isdir(full)) and parent not in known:
-                found.append(parent)
-        full = os.path.join(git.top, path)
-        if path in known or not os.path.lexists(full):
-            continue
-        if os.path.isdir(full) and not os.path.islink(full):
-            for directory, _, files in os.walk(full):
-                inside = [os.path.relpath(os.path.join(directory, f), git.top) for f in files]
-                found.extend(p for p in inside if p not in known)
-        else:
-            found.append(path)
-    return sorted(set(found))
+    """Ignored files a checkout of ``commit`` would overwrite (:func:`pve_ct_git.collisions`)."""
+    tracked = pve_ct_git.split_z(git.must("ls-files", "-z", what="listing the tracked files"))
+    listed = pve_ct_git.split_z(
+        git.must("ls-tree", "-r", "--name-only", "-z", commit, what="listing the commit's files")
+    )
+    return pve_ct_git.collisions(git.top, tracked, listed, untracked)
 
 
 def free_bytes(directory):
@@ -540,7 +274,7 @@ def add_entry(tar, top, path):
         with os.fdopen(handle, "rb") as f:
             opened = os.fstat(f.fileno())
             if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
-                raise ResetError("backup", f"{shown(path)} was replaced while it was saved; run again")
+                raise pve_ct_act.ActError("backup", f"{shown(path)} was replaced while it was saved; run again")
             member.size = opened.st_size
             reader = Hashing(f, hashlib.sha256())
             tar.addfile(member, reader)
@@ -657,36 +391,44 @@ class Reset:
         self.saved = {}  # the tarballs' manifest records, by tarball
         self.touched = False  # whether anything of the repository was changed (step 5 on)
         if self.remote and self.remote.startswith("-"):
-            raise ResetError("invalid", f"remote {self.remote!r} starts with '-'; give a remote's name or a URL")
+            raise pve_ct_act.ActError(
+                "invalid", f"remote {self.remote!r} starts with '-'; give a remote's name or a URL"
+            )
         if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
-            raise ResetError("invalid", f"keep is {self.keep!r}; keep at least the newest backup (1) or all (None)")
+            raise pve_ct_act.ActError(
+                "invalid", f"keep is {self.keep!r}; keep at least the newest backup (1) or all (None)"
+            )
 
     # -- 1. re-check -------------------------------------------------------------------------------------------
     def check(self):
-        git = find_git(self.git_name)
+        git = pve_ct_git.find_git(self.git_name)
         if git is None:
-            raise ResetError("no_git", f"git not found in the target (`{self.git_name}`); install it there")
+            raise pve_ct_act.ActError("no_git", f"git not found in the target (`{self.git_name}`); install it there")
         if not os.path.isdir(self.top):
-            raise ResetError("no_repository", f"there is no directory {self.path}")
+            raise pve_ct_act.ActError("no_repository", f"there is no directory {self.path}")
         self.git = Git(git, self.top, self.deadline, self.budget)
-        git_dir, common = locate(self.top)
+        git_dir, common = pve_ct_git.locate(self.top)
         if git_dir is None:
-            raise ResetError("no_repository", f"{self.path} is not a git work tree (no .git)")
+            raise pve_ct_act.ActError("no_repository", f"{self.path} is not a git work tree (no .git)")
         try:
-            self.view = View(git, self.top, git_dir, common)
-        except (OSError, subprocess.SubprocessError, ViewError) as error:
-            raise ResetError("no_repository", f"cannot read the repository's config in {common}: {error}") from None
+            self.view = pve_ct_git.View(git, self.top, git_dir, common)
+        except (OSError, subprocess.SubprocessError, pve_ct_git.ViewError) as error:
+            raise pve_ct_act.ActError(
+                "no_repository", f"cannot read the repository's config in {common}: {error}"
+            ) from None
         self.git.env = self.view.env
         worktree = self.view.value("core.worktree")
         if worktree is not None and os.path.realpath(os.path.join(git_dir, worktree)) != self.top:
-            raise ResetError("no_repository", f"the work tree of the repository at {self.path} is {worktree}")
+            raise pve_ct_act.ActError("no_repository", f"the work tree of the repository at {self.path} is {worktree}")
         self.git_dir = git_dir
         root = os.path.realpath(self.root)
         if root == self.top or root.startswith(self.top.rstrip("/") + "/"):
-            raise ResetError("invalid", f"the backup directory {self.root} lies inside the repository {self.path}")
-        for name, what in OPERATIONS:
-            if os.path.exists(os.path.join(git_dir, name)):
-                raise ResetError("operation", f"a {what} is in progress in {self.path}; finish or abort it first")
+            raise pve_ct_act.ActError(
+                "invalid", f"the backup directory {self.root} lies inside the repository {self.path}"
+            )
+        what = pve_ct_git.operation(git_dir)
+        if what:
+            raise pve_ct_act.ActError("operation", f"a {what} is in progress in {self.path}; finish or abort it first")
         rc, out, _ = self.git.run("rev-parse", "-q", "--verify", "HEAD^{commit}")
         head = out.decode().strip() if rc == 0 else None
         rc, out, _ = self.git.run("symbolic-ref", "-q", "--short", "HEAD")
@@ -699,20 +441,26 @@ class Reset:
             "--ignore-submodules=dirty",
             what="reading the status (`git status`)",
         )
-        entries = status_entries(status)
+        entries = pve_ct_git.status_entries(status)
         conflicts = [shown(path) for code, path, _ in entries if code in UNMERGED]
         if conflicts:
-            raise ResetError("conflict", f"{self.path} has unmerged paths: {', '.join(conflicts[:5])}; resolve them")
+            raise pve_ct_act.ActError(
+                "conflict", f"{self.path} has unmerged paths: {', '.join(conflicts[:5])}; resolve them"
+            )
         listed = self.git.must(
             "ls-files", "--others", "--exclude-standard", "-z", what="listing the untracked files (`git ls-files`)"
         )
-        untracked = split_z(listed)
+        untracked = pve_ct_git.split_z(listed)
         nested = [shown(path) for path in untracked if path.endswith("/")]
         if nested:
-            raise ResetError("nested", f"{', '.join(nested[:5])} in {self.path}: untracked git repositories inside")
+            raise pve_ct_act.ActError(
+                "nested", f"{', '.join(nested[:5])} in {self.path}: untracked git repositories inside"
+            )
         tracked = entries
         if head is None and tracked:
-            raise ResetError("unborn", f"{self.path} has no commit yet but files are staged; commit or unstage them")
+            raise pve_ct_act.ActError(
+                "unborn", f"{self.path} has no commit yet but files are staged; commit or unstage them"
+            )
         return head, branch, tracked, untracked
 
     # -- 2. fetch ----------------------------------------------------------------------------------------------
@@ -725,7 +473,7 @@ class Reset:
         if self.present():
             return False
         if not self.remote:
-            raise ResetError(
+            raise pve_ct_act.ActError(
                 "missing",
                 f"commit {self.commit} is not in the repository at {self.path} and no remote is set to fetch it from",
             )
@@ -733,15 +481,15 @@ class Reset:
         rc, _, err = self.git.run(*args)
         self.settle()
         if rc != 0:
-            raise ResetError(
+            raise pve_ct_act.ActError(
                 "fetch",
-                f"fetching {short(self.commit)} from {self.remote} failed (exit {rc}): {first_error(err)}",
-                cmd=git_argv(self.git.git, self.top, args),
+                f"fetching {short(self.commit)} from {self.remote} failed (exit {rc}): {pve_ct_git.first_error(err)}",
+                cmd=pve_ct_git.git_argv(self.git.git, self.top, args),
                 rc=rc,
                 stderr=err,
             )
         if not self.present():
-            raise ResetError("fetch", f"{self.remote} was fetched but it has no commit {self.commit}")
+            raise pve_ct_act.ActError("fetch", f"{self.remote} was fetched but it has no commit {self.commit}")
         return True
 
     def settle(self):
@@ -764,7 +512,7 @@ class Reset:
         if head is None or head == self.commit:
             return []
         changed = {path for _, path, _ in tracked} | set(untracked)
-        rewritten = split_z(
+        rewritten = pve_ct_git.split_z(
             self.git.must(
                 "diff",
                 "--name-only",
@@ -779,7 +527,9 @@ class Reset:
         if not rewritten:
             return []
         index = {}
-        for line in split_z(self.git.must("ls-files", "-s", "-z", what="reading the index (`git ls-files -s`)")):
+        for line in pve_ct_git.split_z(
+            self.git.must("ls-files", "-s", "-z", what="reading the index (`git ls-files -s`)")
+        ):
             info, _, path = line.partition("\t")
             mode, sha, _ = info.split(" ", 2)
             index[path] = (mode, sha)
@@ -805,7 +555,7 @@ class Reset:
                 "diff", "--cached", *PATCH_ARGS, "--ignore-submodules=dirty", "HEAD", what="saving the staged changes"
             )
             if not changes and not staged:
-                raise ResetError(
+                raise pve_ct_act.ActError(
                     "backup",
                     f"`git diff HEAD` shows nothing for {len(tracked)} changed paths (changes inside a submodule? "
                     f"submodules are not managed: commit or discard them there)",
@@ -826,7 +576,7 @@ class Reset:
                 sizes += os.lstat(os.path.join(self.top, path)).st_size
         need, free = len(changes) + len(staged) + sizes + SPARE, free_bytes(self.root)
         if need > free:
-            raise ResetError(
+            raise pve_ct_act.ActError(
                 "no_space",
                 f"saving the local changes needs about {need // 2**20 + 1} MiB but {self.root} has "
                 f"{free // 2**20} MiB free; free space there, or add large files to .gitignore (ignored files are "
@@ -879,7 +629,7 @@ class Reset:
             except FileExistsError:
                 continue
             return directory
-        raise ResetError("backup", f"{self.root} holds 99 backups named {self.stamp}*; remove some")
+        raise pve_ct_act.ActError("backup", f"{self.root} holds 99 backups named {self.stamp}*; remove some")
 
     def write_tarball(self, target, paths):
         """The entries at ``paths``, their bytes as on disk; the manifest's records of what it holds."""
@@ -892,7 +642,7 @@ class Reset:
                     except OSError as error:
                         if error.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                             continue  # deleted, or a directory of it is not one now: the patch holds the deletion
-                        raise ResetError("backup", f"cannot save {shown(path)}: {error.strerror}") from None
+                        raise pve_ct_act.ActError("backup", f"cannot save {shown(path)}: {error.strerror}") from None
                     if record is not None:
                         records.append(record)
             handle.flush()
@@ -907,10 +657,10 @@ class Reset:
             got = {member.name: member_digest(tar, member) for member in tar.getmembers()}
         if got != want:
             wrong = sorted(shown(p) for p in set(got) ^ set(want) | {p for p in want if got.get(p) != want[p]})
-            raise ResetError("backup", f"{target} does not hold exactly the saved files (wrong: {wrong[:5]})")
+            raise pve_ct_act.ActError("backup", f"{target} does not hold exactly the saved files (wrong: {wrong[:5]})")
         moved = sorted(shown(p) for p, digest in want.items() if entry_digest(self.top, p) != digest)
         if moved:
-            raise ResetError(
+            raise pve_ct_act.ActError(
                 "backup", f"{', '.join(moved[:5])} changed while it was saved (a live job writing?); run again"
             )
 
@@ -918,7 +668,7 @@ class Reset:
         """Each patch applied to the old HEAD in a throw-away index gives exactly the tree git records for the work
         tree (changes.patch) and for the index (staged.patch). Every object git writes for this goes to a scratch
         object directory: the repository is not written."""
-        with tempfile.TemporaryDirectory(prefix="pve-gpu-recover-", dir=scratch_root()) as scratch:
+        with tempfile.TemporaryDirectory(prefix="pve-gpu-recover-", dir=pve_ct_git.scratch_root()) as scratch:
             objects = {
                 "GIT_OBJECT_DIRECTORY": os.path.join(scratch, "objects"),
                 "GIT_ALTERNATE_OBJECT_DIRECTORIES": os.path.join(self.view.dir, "objects"),
@@ -936,7 +686,9 @@ class Reset:
                 env=dict(objects, GIT_INDEX_FILE=index),
             ).decode()
             if not stash.strip():
-                raise ResetError("backup", "`git stash create` recorded nothing although tracked files changed")
+                raise pve_ct_act.ActError(
+                    "backup", "`git stash create` recorded nothing although tracked files changed"
+                )
             trees = f"{stash.strip()}^{{tree}}", f"{stash.strip()}^2^{{tree}}"
             work_tree, index_tree = (
                 self.git.must("rev-parse", *trees, what="reading its trees", env=objects).decode().split()
@@ -951,7 +703,7 @@ class Reset:
                     )
                 got = self.git.must("write-tree", what="writing the scratch tree", env=env).decode().strip()
                 if got != want:
-                    raise ResetError(
+                    raise pve_ct_act.ActError(
                         "backup", f"{name} applied to {short(head)} gives tree {got}, not the saved state's {want}"
                     )
 
@@ -996,7 +748,7 @@ class Reset:
     def remove(self, untracked):
         """Remove the saved untracked files that the commit does not track, exactly as they were saved, never
         through a link (see :func:`remove_entry`); prune directories left empty."""
-        tracked = set(split_z(self.git.must("ls-files", "-z", what="listing the tracked files")))
+        tracked = set(pve_ct_git.split_z(self.git.must("ls-files", "-z", what="listing the tracked files")))
         saved = {r["path"]: (r["kind"], r["sha256"]) for r in self.saved.get("untracked.tar.gz", [])}
         removed = []
         for path in untracked:
@@ -1030,7 +782,7 @@ class Reset:
         if head != self.commit:
             in_the_way = collisions(self.git, self.commit, untracked)
             if in_the_way:
-                raise ResetError(
+                raise pve_ct_act.ActError(
                     "collision",
                     f"checking out {short(self.commit)} would overwrite ignored files: "
                     f"{', '.join(shown(p) for p in in_the_way[:5])}; move them out of {self.path}",
@@ -1068,7 +820,7 @@ def probe(payload):
 
     Success: ``{"head_before", "branch_before", "head", "fetched", "backup" ({"dir", "files", "changed",
     "untracked", "filtered", "restore"} or None: nothing was dirty), "kept_ref", "removed", "pruned", "seconds"}``.
-    Failure: ``{"error", "message", "cmd", "rc", "stderr_tail", "backup", "touched"}``.
+    Failure: ``{"error", "message", "cmd", "rc", "stdout_tail", "stderr_tail", "backup", "touched"}``.
     """
     try:
         reset = Reset(payload)
@@ -1079,18 +831,12 @@ def probe(payload):
             "backup": None,
             "touched": False,
         }
-    except ResetError as error:
+    except pve_ct_act.ActError as error:
         return {"error": error.kind, "message": str(error), "backup": None, "touched": False}
     try:
         return reset.execute()
-    except ResetError as error:
-        failure = {"error": error.kind, "message": str(error), "cmd": error.cmd, "rc": error.rc}
-        failure["stderr_tail"] = tail(error.stderr)
-    except OSError as error:
-        kind = "no_space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "os_error"
-        where = f" ({error.filename})" if error.filename else ""
-        failure = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
-        failure["stderr_tail"] = ""
+    except (pve_ct_act.ActError, OSError) as error:
+        failure = pve_ct_act.failure(error, TAIL_LINES)
     finally:
         if reset.view is not None:
             reset.view.close()

@@ -4,8 +4,9 @@
 
 Unlike a probe part, ``probe(payload)`` here changes the target. It is called the same way so that it costs one
 ``pct exec``: ``Target.run_probe``/``run_probes`` ship this file's source to the target's python on stdin; on a bare
-host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, imports nothing of ours
-(the module parses the lock and sends what it means as data), the answer is plain JSON.
+host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of ours but the
+container-side modules of ``SHARED`` (the module parses the lock and sends what it means as data), the answer is
+plain JSON.
 
 Layout (a venv embeds its own path, so a working venv is never moved while jobs may use it):
 
@@ -33,7 +34,6 @@ is left as it was and the answer is ``{"needs_window": {"path", "users": [{"pid"
 """
 
 import contextlib
-import errno
 import os
 import re
 import shutil
@@ -41,6 +41,9 @@ import subprocess
 import tempfile
 import time
 
+from ansible.module_utils import pve_ct_act
+
+SHARED = (pve_ct_act,)  # container-side modules Target.run_probes ships with this part
 MARKER = ".pve-gpu-recover-building"
 STAMP = re.compile(r"^\d{8}T\d{6}Z$")
 _STAMP = r"\d{8}T\d{6}Z"
@@ -75,7 +78,6 @@ BUILD_ENV = {
     "PIP_ROOT_USER_ACTION": "ignore",
 }
 TAIL_LINES = 40
-TAIL_CHARS = 4000
 PYTHON_CHECK = "import sys; print(tuple(sys.version_info[:2]))"
 _PYTHON_TUPLE = re.compile(r"\((\d+), (\d+)\)")
 _LIB_PYTHON = re.compile(r"^python(\d+\.\d+)$")
@@ -124,17 +126,6 @@ FAILURES = (
         "the target cannot download from the lock's indexes; check its network or proxy and run again",
     ),
 )
-
-
-class BuildError(Exception):
-    """One failure of the build: ``kind`` for code, the message for people, the command when one ran."""
-
-    def __init__(self, kind, message, *, cmd=None, rc=None, stderr=""):
-        super().__init__(message)
-        self.kind = kind
-        self.cmd = cmd
-        self.rc = rc
-        self.stderr = stderr
 
 
 # -- names and layout (pure) -----------------------------------------------------------------------------------
@@ -233,12 +224,6 @@ def failure_line(text):
     if first is None or first == last:
         return last
     return f"{first}: {last}"
-
-
-def tail(text):
-    """The end of a command's output that goes back in the answer (the answer travels as one JSON line)."""
-    lines = (text or "").rstrip("\n").splitlines()[-TAIL_LINES:]
-    return "\n".join(lines)[-TAIL_CHARS:]
 
 
 def installed_versions(records, torch_build, pins):
@@ -465,9 +450,9 @@ class Build:
         self.path = os.path.normpath(str(payload["path"]))
         self.stamp = str(payload["stamp"])
         if not os.path.isabs(self.path) or self.path == "/":
-            raise BuildError("invalid", f"path must be an absolute path below /, got {self.path!r}")
+            raise pve_ct_act.ActError("invalid", f"path must be an absolute path below /, got {self.path!r}")
         if not STAMP.match(self.stamp):
-            raise BuildError("invalid", f"stamp must look like 20261203T101500Z, got {self.stamp!r}")
+            raise pve_ct_act.ActError("invalid", f"stamp must look like 20261203T101500Z, got {self.stamp!r}")
         self.lock = str(payload["lock"])
         self.python = payload.get("python")
         self.uv = payload.get("uv") or "uv"
@@ -490,13 +475,13 @@ class Build:
 
     # -- commands ------------------------------------------------------------------------------------------
     def run(self, argv, what):
-        """Run ``argv`` (no shell) within the build's deadline; BuildError when it fails or runs out of time.
+        """Run ``argv`` (no shell) within the build's deadline; pve_ct_act.ActError when it fails or runs out of time.
 
         The command stays in this process group, so the `timeout` that wraps the whole pct exec kills it too.
         """
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise BuildError("timeout", f"the build ran out of its {self.timeout:g} s before {what}", cmd=argv)
+            raise pve_ct_act.ActError("timeout", f"the build ran out of its {self.timeout:g} s before {what}", cmd=argv)
         try:
             process = subprocess.Popen(
                 argv,
@@ -507,7 +492,9 @@ class Build:
                 cwd="/",  # no project, .python-version or uv.toml of some working directory is read
             )
         except OSError as error:
-            raise BuildError("not_found", f"cannot run `{argv[0]}` for {what}: {error.strerror}", cmd=argv) from None
+            raise pve_ct_act.ActError(
+                "not_found", f"cannot run `{argv[0]}` for {what}: {error.strerror}", cmd=argv
+            ) from None
         try:
             out, err = process.communicate(timeout=remaining)
         except subprocess.TimeoutExpired:
@@ -516,7 +503,7 @@ class Build:
                 out, err = process.communicate(timeout=5)
             except subprocess.TimeoutExpired:  # something it started still holds the pipes
                 out, err = b"", b""
-            raise BuildError(
+            raise pve_ct_act.ActError(
                 "timeout",
                 f"{what} did not finish within the build's {self.timeout:g} s (build_timeout) and was killed",
                 cmd=argv,
@@ -529,7 +516,9 @@ class Build:
         if rc != 0:
             kind, hint = classify_failure(err + out)
             line = failure_line(err or out)
-            raise BuildError(kind, f"{what} failed (exit {rc}): {line}; {hint}", cmd=argv, rc=rc, stderr=err or out)
+            raise pve_ct_act.ActError(
+                kind, f"{what} failed (exit {rc}): {line}; {hint}", cmd=argv, rc=rc, stderr=err or out
+            )
         return out
 
     # -- the steps -----------------------------------------------------------------------------------------
@@ -540,7 +529,7 @@ class Build:
         if os.path.isdir(self.path):
             return "dir", self.path
         if os.path.lexists(self.path):
-            raise BuildError(
+            raise pve_ct_act.ActError(
                 "layout",
                 f"{self.path} is a file, not a venv or a link to one; move it away and run again",
             )
@@ -584,7 +573,7 @@ class Build:
         name = f"python{self.python}" if self.python else "python3"
         found = shutil.which(name, path=self.env.get("PATH"))
         if not found:
-            raise BuildError(
+            raise pve_ct_act.ActError(
                 "python",
                 f"{name} is not on PATH in the target; install python{self.python or '3'} there "
                 "(or give the role a uv, which finds installed pythons elsewhere too)",
@@ -608,7 +597,7 @@ class Build:
         if rc != 0:
             text = err + out
             if NO_VENV_MODULE.search(text):
-                raise BuildError(
+                raise pve_ct_act.ActError(
                     "no_builder",
                     f"no way to build a venv: no uv ({why_not_uv}) and `{python} -m venv` fails because "
                     f"ensurepip/venv is missing; install it in the target (`apt install python3-venv`) or give "
@@ -618,7 +607,7 @@ class Build:
                     stderr=text,
                 )
             kind, hint = classify_failure(text)
-            raise BuildError(
+            raise pve_ct_act.ActError(
                 kind if kind != "install_failed" else "venv_failed",
                 f"`{python} -m venv` failed (exit {rc}): {failure_line(text)}; {hint}",
                 cmd=[python, "-m", "venv", self.new],
@@ -648,16 +637,16 @@ class Build:
         out = self.must_run([f"{self.new}/bin/python", "-B", "-c", PYTHON_CHECK], "running the new venv's python")
         found = _PYTHON_TUPLE.search(out)
         if not found:
-            raise BuildError("check", f"the new venv's python printed {out.strip()!r}, not its version")
+            raise pve_ct_act.ActError("check", f"the new venv's python printed {out.strip()!r}, not its version")
         minor = f"{found.group(1)}.{found.group(2)}"
         if self.python and minor != self.python:
-            raise BuildError("check", f"the new venv's python is {minor}, expected {self.python}")
+            raise pve_ct_act.ActError("check", f"the new venv's python is {minor}, expected {self.python}")
         venv = read_venv(self.new, minor)
         problems = [f"{record} has no readable Name/Version" for record in venv["broken"]]
         installed = installed_versions(venv["records"], venv["torch_build"], self.expected)
         problems += differences(self.expected, installed, self.ignore)
         if problems:
-            raise BuildError("check", f"the new venv is not the lock: {'; '.join(problems)}")
+            raise pve_ct_act.ActError("check", f"the new venv is not the lock: {'; '.join(problems)}")
         return minor
 
     def save_freeze(self, old_dir, freeze_to):
@@ -762,7 +751,7 @@ class Build:
         kind, old_dir = self.current()
         self.clean_leftovers(old_dir)
         if os.path.lexists(self.new):
-            raise BuildError("layout", f"{self.new} exists already (a build in the same second?); run again")
+            raise pve_ct_act.ActError("layout", f"{self.new} exists already (a build in the same second?); run again")
         os.makedirs(self.parent, exist_ok=True)
         os.mkdir(self.new)
         self.created = True
@@ -825,26 +814,21 @@ def probe(payload):
 
     Success: ``{"path", "current", "previous" ({"path", "freeze", "moved", "note"} or None), "builder" ({"name",
     "path", "version"[, "fallback"]}), "python", "lock_file", "cleaned", "removed", "retention_skipped",
-    "seconds"}``. Failure: ``{"error", "message", "cmd", "rc", "stderr_tail", "cleaned", "left_behind"}``. Not
-    swapped because a live process uses the current venv (``window_check``): ``{"needs_window", "cleaned",
-    "left_behind", "seconds"}``. ``prune_only``: ``{"pruned": true, "removed", "retention_skipped", "seconds"}``.
+    "seconds"}``. Failure: ``{"error", "message", "cmd", "rc", "stdout_tail", "stderr_tail", "cleaned",
+    "left_behind"}``. Not swapped because a live process uses the current venv (``window_check``):
+    ``{"needs_window", "cleaned", "left_behind", "seconds"}``. ``prune_only``: ``{"pruned": true, "removed",
+    "retention_skipped", "seconds"}``.
     """
     try:
         build = Build(payload)
     except (KeyError, TypeError, ValueError) as error:
         return {"error": "invalid", "message": f"the build payload is incomplete: {error}", "cleaned": []}
-    except BuildError as error:
+    except pve_ct_act.ActError as error:
         return {"error": error.kind, "message": str(error), "cleaned": []}
     try:
         return build.execute()
-    except BuildError as error:
-        failure = {"error": error.kind, "message": str(error), "cmd": error.cmd, "rc": error.rc}
-        failure["stderr_tail"] = tail(error.stderr)
-    except OSError as error:
-        kind = "no_space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "os_error"
-        where = f" ({error.filename})" if error.filename else ""
-        failure = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
-        failure["stderr_tail"] = ""
+    except (pve_ct_act.ActError, OSError) as error:
+        failure = pve_ct_act.failure(error, TAIL_LINES)
     finally:
         build.drop_private()
     failure.update(cleaned=build.cleaned, left_behind=build.discard())

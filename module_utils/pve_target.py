@@ -574,26 +574,54 @@ def probes_argv(python):
 
 
 def probes_input(parts):
-    """The stdin of PROBES_MAIN for ``parts`` (``{name: (module, payload)}``): one JSON document holding each
-    part's source and payload. Data, never argv: a hashed lock of a full ML stack is larger than one argument
+    """The stdin of PROBES_MAIN for ``parts`` (``{name: (module, payload)}``): one JSON document holding the
+    container-side modules the parts declare in ``SHARED`` (each once, a module's own ``SHARED`` before it), then
+    each part's source and payload. Data, never argv: a hashed lock of a full ML stack is larger than one argument
     may be (MAX_ARG_STRLEN, 128 KiB)."""
     return json.dumps(
         {
+            "shared": {short_name(m): inspect.getsource(m) for m in shared_modules(m for m, _ in parts.values())},
             "sources": {name: inspect.getsource(module) for name, (module, _) in parts.items()},
             "payloads": {name: payload for name, (_, payload) in parts.items()},
         }
     )
 
 
-# What the CT's python runs (``-c``; the parts come on stdin, see probes_input): each part's source in a module
-# of its own, then probe(payload) of each, in order; the answers as one JSON object on stdout. Standard library
-# only, Python 3.9+.
+def shared_modules(modules):
+    """The container-side modules ``modules`` declare in ``SHARED``, dependencies first, each once (pure). One
+    level of their own ``SHARED`` is enough: a shared module that needs another names it."""
+    found = []
+    for module in modules:
+        for shared in getattr(module, "SHARED", ()):
+            for needed in (*getattr(shared, "SHARED", ()), shared):
+                if needed not in found:
+                    found.append(needed)
+    return found
+
+
+def short_name(module):
+    """``ansible.module_utils.pve_ct_fs`` -> ``pve_ct_fs``: the name a part imports it by."""
+    return module.__name__.rsplit(".", 1)[-1]
+
+
+# What the CT's python runs (``-c``; the parts come on stdin, see probes_input): the shared modules first, each
+# registered as ``ansible.module_utils.<name>`` so that a part's ``from ansible.module_utils import pve_ct_fs``
+# finds it (the stub packages are always there, so the CT's own ansible, if any, is never imported); then each
+# part's source in a module of its own and probe(payload) of each, in order; the answers as one JSON object on
+# stdout. Standard library only, Python 3.9+.
 PROBES_MAIN = """
 import json, sys, time, types
 
 answers = {}
 given = json.loads(sys.stdin.buffer.read())
 payloads = given["payloads"]
+utils = sys.modules["ansible.module_utils"] = types.ModuleType("ansible.module_utils")
+sys.modules["ansible"] = types.ModuleType("ansible")
+sys.modules["ansible"].module_utils = utils
+for name, source in given["shared"].items():
+    module = sys.modules["ansible.module_utils." + name] = types.ModuleType("ansible.module_utils." + name)
+    setattr(utils, name, module)
+    exec(compile(source, "<shared " + name + ">", "exec"), module.__dict__)
 for name, source in given["sources"].items():
     started = time.monotonic()
     try:

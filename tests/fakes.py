@@ -1,6 +1,10 @@
 """Test doubles of the target's runner and a harness that runs a library/ module's main() in-process."""
 
+import ast
+import inspect
 import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -64,6 +68,31 @@ def as_pinned(argv, stdin):
         return argv
     payloads = json.loads(stdin)["payloads"]
     return [*argv[:-2], "-", json.dumps(payloads)]
+
+
+def run_probes_program(python, parts, prefix=()):
+    """What a CT's python answers to ``parts`` (``{name: (module, payload)}``): ``[*prefix, python, -I, -c,
+    PROBES_MAIN]`` run for real with Target.run_probes' own stdin (probes_input: the shared modules, then the
+    parts), the way a ``pct exec`` runs it. ``prefix`` puts a wrapper in front (``unshare ...``)."""
+    done = subprocess.run(
+        [*prefix, *pve_target.probes_argv(str(python))],
+        input=pve_target.probes_input(parts),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def not_shippable(module):
+    """What the part ``module`` imports that a CT's python lacks: neither the standard library nor a container-side
+    module it ships (``SHARED``); empty for a part that runs in any CT."""
+    tree = ast.parse(inspect.getsource(module))
+    imported = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+    imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    shipped = {m.__name__ for m in pve_target.shared_modules([module])}
+    return {name for name in imported - shipped if name.split(".")[0] not in sys.stdlib_module_names}
 
 
 def run_module(module, args, runner, monkeypatch, capsys, *, check_mode=False):

@@ -23,12 +23,11 @@ from pathlib import Path
 
 import compile_cache
 import pytest
-from ansible.module_utils import pve_cache, pve_probe_compile_cache
+from ansible.module_utils import pve_cache, pve_ct_act, pve_ct_fs, pve_probe_compile_cache
 from ansible.module_utils import pve_script_compile_cache as script
-from ansible.module_utils.pve_target import PROBES_MAIN
 
 from tests.conftest import ROOT, unavailable
-from tests.fakes import FakeRunner, run_module
+from tests.fakes import FakeRunner, run_module, run_probes_program
 
 STAMP = ".pve-gpu-recover-stamp"
 H200 = ["NVIDIA H200"]
@@ -203,9 +202,14 @@ def test_ct_check_mode_reports_the_purge_and_the_real_run_does_it_in_one_more_pc
     assert real["cache_roots"][0]["purged"]["links_out"] == [LINK]
     assert [r["stamped"] for r in real["cache_roots"]] == [True, True]
     assert (real["size_before"], real["size_after"]) == (164 * MB, 1 * MB)
-    # What travels on stdin: the script's and the reader's sources, run in that order in one process.
-    sources = {"act": inspect.getsource(script), "compile_cache": inspect.getsource(pve_probe_compile_cache)}
-    assert json.loads(runner.stdin[1])["sources"] == sources
+    # What travels on stdin: the shared module once, then the script's and the reader's sources, run in that order
+    # in one process.
+    given = json.loads(runner.stdin[1])
+    assert given["shared"] == {"pve_ct_act": inspect.getsource(pve_ct_act), "pve_ct_fs": inspect.getsource(pve_ct_fs)}
+    assert given["sources"] == {
+        "act": inspect.getsource(script),
+        "compile_cache": inspect.getsource(pve_probe_compile_cache),
+    }
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -589,14 +593,8 @@ def test_the_probe_and_script_run_as_shipped_on_python_3_9(host, capsys):
     spec = {name: host.params().get(name, default) for name, default in pve_cache.SPEC_DEFAULTS.items()}
     read = pve_cache.probe_payload(spec, 30, gpus=True)
     before = pve_cache.module_facts(spec, pve_probe_compile_cache.probe(read), "host gpu1")
-    payloads = {
-        "act": pve_cache.act_payload(spec, before, pve_probe_compile_cache.probe(read), 60),
-        "compile_cache": read,
-    }
-    sources = {"act": inspect.getsource(script), "compile_cache": inspect.getsource(pve_probe_compile_cache)}
-    program = json.dumps({"sources": sources, "payloads": payloads})  # Target.run_probes' stdin
-    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
-    answers = json.loads(done.stdout)
+    act = pve_cache.act_payload(spec, before, pve_probe_compile_cache.probe(read), 60)
+    answers = run_probes_program(python, {"act": (script, act), "compile_cache": (pve_probe_compile_cache, read)})
     assert "error" not in answers["act"], answers["act"]
     assert "error" not in answers["act"]["answer"], answers["act"]["answer"]
     after = pve_cache.module_facts(spec, answers["compile_cache"]["answer"], "host gpu1")

@@ -22,12 +22,11 @@ from pathlib import Path
 import pytest
 import training_code
 import yaml
-from ansible.module_utils import pve_probe_training_code
+from ansible.module_utils import pve_ct_act, pve_ct_git, pve_probe_training_code
 from ansible.module_utils import pve_script_training_code as script
-from ansible.module_utils.pve_target import PROBES_MAIN
 
 from tests.conftest import ROOT, unavailable
-from tests.fakes import FakeRunner, run_module
+from tests.fakes import FakeRunner, run_module, run_probes_program
 
 PINNED = "4f3c2a1b0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b"
 OTHER = "9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d"
@@ -159,12 +158,12 @@ def test_ct_check_mode_reports_the_reset_and_the_real_run_does_it_in_one_more_pc
     assert (real["head"], real["branch"], real["head_before"], real["branch_before"]) == (PINNED, None, OTHER, "main")
     assert real["dirty"] == {"staged": [], "unstaged": [], "untracked": []}
     assert (real["backup"], real["removed"], real["fetched"]) == (SAVED, ["notes.txt"], False)
-    # What travels on stdin: the reset script's and the reader's sources, run in that order in one process.
-    sources = {
-        "reset": inspect.getsource(script),
-        "training_code": inspect.getsource(pve_probe_training_code),
-    }
-    assert json.loads(runner.stdin[1])["sources"] == sources
+    # What travels on stdin: the shared git module once, then the reset script's and the reader's sources, run in
+    # that order in one process.
+    given = json.loads(runner.stdin[1])
+    assert given["shared"] == {"pve_ct_act": inspect.getsource(pve_ct_act), "pve_ct_git": inspect.getsource(pve_ct_git)}
+    sources = {"reset": inspect.getsource(script), "training_code": inspect.getsource(pve_probe_training_code)}
+    assert given["sources"] == sources
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -651,7 +650,7 @@ def test_a_backup_that_fails_its_proof_is_removed_and_nothing_is_reset(lab, caps
     before = snapshot(lab.repo)
 
     def unreadable(self, target, untracked):
-        raise script.ResetError("backup", f"{target} does not hold every untracked file")
+        raise pve_ct_act.ActError("backup", f"{target} does not hold every untracked file")
 
     monkeypatch.setattr(script.Reset, "prove_tarball", unreadable)
     result = lab.run(capsys)
@@ -730,7 +729,6 @@ def test_the_parts_run_as_shipped_on_python_3_9(lab):
     if python is None:
         unavailable("no python3.9 here")
     lab.dirty()
-    sources = {"reset": inspect.getsource(script), "training_code": inspect.getsource(pve_probe_training_code)}
     payloads = {
         "reset": {
             "path": str(lab.repo),
@@ -743,9 +741,11 @@ def test_the_parts_run_as_shipped_on_python_3_9(lab):
         },
         "training_code": {"path": str(lab.repo), "commit": lab.pinned, "git": "git", "timeout": 60},
     }
-    program = json.dumps({"sources": sources, "payloads": payloads})  # Target.run_probes' stdin
-    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
-    answers = json.loads(done.stdout)
+    parts = {
+        name: (module, payloads[name])
+        for name, module in (("reset", script), ("training_code", pve_probe_training_code))
+    }
+    answers = run_probes_program(python, parts)
     assert answers["reset"]["answer"]["head"] == lab.pinned, answers
     assert answers["reset"]["answer"]["backup"]["dir"] == str(lab.backups / STAMP)
     read = answers["training_code"]["answer"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import training_code
 import yaml
-from ansible.module_utils import pve_probe_training_code as probe_part
+from ansible.module_utils import pve_ct_git
 from ansible.module_utils import pve_script_training_code as script
 
 from tests.conftest import ROOT
@@ -112,7 +112,7 @@ def test_the_view_gives_git_only_allowed_keys_and_the_real_config_is_untouched(l
     git(lab.repo, "config", "remote.origin.url", '/srv/up "quoted"\\path')
     hostile(lab, tmp_path)
     before = (lab.repo / ".git" / "config").read_bytes()
-    view = probe_part.View("git", str(lab.repo), str(lab.repo / ".git"), str(lab.repo / ".git"))
+    view = pve_ct_git.View("git", str(lab.repo), str(lab.repo / ".git"), str(lab.repo / ".git"))
     try:
         listed = subprocess.run(
             ["git", "config", "--list"], env=view.env, cwd=lab.repo, capture_output=True, text=True, check=True
@@ -132,13 +132,9 @@ def test_the_view_gives_git_only_allowed_keys_and_the_real_config_is_untouched(l
     assert (lab.repo / ".git" / "objects").is_dir()  # the links were removed, not followed
 
 
-def test_the_probe_and_the_script_show_git_the_same_view():
-    # Their sources travel alone to the target, so each has its own copy; they must agree.
-    for name in ("ALLOWED", "NOT_LINKED", "FIXED", "ROOT_TMP"):
-        assert getattr(probe_part, name) == getattr(script, name), name
+def test_the_view_config_keeps_only_allowed_keys_each_quoted():
     entries = [("core.filemode", "false"), ("filter.x.clean", "rm -rf /"), ("remote.a.b.url", 'x"\n[core]')]
-    assert probe_part.config_text(entries) == script.config_text(entries)
-    assert script.config_text(entries) == '[core]\n\tfilemode = "false"\n[remote "a.b"]\n\turl = "x\\"\\n[core]"\n'
+    assert pve_ct_git.config_text(entries) == '[core]\n\tfilemode = "false"\n[remote "a.b"]\n\turl = "x\\"\\n[core]"\n'
 
 
 def strip_filter(lab, tmp_path):

@@ -8,7 +8,6 @@ packages) and "cu128" (torch 2.11.0+cu128). The wheels are made here, the locks 
 No test reaches PyPI, imports torch or sleeps.
 """
 
-import ast
 import base64
 import errno
 import hashlib
@@ -21,7 +20,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import urllib.parse
 import zipfile
@@ -30,13 +28,13 @@ from pathlib import Path
 import pytest
 import training_venv
 import yaml
-from ansible.module_utils import pve_probe_training_venv, pve_venv
+from ansible.module_utils import pve_ct_act, pve_probe_training_venv, pve_venv
 from ansible.module_utils import pve_script_training_venv as script
-from ansible.module_utils.pve_target import PROBES_MAIN, Target
+from ansible.module_utils.pve_target import PROBES_MAIN, Target, probes_input
 from ansible.module_utils.pve_venv import VenvError
 
 from tests.conftest import ROOT, unavailable
-from tests.fakes import FakeRunner, run_module
+from tests.fakes import FakeRunner, not_shippable, run_module, run_probes_program
 
 UV = str(ROOT / ".venv" / "bin" / "uv")
 SYSTEM_PYTHON = "/usr/bin/python3.11"
@@ -169,14 +167,9 @@ def test_the_scripts_reader_reads_versions_as_the_fact_pass_does(records, build,
     )
 
 
-def test_the_script_imports_only_the_standard_library():
-    # Its source travels alone to the target's python: nothing of ours, nothing installed.
-    tree = ast.parse(inspect.getsource(script))
-    imported = {
-        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
-    }
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+def test_the_script_imports_only_the_standard_library_and_what_it_ships():
+    # Its source travels to the target's python with its SHARED modules: nothing else of ours, nothing installed.
+    assert not_shippable(script) == set()
 
 
 def test_the_payload_carries_what_the_lock_means():
@@ -382,9 +375,12 @@ def test_ct_check_mode_reports_the_rebuild_and_the_real_run_does_it_in_one_more_
         BUILT["previous"],
         BUILT["builder"],
     )
-    # What travels on stdin: the build script's and the reader's sources, run in that order in one process.
+    # What travels on stdin: the shared module once, then the build script's and the reader's sources, run in that
+    # order in one process.
+    given = json.loads(runner.stdin[1])
+    assert given["shared"] == {"pve_ct_act": inspect.getsource(pve_ct_act)}
     sources = {"build": inspect.getsource(script), "training_venv": inspect.getsource(pve_probe_training_venv)}
-    assert json.loads(runner.stdin[1])["sources"] == sources
+    assert given["sources"] == sources
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -778,7 +774,7 @@ def test_an_interrupted_build_is_removed_by_the_next_run(host, capsys):
     host.indexes.server.hang["idna-3.10-py3-none-any.whl"] = (requested, release)
     spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[1])
-    program = json.dumps({"sources": {"build": inspect.getsource(script)}, "payloads": {"build": payload}})
+    program = probes_input({"build": (script, payload)})
     build = subprocess.Popen(
         [SYSTEM_PYTHON, "-I", "-c", PROBES_MAIN],
         stdin=subprocess.PIPE,
@@ -951,9 +947,7 @@ def test_the_script_runs_as_shipped_on_python_3_9(host, capsys):
         unavailable("no python3.9 here")
     spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[0])
-    program = json.dumps({"sources": {"build": inspect.getsource(script)}, "payloads": {"build": payload}})
-    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
-    answer = json.loads(done.stdout)["build"]["answer"]
+    answer = run_probes_program(python, {"build": (script, payload)})["build"]["answer"]
     assert answer["current"] == str(host.version(STAMPS[0])), answer
     assert host.run(capsys)["changed"] is False
 

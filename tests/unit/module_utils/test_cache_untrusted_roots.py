@@ -8,8 +8,6 @@ a root or a directory in it swapped after the verdict, a bind mount inside a roo
 can write, a root squatted in a sticky directory, a directory of root's moved into the user's root.
 """
 
-import inspect
-import json
 import os
 import shutil
 import subprocess
@@ -17,10 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from ansible.module_utils import pve_cache, pve_probe_compile_cache
+from ansible.module_utils import pve_cache, pve_ct_fs, pve_probe_compile_cache
 from ansible.module_utils import pve_script_compile_cache as script
 
 from tests.conftest import unavailable
+from tests.fakes import run_probes_program
 from tests.unit.module_utils.test_pve_cache import CU130, LABEL, SPEC, fake_venv, probe_of, write_stamp
 
 NOBODY = 65534
@@ -68,14 +67,6 @@ def purge_payload(root, uid=0):
     roots = [{"path": path, "real_path": os.path.realpath(path), "id": None, "action": "purge"}]
     payload = {"roots": roots, "fingerprint": CU130, "stamp_name": STAMP, "homes": {}, "uid": uid}
     return dict(payload, warmup=None, timeout=30)
-
-
-def test_the_shared_part_is_the_same_source_in_the_probe_and_the_script():
-    def shared(module):
-        source = inspect.getsource(module)
-        return source[source.index("# -- opening a root") : source.index("# -- end of the shared part")]
-
-    assert shared(pve_probe_compile_cache) == shared(script)
 
 
 def test_a_root_that_is_a_symlink_to_checkpoints_is_refused_and_the_checkpoints_survive(tmp_path):
@@ -141,7 +132,7 @@ def test_a_directory_above_the_root_swapped_for_a_link_after_the_check_changes_n
 def test_a_directory_in_the_root_swapped_for_a_link_during_the_purge_loses_only_the_link(tmp_path, monkeypatch):
     checkpoints = checkpoints_in(tmp_path)
     root = stale_cache(tmp_path / "inductor")
-    kind_at = script._kind_at
+    kind_at = pve_ct_fs.kind_at
     swapped = []
 
     def swap_after_a_look(fd, name):
@@ -152,7 +143,7 @@ def test_a_directory_in_the_root_swapped_for_a_link_during_the_purge_loses_only_
             (root / "fx").symlink_to(checkpoints)
         return kind
 
-    monkeypatch.setattr(script, "_kind_at", swap_after_a_look)
+    monkeypatch.setattr(pve_ct_fs, "kind_at", swap_after_a_look)
     _, done = judge_and_act(tmp_path, [root])
     assert swapped == ["fx"]
     assert "error" not in done, done
@@ -176,21 +167,15 @@ def test_a_root_replaced_by_another_directory_after_the_verdict_is_not_purged(tm
     assert (root / "not-judged").read_text() == "n"
 
 
-BIND_DRIVER = """
-import importlib.util, json, sys
-
-def load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-probe, script, payload = load("probe", sys.argv[1]), load("script", sys.argv[2]), json.loads(sys.argv[3])
-answer = probe.probe(payload["read"])
-act = payload["act"]
-act["roots"][0]["id"] = answer["roots"][0].get("id")
-print(json.dumps({"answer": answer, "done": script.probe(act)}))
-"""
+def probe_then_act(python, root, payload, prefix=()):
+    """The probe part, then the script told to purge ``root`` (its ``[st_dev, st_ino]``, read here), both in ONE real
+    ``python -I -c PROBES_MAIN``, as Target.run_probes runs them in a CT: ``(answer, done)``."""
+    info = os.stat(root)
+    act = purge_payload(root)
+    act["roots"][0]["id"] = [info.st_dev, info.st_ino]
+    parts = {"compile_cache": (pve_probe_compile_cache, payload), "act": (script, act)}
+    answers = run_probes_program(python, parts, prefix)
+    return answers["compile_cache"]["answer"], answers["act"]["answer"]
 
 
 def test_a_bind_mount_inside_a_root_is_never_entered_and_its_source_survives(tmp_path):
@@ -201,26 +186,15 @@ def test_a_bind_mount_inside_a_root_is_never_entered_and_its_source_survives(tmp
     (root / "data").mkdir()
     fake_venv(tmp_path / "venv")
     spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root)])
-    payload = {"read": pve_cache.probe_payload(spec, 30), "act": purge_payload(root)}
     mount = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
-    done = subprocess.run(
-        [
-            *("unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", source, root / "data"),
-            *(sys.executable, "-I", "-c", BIND_DRIVER, pve_probe_compile_cache.__file__, script.__file__),
-            json.dumps(payload),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    wrapper = ("unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", source, root / "data")
+    answer, done = probe_then_act(sys.executable, root, pve_cache.probe_payload(spec, 30), wrapper)
     assert (source / "step-90000.pt").read_text() == "weeks of training"
-    found = json.loads(done.stdout)
-    assert found["answer"]["roots"][0]["walk"]["mounts"] == [str(root / "data")]
-    facts = pve_cache.module_facts(spec, found["answer"], LABEL, venv_pending=True)
+    assert answer["roots"][0]["walk"]["mounts"] == [str(root / "data")]
+    facts = pve_cache.module_facts(spec, answer, LABEL, venv_pending=True)
     assert facts["changes"][0].endswith(f"; left alone, another mount: {root}/data)")
-    assert "error" not in found["done"], found["done"]
-    assert found["done"]["roots"][0]["purged"]["mounts_left"] == [str(root / "data")]
+    assert "error" not in done, done
+    assert done["roots"][0]["purged"]["mounts_left"] == [str(root / "data")]
     assert (source / "step-90000.pt").read_text() == "weeks of training"
     assert sorted(os.listdir(root)) == [STAMP, "data"]  # the mount point stays, empty in this namespace
 
@@ -291,7 +265,7 @@ def test_the_users_own_root_is_purged_but_a_directory_of_roots_moved_into_it_is_
     os.chown(root / "mine", NOBODY, NOBODY)
     facts, done = judge_and_act(tmp_path, [root], user="nobody")
     assert (root / "mine" / "roots" / "model.pt").read_text() == "weeks of training"
-    left = {"path": f"{root}/mine/roots", "why": pve_probe_compile_cache.LEFT["owner"]}
+    left = {"path": f"{root}/mine/roots", "why": pve_ct_fs.LEFT["owner"]}
     assert facts["roots"][0]["left"] == [left]
     assert f"left alone: {root}/mine/roots (owned by another user than its directory's owner" in facts["changes"][0]
     assert "error" not in done, done
@@ -308,14 +282,8 @@ def test_the_probe_and_script_open_roots_this_way_on_python_3_9(tmp_path):
     root = stale_cache(tmp_path / "inductor")
     fake_venv(tmp_path / "venv")
     spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root)])
-    payload = {"read": pve_cache.probe_payload(spec, 30), "act": purge_payload(root)}
-    done = subprocess.run(
-        [python, "-I", "-c", BIND_DRIVER, pve_probe_compile_cache.__file__, script.__file__, json.dumps(payload)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    found = json.loads(done.stdout)
-    assert found["answer"]["roots"][0]["unsafe"] is None
-    assert found["done"]["roots"][0]["purged"]["files"] == 1
+    answer, done = probe_then_act(python, root, pve_cache.probe_payload(spec, 30))
+    assert answer["roots"][0]["unsafe"] is None
+    assert answer["roots"][0]["id"] == [os.stat(root).st_dev, os.stat(root).st_ino]
+    assert done["roots"][0]["purged"]["files"] == 1
     assert sorted(os.listdir(root)) == [STAMP]

@@ -5,15 +5,13 @@ with their original path in the next field, names with spaces and newlines unquo
 out. The probe part and the reset script against real repositories are in tests/unit/library/test_training_code.py.
 """
 
-import ast
-import inspect
-import sys
-
 import pytest
-from ansible.module_utils import pve_code, pve_probe_training_code
+from ansible.module_utils import pve_code, pve_ct_git, pve_probe_training_code
 from ansible.module_utils import pve_script_training_code as script
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible.module_utils.pve_code import CodeError
+
+from tests.fakes import not_shippable
 
 LABEL = "CT 200 on pve1"
 CONTEXT = {"target": {"label": LABEL, "node": "pve1", "vmid": 200}, "check_mode": True, "steps": {}}
@@ -114,11 +112,10 @@ def test_status_lines_read_like_porcelain_and_a_newline_cannot_forge_a_line():
     assert pve_code.quote("päth with space") == "päth with space"
 
 
-def test_the_probe_and_the_script_split_status_like_the_parser():
-    # Their sources travel alone to the target, so each has its own few lines; they must agree with the parser.
+def test_the_container_side_splits_status_like_the_parser():
+    # The probe and the script split it with pve_ct_git in the target; it must agree with the node's parser.
     parsed = [(e["code"], e["path"], e["orig"]) for e in pve_code.parse_status(STATUS)]
-    assert pve_probe_training_code.status_entries(STATUS) == parsed
-    assert script.status_entries(STATUS.encode()) == parsed
+    assert pve_ct_git.status_entries(STATUS.encode()) == parsed
 
 
 @pytest.mark.parametrize(
@@ -353,8 +350,5 @@ def test_nothing_on_the_node():
 
 
 @pytest.mark.parametrize("module", [pve_probe_training_code, script])
-def test_the_parts_that_travel_import_only_the_standard_library(module):
-    tree = ast.parse(inspect.getsource(module))
-    imported = {alias.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+def test_the_parts_that_travel_import_only_the_standard_library_and_what_they_ship(module):
+    assert not_shippable(module) == set()

@@ -8,10 +8,17 @@ import types
 from pathlib import Path
 
 import pytest
-from ansible.module_utils import pve_probe_preflight, pve_target
+from ansible.module_utils import (
+    pve_cache,
+    pve_probe_compile_cache,
+    pve_probe_preflight,
+    pve_probe_training_code,
+    pve_target,
+)
 from ansible.module_utils.pve_target import Target, TargetError
 
 from tests.fakes import FakeRunner
+from tests.unit.module_utils.test_pve_cache import CU130, SPEC, fake_venv, write_stamp
 
 CT_PREFIX = ["pct", "exec", "200", "--keep-env", "0", "--", "timeout", "-k", "5", "60", "env", "LC_ALL=C", "LANG=C"]
 
@@ -211,6 +218,14 @@ def test_a_probe_answer_of_the_wrong_shape_is_a_clear_error(stdout):
     assert error.value.kind == "probe"
 
 
+def run_in_real_python(argv, *, stdin=None, timeout=None, env=None):
+    """The CT's side of a probes call, for real: the ``python3 -I -c PROBES_MAIN`` of ``argv`` run with its stdin."""
+    inner = argv[argv.index("python3") :]
+    inner[0] = sys.executable
+    done = subprocess.run(inner, input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
+    return pve_target.CommandResult(argv=argv, rc=done.returncode, stdout=done.stdout, stderr=done.stderr)
+
+
 def test_the_probes_program_runs_every_part_in_one_real_python_and_isolates_failures():
     """The program fed to the CT's python, run for real: two parts, one raising, each in its own namespace."""
     good = types.ModuleType("pve_probe_good")
@@ -219,20 +234,66 @@ def test_the_probes_program_runs_every_part_in_one_real_python_and_isolates_fail
     bad_source = "HELPER = 'bad'\n\ndef probe(payload):\n    raise ValueError('broken ' + HELPER)\n"
     sources = {good: good_source, bad: bad_source}
 
-    def run_inner(argv, *, stdin=None, timeout=None, env=None):
-        inner = argv[argv.index("python3") :]
-        inner[0] = sys.executable
-        done = subprocess.run(inner, input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
-        return pve_target.CommandResult(argv=argv, rc=done.returncode, stdout=done.stdout, stderr=done.stderr)
-
     original = pve_target.inspect.getsource
     pve_target.inspect.getsource = lambda module: sources[module]
     try:
-        answers = ct(run_inner).run_probes({"good": (good, {"x": [1]}), "bad": (bad, {})})
+        answers = ct(run_in_real_python).run_probes({"good": (good, {"x": [1]}), "bad": (bad, {})})
     finally:
         pve_target.inspect.getsource = original
     assert answers["good"]["answer"] == {"echo": {"x": [1]}, "helper": "good"}
     assert answers["bad"]["error"] == "ValueError: broken bad"
+
+
+def test_parts_with_shared_modules_answer_in_a_ct_exactly_as_on_a_bare_host(tmp_path):
+    # The compile cache's probe imports pve_ct_fs, the training code's pve_ct_git: on a bare host Python imports
+    # them; in a CT they travel in the same stdin, each once, before the parts, and the parts import them there.
+    fake_venv(tmp_path / "venv")
+    root = tmp_path / "inductor"
+    root.mkdir()
+    write_stamp(root, CU130)
+    (tmp_path / "code").mkdir()
+    spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root), str(tmp_path / "link")])
+    (tmp_path / "link").symlink_to(root)
+    parts = {
+        "compile_cache": (pve_probe_compile_cache, pve_cache.probe_payload(spec, 30)),
+        "training_code": (pve_probe_training_code, {"path": str(tmp_path / "code"), "commit": "ab" * 20}),
+    }
+    calls = []
+
+    def one_pct_exec(argv, **kwargs):
+        calls.append(kwargs["stdin"])
+        return run_in_real_python(argv, **kwargs)
+
+    in_ct = ct(one_pct_exec).run_probes(parts)
+    on_host = Target(runner=FakeRunner()).run_probes(parts)
+    assert len(calls) == 1
+    assert list(json.loads(calls[0])["shared"]) == ["pve_ct_fs", "pve_ct_git"]
+    for name in parts:
+        assert "error" not in in_ct[name], in_ct[name]
+        assert dict(in_ct[name]["answer"], pid=None) == dict(on_host[name]["answer"], pid=None)  # pid: its own
+    assert in_ct["compile_cache"]["answer"]["roots"][0]["stamp"]["fingerprint"] == CU130
+    assert "is a symlink" in in_ct["compile_cache"]["answer"]["roots"][1]["unsafe"]  # pve_ct_fs.open_root ran
+
+
+def test_shared_modules_go_once_with_their_own_dependencies_first():
+    base, fs, git = (types.ModuleType(f"ansible.module_utils.pve_ct_{n}") for n in ("base", "fs", "git"))
+    fs.SHARED = (base,)
+    first, second = types.ModuleType("first"), types.ModuleType("second")
+    first.SHARED, second.SHARED = (fs,), (git, fs)
+    assert pve_target.shared_modules([first, second, types.ModuleType("plain")]) == [base, fs, git]
+
+
+def test_a_part_never_imports_an_ansible_found_where_it_runs():
+    # The python running this test has ansible installed, as a CT might: a part gets only what was shipped.
+    part = types.ModuleType("pve_probe_greedy")
+    source = "def probe(payload):\n    from ansible.module_utils import basic\n    return 1\n"
+    original = pve_target.inspect.getsource
+    pve_target.inspect.getsource = lambda module: source
+    try:
+        answers = ct(run_in_real_python).run_probes({"greedy": (part, {})})
+    finally:
+        pve_target.inspect.getsource = original
+    assert answers["greedy"]["error"].startswith("ImportError: cannot import name 'basic'"), answers
 
 
 def test_probe_on_a_bare_host_runs_in_process(tmp_path):

@@ -9,7 +9,6 @@ imports torch or runs the venv's python.
 import base64
 import glob
 import hashlib
-import inspect
 import json
 import os
 import re
@@ -22,10 +21,11 @@ from pathlib import Path
 import pytest
 from ansible.module_utils import pve_probe_training_venv, pve_venv
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
-from ansible.module_utils.pve_target import PROBES_MAIN, probe_name
+from ansible.module_utils.pve_target import probe_name
 from ansible.module_utils.pve_venv import VenvError
 
 from tests.conftest import FIXTURES, ROOT, unavailable
+from tests.fakes import run_probes_program
 
 VENV_FIXTURES = FIXTURES / "venv"
 LOCK = (VENV_FIXTURES / "lock_cu128.txt").read_text()
@@ -724,12 +724,8 @@ def test_the_probe_runs_as_the_fact_pass_ships_it_on_old_pythons(tmp_path, minor
     if python is None:
         unavailable(f"no python{minor} here")
     venv = fake_torch_venv(tmp_path, "2.11.0", VERSION_PY_CU130)
-    # What Target.run_probes feeds a CT's python3 -c PROBES_MAIN on stdin: the part's source and payload.
-    sources = {pve_venv.NAME: inspect.getsource(pve_probe_training_venv)}
-    payloads = {pve_venv.NAME: pve_venv.probe_payload(dict(SPEC, path=str(venv)), 30)}
-    program = json.dumps({"sources": sources, "payloads": payloads})
-    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
-    answer = json.loads(done.stdout)[pve_venv.NAME]["answer"]
+    payload = pve_venv.probe_payload(dict(SPEC, path=str(venv)), 30)
+    answer = run_probes_program(python, {pve_venv.NAME: (pve_probe_training_venv, payload)})[pve_venv.NAME]["answer"]
     assert answer == json.loads(json.dumps(probe(venv)))
     assert answer["torch_version_py"]["version"] == "2.11.0+cu130"
 

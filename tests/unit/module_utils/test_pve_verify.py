@@ -18,10 +18,11 @@ import pytest
 from ansible.module_utils import pve_preflight, pve_probe_verify, pve_steps, pve_verify
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible.module_utils.nvidia_smi import GPU_FIELDS
-from ansible.module_utils.pve_target import PROBES_MAIN, probe_name
+from ansible.module_utils.pve_target import probe_name
 from ansible.module_utils.pve_verify import VerifyError
 
 from tests.conftest import FIXTURES, unavailable
+from tests.fakes import run_probes_program
 
 LABEL = "CT 200 on pve1"
 CAPTURE = (FIXTURES / "h200" / "nvsmi_query_gpu_project.csv").read_text()
@@ -693,10 +694,8 @@ def test_the_probe_part_runs_as_the_fact_pass_ships_it(tmp_path, minor):
     if python is None:
         unavailable(f"no python{minor} here")
     venv = make_venv_dir(tmp_path / "train")
-    payload = {"verify": pve_verify.probe_payload(KNOWN_GOOD | {"venv": str(venv)})}
-    program = json.dumps({"sources": {"verify": inspect.getsource(pve_probe_verify)}, "payloads": payload})
-    done = subprocess.run([python, "-I", "-c", PROBES_MAIN], input=program, capture_output=True, text=True, check=True)
-    answer = json.loads(done.stdout)["verify"]["answer"]
+    payload = pve_verify.probe_payload(KNOWN_GOOD | {"venv": str(venv)})
+    answer = run_probes_program(python, {"verify": (pve_probe_verify, payload)})["verify"]["answer"]
     assert answer == pve_probe_verify.probe({"venv": str(venv)})
     assert pve_verify.evaluate_step(dict(KNOWN_GOOD, venv=str(venv)), answer, {}, context())["problems"] == []
 

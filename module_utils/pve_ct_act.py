@@ -1,0 +1,42 @@
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Container side, shared: how an acting script fails and what of a command's output its answer carries.
+
+The acting scripts (compile cache, training code, training venv) import it (``SHARED``): ``Target.run_probes``
+ships its source with theirs in the same ``pct exec``, and on a node it is imported as usual. So: standard
+library only, Python 3.9+, nothing of ours imported.
+"""
+
+import errno
+
+TAIL_CHARS = 4000
+
+
+class ActError(Exception):
+    """One failure of an acting script: ``kind`` for code, the message for people, the command when one ran."""
+
+    def __init__(self, kind, message, *, cmd=None, rc=None, stdout="", stderr=""):
+        super().__init__(message)
+        self.kind = kind
+        self.cmd = cmd
+        self.rc = rc
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+def tail(text, lines):
+    """The last ``lines`` lines of ``text``, at most TAIL_CHARS characters (the answer travels as one JSON line)."""
+    return "\n".join((text or "").rstrip("\n").splitlines()[-lines:])[-TAIL_CHARS:]
+
+
+def failure(error, lines):
+    """``{"error", "message", "cmd", "rc", "stdout_tail", "stderr_tail"}`` of an answer for ``error``: an ActError
+    (its command's last ``lines`` lines), or an OSError (``no_space`` when the file system is full, else
+    ``os_error``, with the file it names)."""
+    if isinstance(error, ActError):
+        found = {"error": error.kind, "message": str(error), "cmd": error.cmd, "rc": error.rc}
+        return dict(found, stdout_tail=tail(error.stdout, lines), stderr_tail=tail(error.stderr, lines))
+    kind = "no_space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "os_error"
+    where = f" ({error.filename})" if error.filename else ""
+    found = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
+    return dict(found, stdout_tail="", stderr_tail="")
