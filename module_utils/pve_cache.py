@@ -10,7 +10,10 @@ H200"]}``. Per root: a stamp equal to the expected fingerprint is ``fresh`` (kep
 run, which makes every cache stale; an absent root is ``missing`` (nothing to do); a root that could take more
 than a cache with it (:func:`refusal`), or that the probe could not open without trusting a user who could have
 changed it (``unsafe``: a symlink on the way, a directory above it others may write, a root of another user in
-``/tmp``), is ``refused``, which stops the run before anything is deleted.
+``/tmp``), is ``refused``. A root refused by its setting stops the run before anything is deleted; one refused
+for what was found at its path (``unsafe``, a file in its place, a symlink it resolves through: any user of the
+target can make those) is refused alone (``alone``): left as it is, a warning (``warnings``), unattended a line of
+``needs_window``, never a problem, no change, and no warm-up runs; the other roots are handled as usual.
 
 Its probe part (``pve_probe_compile_cache``) reads the roots by ``lstat`` only, the stamps, the venv's
 ``torch/version.py`` and triton's METADATA (never ``import torch``), the users' homes and which live processes
@@ -193,16 +196,23 @@ def human_size(size):
 
 
 # -- safety ----------------------------------------------------------------------------------------------------
+def settings_refusal(root, homes, user):
+    """Why the probe's ``root`` is refused by its path alone, as the settings name it (:func:`refusal`), or None."""
+    if root["path"] is None:
+        return f"its template {root['template']} needs the home directory of {user}, who has none"
+    why = refusal(root.get("expanded") or root["path"], homes)
+    return printable(why) if why else None  # names a path and users the target chose
+
+
 def root_refusal(root, homes, user):
     """Why the probe's ``root`` is refused, or None: its path, then the directory it resolves to, must pass
     :func:`refusal` (the rules live in the probe part, which walks no refused root, and again in the acting
     script, which checks them before it touches a root); it must be a directory when it exists, and the probe must
-    have opened it safely (``unsafe``: a symlink on the way, or a directory another user could have put there)."""
-    if root["path"] is None:
-        return f"its template {root['template']} needs the home directory of {user}, who has none"
-    why = refusal(root.get("expanded") or root["path"], homes)
+    have opened it safely (``unsafe``: a symlink on the way, or a directory another user could have put there).
+    Past :func:`settings_refusal`, each reason is what was found at the path (:func:`judge_root`: ``alone``)."""
+    why = settings_refusal(root, homes, user)
     if why:
-        return printable(why)  # names a path and users the target chose
+        return why
     real = root["real_path"]
     if real and real != root["path"]:
         why = refusal(real, homes)
@@ -380,8 +390,12 @@ def venv_plan_of(spec, context):
 
 
 # -- judging ---------------------------------------------------------------------------------------------------
-def judge_root(root, expected, venv_changes, reason):
-    """One root's facts and verdict (``reason`` is its refusal, or None)."""
+def judge_root(root, expected, venv_changes, reason, *, alone=False):
+    """One root's facts and verdict (``reason`` is its refusal, or None). A refused root has ``alone``: refused for
+    what was found at its path (a symlink on the way or one it resolves through, a directory above it others may
+    write, a root squatted in ``/tmp``, a file in its place: a user of the target other than root may have put
+    it there), not by the settings (:func:`settings_refusal`, an overlap of two roots); the run goes on without
+    it."""
     walked = root.get("walk") or {}
     stamp = root.get("stamp") or {}
     facts = {
@@ -401,7 +415,7 @@ def judge_root(root, expected, venv_changes, reason):
         "busy": [],
     }
     if reason:
-        return dict(facts, verdict="refused", reason=reason)
+        return dict(facts, verdict="refused", reason=reason, alone=alone)
     if not root["exists"]:
         return dict(facts, verdict="missing", reason="it does not exist; nothing to do")
     if expected is None:
@@ -498,6 +512,18 @@ def window_line(label, root):
     )
 
 
+def refused_line(label, root, warmup):
+    """The one sentence of a root refused alone (:func:`judge_root`): shown as a warning, and unattended named in
+    ``needs_window``; the run goes on with the other roots."""
+    skipped = "; no warm-up runs while it is refused" if warmup else ""
+    return (
+        f"{label}: compile cache root {printable(root['path'])} refused: {root['reason']}; it is left as it is "
+        f"(neither purged nor stamped), the other roots are handled as usual{skipped}; another user of the target may "
+        "have put it there: remove it in the target, or set compile_cache_roots to a directory only root and "
+        "compile_cache_user can write"
+    )
+
+
 def in_use(roots, users, ending, label, problems, *, unattended, window):
     """Sort the stale roots by the live processes that use them; returns the roots left for a window.
 
@@ -531,8 +557,15 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
     if user.get("home") and clean(user["home"]) not in homes:
         homes[clean(user["home"])] = [spec["user"]]
     reasons = [root_refusal(root, homes, spec["user"]) for root in answer["roots"]]
+    alone = [
+        bool(why) and not settings_refusal(r, homes, spec["user"])
+        for r, why in zip(answer["roots"], reasons, strict=True)
+    ]
     reasons = overlap_refusals(answer["roots"], reasons)
-    roots = [judge_root(r, expected, venv_changes, why) for r, why in zip(answer["roots"], reasons, strict=True)]
+    roots = [
+        judge_root(r, expected, venv_changes, why, alone=lone)
+        for r, why, lone in zip(answer["roots"], reasons, alone, strict=True)
+    ]
     problems = [f"{label}: the compile_cache probe could not read everything: {e}" for e in answer["errors"]]
     problems += list(extra_problems)
     if not user.get("exists"):
@@ -541,7 +574,7 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
             "to the user training runs as"
         )
     for root in roots:
-        if root["verdict"] == "refused":
+        if root["verdict"] == "refused" and not root["alone"]:
             problems.append(
                 f"{label}: compile cache root {printable(root['path'])} refused: {root['reason']}; nothing is deleted "
                 "(compile_cache_roots must name the cache directories themselves, like /tmp/torchinductor_root)"
@@ -566,6 +599,10 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
     cold = all(r["verdict"] in ("missing", "stale") or r["entries"] == 0 for r in existing)
     warmup = bool(spec["warmup"]) and expected is not None and bool(existing) and (bool(purging) or cold)
     warmup = warmup and not waiting  # never a compile while a live process uses the caches it would fill
+    # Nor while a root is refused alone: the warm-up's first root may be it, and what it fills is stamped as root.
+    alone = [r for r in roots if r["verdict"] == "refused" and r["alone"]]
+    warmup = warmup and not alone
+    refused_lines = [refused_line(label, root, bool(spec["warmup"])) for root in alone]
     changes = []
     for root in roots:
         if root["verdict"] == "stale" and not root.get("window"):
@@ -582,7 +619,10 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
         changes.append(warmup_line(spec))
     before, after = diff_lines(roots, expected, venv_changes, warmup)
     return {
-        "needs_window": [window_line(label, root) for root in waiting],
+        "needs_window": [window_line(label, root) for root in waiting]
+        + (refused_lines if spec.get("unattended") else []),
+        # Roots refused alone: a warning every run (the fact pass and the module show them); not a problem.
+        "warnings": refused_lines,
         "user": spec["user"],
         "home": user.get("home"),
         "venv": spec["venv"],
@@ -590,7 +630,12 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
         "expected_from": expected_from,
         "venv_changes": venv_changes,
         "roots": roots,
-        "refused": [{"path": r["path"], "reason": r["reason"]} for r in roots if r["verdict"] == "refused"],
+        # problem false: refused alone (judge_root), the run goes on; true: the settings are wrong, the run stops.
+        "refused": [
+            {"path": r["path"], "reason": r["reason"], "problem": not r["alone"]}
+            for r in roots
+            if r["verdict"] == "refused"
+        ],
         "warmup": {"argv": spec["warmup"], "timeout": spec["warmup_timeout"], "planned": warmup}
         if spec["warmup"]
         else None,
