@@ -29,7 +29,6 @@ import re
 from ansible.module_utils import pve_probe_verify
 from ansible.module_utils.nvidia_smi import OPTIONAL_GPU_FIELDS, shown
 from ansible.module_utils.pve_errors import RecoverError
-from ansible.module_utils.pve_text import printable
 from ansible.module_utils.pve_torch_build import cuda_of, variant
 
 NAME = "verify"
@@ -933,9 +932,10 @@ def outcome(checks):
 
 def unsafe_problem(label, venv, why):
     """A venv another user than root could change (the probe's ``venv_unsafe``): verify never runs its python as
-    root (``-I`` still runs the venv's ``.pth`` files, and the user could swap the venv for theirs)."""
+    root (``-I`` still runs the venv's ``.pth`` files, and the user could swap the venv for theirs). The target's
+    text is quoted with repr (one line, every control character escaped), as this module quotes it elsewhere."""
     return (
-        f"{label}: the venv {printable(venv)} could be changed by a user other than root: {printable(why)}; verify "
+        f"{label}: the venv {str(venv)!r} could be changed by a user other than root: {str(why)[:300]!r}; verify "
         "does not run its "
         "python as root: make every directory from / to it root's and not writable by a group or other users "
         "(chown root:root, chmod go-w), or set verify_venv to such a place"

@@ -127,8 +127,8 @@ def test_verify_never_runs_that_venvs_python(tmp_path):
     facts = pve_verify.evaluate_step(spec, answer, {}, context())
     assert facts["pending"] is False  # the verify module, which runs <venv>/bin/python -I -B, is not run
     assert facts["problems"][0].startswith(
-        f"CT 200 on pve1: the venv {venv} could be changed by a user other than root: {parent} may be written by "
-        "every user (mode 0777); verify does not run its python as root"
+        f"CT 200 on pve1: the venv '{venv}' could be changed by a user other than root: '{parent} may be written "
+        "by every user (mode 0777)'; verify does not run its python as root"
     )
     (tmp_path / "ok").mkdir()
     safe = make_venv_dir(parent_of(tmp_path / "ok") / "train")
