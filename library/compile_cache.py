@@ -17,13 +17,20 @@ description:
   - Per root - stamped with the expected fingerprint, C(fresh), kept; stamped with another, C(stale), emptied and
     stamped anew; without a stamp, C(unstamped), adopted (stamped as it is) unless I(venv_pending) says the venv is
     rebuilt in this run, which makes every cache stale; absent, C(missing), nothing to do; and C(refused) when it
-    could take more than a cache with it, which fails the task before anything is deleted.
+    could take more than a cache with it. A root refused by its setting (below - C(/), a home directory, a root
+    inside another) fails the task before anything is deleted. A root refused for what was found at its path - a
+    symlink on the way or one it resolves through, a directory above it others may write, a root another user
+    created first in C(/tmp), a file in its place, which any user of the target may have put there - is refused
+    alone, so that no user can fail every run. It is left as it is (neither purged nor stamped), named in
+    I(refused) with C(problem) false and as a warning (unattended also in I(needs_window)), no warm-up runs while
+    one is refused, and the other roots are handled as usual; it is no change, so a converged target stays
+    C(changed=false).
   - Refused roots - C(/), C(/usr), C(/etc), C(/var), C(/opt), C(/srv), any path with fewer than 2 components, a
     home directory of a user of the target (or a directory containing one), anything inside C(/usr), C(/etc),
     C(/bin), C(/sbin), C(/lib*), C(/boot), C(/dev), C(/proc), C(/sys), a root that contains C(..), a root that is
     not a directory, and a root inside another root.
   - A root is opened from C(/) one component at a time with C(O_NOFOLLOW), as the probe reads it and again in the
-    script just before it acts, and refused (C(unsafe) in the script) when a component is a symlink (give the
+    script just before it acts, and refused alone when a component is a symlink (give the
     directory itself), when a directory above it may be written by a group or by every user without the sticky
     bit, or is owned by a user other than root and I(user) (either could put any directory in its place), and when
     a component is owned by a user who could not have put it there (in a sticky directory such as C(/tmp), a root
@@ -62,7 +69,8 @@ attributes:
   diff_mode:
     support: full
     details: One line per root - before, the fingerprint its stamp names (or C(unstamped), C(missing),
-      C(refused (...))); after, the expected fingerprint.
+      C(refused (...))); after, the expected fingerprint (a refused root - as before). Every value of a stamp
+      (written by the cache user) is shown escaped and cut to 100 characters; one that is no string by its type.
   platform:
     platforms: posix
 options:
@@ -214,7 +222,8 @@ cache_roots:
 needs_window:
   description:
     - Unattended only - one sentence per stale root left as it is because a live process uses it (found by the
-      module's read or by the acting script just before the purge); the task does not fail because of them.
+      module's read or by the acting script just before the purge), and per root refused alone (I(refused) with
+      C(problem) false, where a person must remove what was found there); the task does not fail because of them.
       Empty otherwise.
   returned: always
   type: list
@@ -242,11 +251,16 @@ user:
   type: str
   sample: root
 refused:
-  description: The roots refused and why (the task fails when there is one; nothing is deleted then).
+  description:
+    - The roots refused, C(path), C(reason) and C(problem). C(problem) true - refused by the setting (C(/), a home
+      directory, a root inside another) - fails the task; nothing is deleted then. C(problem) false - refused for
+      what was found at the path (a symlink, a directory others may write, a squatted C(/tmp) root, a file) - is
+      a warning (unattended also a line of I(needs_window)) - that root is left as it is, no warm-up runs, the
+      other roots are handled as usual.
   returned: always
   type: list
   elements: dict
-  sample: [{path: /root, reason: it is the home directory of root}]
+  sample: [{path: /root, reason: it is the home directory of root, problem: true}]
 warmup:
   description:
     - The warm-up - null without I(warmup). C(argv), C(planned), C(ran); after it ran also C(rc), C(seconds),
@@ -280,7 +294,8 @@ seconds:
 error:
   description:
     - On failure, what kind of failure it was, stable for code. From the module - C(invalid) (options),
-      C(problems) (a root refused, a root in use, no torch in the venv, an unknown user), C(verify) (a root still
+      C(problems) (a root refused by its setting, a root in use, no torch in the venv, an unknown user), C(probe)
+      (the target's answer is not in the expected shape), C(verify) (a root still
       out of spec after acting). From the script - C(refused), C(unsafe) (a root it cannot open without trusting a
       user who could have changed it) and C(changed) (a root changed since it was read),
       C(busy) (a process started using a root), C(warmup_failed), C(warmup_timeout), C(warmup_not_found),
@@ -461,6 +476,8 @@ def main():
         # Check mode: the GPU step ended nothing, so the processes it would end still run; a real run sees them gone.
         ending = p["ending_pids"] if module.check_mode else []
         before = module_facts(spec, answer, target.label, venv_pending=p["venv_pending"], ending=ending)
+        for warning in before["warnings"]:  # roots refused alone: the run goes on without them
+            module.warn(warning)
         if before["problems"]:
             details = {"cache_roots": before["roots"], "refused": before["refused"]}
             raise CacheError("; ".join(before["problems"]), kind="problems", details=details)

@@ -180,6 +180,11 @@ ansible_facts:
           C(training_venv) also add C(in_use) and C(ending_pids); C(training_venv) also C(rebuild) (a build is
           due), C(keep), C(prune) (old versions retention removes, each a line of C(changes)) and C(prune_kept)
           (beyond keep but in use).
+        - C(compile_cache) adds C(roots) (each root's verdict and reason), C(expected), C(refused) (C(path),
+          C(reason), C(problem) - false for a root refused for what was found at its path - a symlink, a directory
+          others may write, a squatted C(/tmp) root - which is left alone while the others are handled, true for a
+          root refused by its setting, a problem) and C(warnings) (the roots refused alone, shown as this task's
+          warnings).
         - C(verify) adds C(checks) (name, ok, severity, expected, found, detail; ok null when a step with work in
           this run decides it), C(warnings) (shown as this task's warnings), C(torch) (from C(torch/version.py),
           no import), C(expected), C(health), C(deferred) and C(steps_with_work); it is pending only when torch

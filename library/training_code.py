@@ -321,6 +321,7 @@ from ansible.module_utils.pve_code import (
     evaluate_step,
     probe_payload,
     read_node,
+    reset_answer_shape,
     short,
 )
 from ansible.module_utils.pve_errors import RecoverError
@@ -423,6 +424,9 @@ def done_of(answer, path):
     for key, kind in DONE_KEYS.items():
         if not isinstance(answer, dict) or not isinstance(answer.get(key), kind):
             raise CodeError(f"the reset script answered no {key!r} in the expected shape", kind="probe")
+    wrong = reset_answer_shape(answer)
+    if wrong:
+        raise CodeError(f"the reset script's answer is not in the expected shape: {wrong}", kind="probe")
     return answer
 
 
@@ -431,7 +435,7 @@ def out_of_spec(facts, done):
     reasons = facts["problems"] + facts["changes"]
     if not reasons:
         return ""
-    saved = f"; the local changes are saved in {done['backup']['dir']}" if done.get("backup") else ""
+    saved = f"; the local changes are saved in {printable(done['backup']['dir'])}" if done.get("backup") else ""
     left = facts["diff"]["before"].splitlines()[1:6]
     shown = f" (status: {', '.join(left)})" if left else ""
     return (

@@ -305,7 +305,8 @@ error:
       C(not_on_index), C(hash_mismatch), C(no_space), C(timeout), C(no_builder) (no uv and no working
       C(-m venv)), C(venv_failed), C(python) (the python minor is not in the target), C(not_found), C(check)
       (the new venv was not the lock), C(layout) (I(path) is a file), C(os_error), C(install_failed).
-      From the module - C(invalid), C(problems) (the venv could not be read), C(verify) (still out of spec after
+      From the module - C(invalid), C(problems) (the venv could not be read, or a user other than root could
+      change it - a directory above it they own or may write, a symlink other than the step's own), C(verify) (still out of spec after
       the swap), and the target's (C(stopped), C(missing), C(probe), ...).
   returned: failure
   type: str

@@ -10,7 +10,10 @@ H200"]}``. Per root: a stamp equal to the expected fingerprint is ``fresh`` (kep
 run, which makes every cache stale; an absent root is ``missing`` (nothing to do); a root that could take more
 than a cache with it (:func:`refusal`), or that the probe could not open without trusting a user who could have
 changed it (``unsafe``: a symlink on the way, a directory above it others may write, a root of another user in
-``/tmp``), is ``refused``, which stops the run before anything is deleted.
+``/tmp``), is ``refused``. A root refused by its setting stops the run before anything is deleted; one refused
+for what was found at its path (``unsafe``, a file in its place, a symlink it resolves through: any user of the
+target can make those) is refused alone (``alone``): left as it is, a warning (``warnings``), unattended a line of
+``needs_window``, never a problem, no change, and no warm-up runs; the other roots are handled as usual.
 
 Its probe part (``pve_probe_compile_cache``) reads the roots by ``lstat`` only, the stamps, the venv's
 ``torch/version.py`` and triton's METADATA (never ``import torch``), the users' homes and which live processes
@@ -69,6 +72,8 @@ GPU_NAME_FIELDS = (("name", "name", "str"),)
 _PLACEHOLDER = re.compile(r"\{[^{}]*\}")
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\$?$")
 REBUILT = "for the venv as rebuilt in this run"
+STAMP_SHOWN = 100  # characters of one stamp value shown in a message
+STAMP_GPUS = 16  # GPU models of one stamp shown in a message
 
 
 class CacheError(RecoverError):
@@ -124,37 +129,58 @@ def make_fingerprint(torch, cuda, triton, gpus):
 
 
 def normalized(fingerprint):
-    """A stamp's fingerprint in the form :func:`make_fingerprint` gives (unknown keys dropped, GPUs sorted)."""
-    found = {key: fingerprint.get(key) for key in FINGERPRINT_KEYS}
-    gpus = found["gpus"]
-    found["gpus"] = sorted(set(gpus)) if isinstance(gpus, list) and all(isinstance(g, str) for g in gpus) else gpus
-    return found
+    """A stamp's fingerprint in the form :func:`make_fingerprint` gives (unknown keys dropped, GPUs sorted).
+
+    A stamp is written by the cache user (not trusted): a value that is neither a string nor None becomes the
+    name of its type (``<int>``), so what is compared and shown is always text; :func:`describe` escapes it."""
+    found = {key: _stamp_value(fingerprint.get(key)) for key in FINGERPRINT_KEYS if key != "gpus"}
+    gpus = fingerprint.get("gpus")
+    found["gpus"] = (
+        sorted(set(gpus)) if isinstance(gpus, list) and all(isinstance(g, str) for g in gpus) else _stamp_value(gpus)
+    )
+    return {key: found[key] for key in FINGERPRINT_KEYS}
+
+
+def _stamp_value(value):
+    """A stamp's value as the node keeps it: a string or None as it is, anything else its type's name."""
+    return value if value is None or isinstance(value, str) else f"<{type(value).__name__}>"
+
+
+def shown(value):
+    """A fingerprint's value in a message: one line, at most STAMP_SHOWN characters (printable); a value that is
+    no string is named by its type (``<dict>``): a stamp is the cache user's text, never the node's."""
+    return printable(_stamp_value(value), STAMP_SHOWN)
 
 
 def describe(fingerprint):
     """``torch 2.11.0+cu128 (CUDA 12.8), triton 3.3.0, NVIDIA H200``; ``torch 2.13.0+cpu (no CUDA), no triton,
-    no GPU``."""
+    no GPU``. Every value passes through :func:`shown` (a stamp's ``"2.0\\n..."`` stays on its line)."""
     torch = fingerprint.get("torch")
     cuda = fingerprint.get("cuda")
-    head = f"torch {torch} ({f'CUDA {cuda}' if cuda else 'no CUDA'})" if torch else "no torch"
-    triton = f"triton {fingerprint['triton']}" if fingerprint.get("triton") else "no triton"
-    gpus = fingerprint.get("gpus")
-    return f"{head}, {triton}, {', '.join(map(str, gpus)) if isinstance(gpus, list) and gpus else 'no GPU'}"
+    head = f"torch {shown(torch)} ({f'CUDA {shown(cuda)}' if cuda else 'no CUDA'})" if torch else "no torch"
+    triton = f"triton {shown(fingerprint['triton'])}" if fingerprint.get("triton") else "no triton"
+    return f"{head}, {triton}, {_gpus_shown(fingerprint.get('gpus')) or 'no GPU'}"
+
+
+def _gpus_shown(gpus):
+    """``NVIDIA H200, NVIDIA H100``; a value that is no list: :func:`shown`; ``""`` for none."""
+    if isinstance(gpus, list):
+        return ", ".join(shown(g) for g in gpus[:STAMP_GPUS]) + (" and more" if len(gpus) > STAMP_GPUS else "")
+    return shown(gpus) if gpus else ""
 
 
 def differences(stamped, expected):
     """What a stale stamp was built for, against now: ``stamped for torch 2.11.0+cu130, now 2.11.0+cu128``."""
-    stamped = normalized(stamped)
+    stamped, expected = normalized(stamped), normalized(expected)
     parts = []
     if stamped["torch"] != expected["torch"]:
-        parts.append(f"torch {stamped['torch'] or 'none'}, now {expected['torch'] or 'none'}")
+        parts.append(f"torch {shown(stamped['torch']) or 'none'}, now {shown(expected['torch']) or 'none'}")
     elif stamped["cuda"] != expected["cuda"]:
-        parts.append(f"CUDA {stamped['cuda'] or 'none'}, now {expected['cuda'] or 'none'}")
+        parts.append(f"CUDA {shown(stamped['cuda']) or 'none'}, now {shown(expected['cuda']) or 'none'}")
     if stamped["triton"] != expected["triton"]:
-        parts.append(f"triton {stamped['triton'] or 'none'}, now {expected['triton'] or 'none'}")
+        parts.append(f"triton {shown(stamped['triton']) or 'none'}, now {shown(expected['triton']) or 'none'}")
     if stamped["gpus"] != expected["gpus"]:
-        were = ", ".join(map(str, stamped["gpus"])) if isinstance(stamped["gpus"], list) else stamped["gpus"]
-        parts.append(f"GPUs {were or 'none'}, now {', '.join(expected['gpus']) or 'none'}")
+        parts.append(f"GPUs {_gpus_shown(stamped['gpus']) or 'none'}, now {_gpus_shown(expected['gpus']) or 'none'}")
     return "stamped for " + ("; ".join(parts) if parts else f"another fingerprint ({describe(stamped)})")
 
 
@@ -170,21 +196,28 @@ def human_size(size):
 
 
 # -- safety ----------------------------------------------------------------------------------------------------
+def settings_refusal(root, homes, user):
+    """Why the probe's ``root`` is refused by its path alone, as the settings name it (:func:`refusal`), or None."""
+    if root["path"] is None:
+        return f"its template {root['template']} needs the home directory of {user}, who has none"
+    why = refusal(root.get("expanded") or root["path"], homes)
+    return printable(why) if why else None  # names a path and users the target chose
+
+
 def root_refusal(root, homes, user):
     """Why the probe's ``root`` is refused, or None: its path, then the directory it resolves to, must pass
     :func:`refusal` (the rules live in the probe part, which walks no refused root, and again in the acting
     script, which checks them before it touches a root); it must be a directory when it exists, and the probe must
-    have opened it safely (``unsafe``: a symlink on the way, or a directory another user could have put there)."""
-    if root["path"] is None:
-        return f"its template {root['template']} needs the home directory of {user}, who has none"
-    why = refusal(root.get("expanded") or root["path"], homes)
+    have opened it safely (``unsafe``: a symlink on the way, or a directory another user could have put there).
+    Past :func:`settings_refusal`, each reason is what was found at the path (:func:`judge_root`: ``alone``)."""
+    why = settings_refusal(root, homes, user)
     if why:
         return why
     real = root["real_path"]
     if real and real != root["path"]:
         why = refusal(real, homes)
         if why:
-            return f"it resolves through a symlink to {printable(real)}, and {why.removeprefix('it ')}"
+            return printable(f"it resolves through a symlink to {real}, and {why.removeprefix('it ')}")
     if root["exists"] and not root["is_dir"]:
         return "it is not a directory"
     if root.get("unsafe"):
@@ -200,9 +233,9 @@ def overlap_refusals(roots, reasons):
             if i == j or reasons[i] is not None:
                 continue
             if root["real_path"] == other["real_path"] and j < i:
-                reasons[i] = f"it is the same directory as the root {other['path']}"
+                reasons[i] = f"it is the same directory as the root {printable(other['path'])}"
             elif root["real_path"] != other["real_path"] and inside(root["real_path"], other["real_path"]):
-                reasons[i] = f"it lies inside the root {other['path']}; give only that one"
+                reasons[i] = f"it lies inside the root {printable(other['path'])}; give only that one"
     return reasons
 
 
@@ -212,7 +245,9 @@ _ROOT_TYPES = {"exists": bool, "is_dir": bool, "is_link": bool}
 
 
 def check_answer(answer, spec):
-    """The probe's answer comes from inside a CT: a part that is not what the probe prints is a CacheError."""
+    """The probe's answer comes from inside a CT: a part that is not what the probe prints is a CacheError, named
+    (``the target's answer to the compile_cache probe is not in the expected shape: ...``), never a traceback
+    further on (an ``int()`` of a forged ``"12abc"``)."""
     if not isinstance(answer, dict):
         raise CacheError("the compile_cache probe answered no object", kind="probe")
     for key, kind in _ANSWER_TYPES.items():
@@ -220,18 +255,94 @@ def check_answer(answer, spec):
             raise CacheError(f"the compile_cache probe answered no {key!r} ({kind.__name__})", kind="probe")
     if len(answer["roots"]) != len(spec["roots"]):
         raise CacheError("the compile_cache probe answered another number of roots than it was asked", kind="probe")
+    wrong = _answer_shape(answer)
+    if wrong:
+        raise CacheError(
+            f"the target's answer to the compile_cache probe is not in the expected shape: {printable(wrong, 200)}",
+            kind="probe",
+        )
     for root in answer["roots"]:
-        if not isinstance(root, dict) or any(not isinstance(root.get(k), t) for k, t in _ROOT_TYPES.items()):
-            raise CacheError(f"the compile_cache probe answered a root of the wrong shape: {root!r}", kind="probe")
-        for key in ("path", "real_path", "unsafe"):
-            if root.get(key) is not None and not isinstance(root[key], str):
-                raise CacheError(f"the compile_cache probe answered a root whose {key} is no string", kind="probe")
-        for key in ("stamp", "walk"):
-            if root.get(key) is not None and not isinstance(root[key], dict):
-                raise CacheError(f"the compile_cache probe answered a root whose {key} is no object", kind="probe")
-        found = root.get("id")
-        if found is not None and (not isinstance(found, list) or len(found) != 2 or not all(_is_int(n) for n in found)):
-            raise CacheError("the compile_cache probe answered a root whose id is not [st_dev, st_ino]", kind="probe")
+        _check_root_types(root)
+        wrong = _root_shape(root)
+        if wrong:
+            raise CacheError(
+                f"the target's answer to the compile_cache probe is not in the expected shape: root "
+                f"{printable(root.get('template'), 200)}: {printable(wrong, 200)}",
+                kind="probe",
+            )
+
+
+def _check_root_types(root):
+    if not isinstance(root, dict) or any(not isinstance(root.get(k), t) for k, t in _ROOT_TYPES.items()):
+        raise CacheError(f"the compile_cache probe answered a root of the wrong shape: {root!r}", kind="probe")
+    for key in ("path", "real_path", "unsafe"):
+        if root.get(key) is not None and not isinstance(root[key], str):
+            raise CacheError(f"the compile_cache probe answered a root whose {key} is no string", kind="probe")
+    for key in ("stamp", "walk"):
+        if root.get(key) is not None and not isinstance(root[key], dict):
+            raise CacheError(f"the compile_cache probe answered a root whose {key} is no object", kind="probe")
+    found = root.get("id")
+    if found is not None and (not isinstance(found, list) or len(found) != 2 or not all(_is_int(n) for n in found)):
+        raise CacheError("the compile_cache probe answered a root whose id is not [st_dev, st_ino]", kind="probe")
+
+
+_WALK_COUNTS = ("size_bytes", "files", "entries", "escapes_count")
+_STRING_LISTS = {"mounts": "a list of paths"}
+_DICT_LISTS = {"escapes": ("link", "target"), "left": ("path", "why")}
+
+
+def _answer_shape(answer):
+    """What is wrong with the answer's users, homes and errors (``""``: nothing)."""
+    user = answer["user"]
+    for key in ("name", "home"):
+        if user.get(key) is not None and not isinstance(user[key], str):
+            return f"user {key} {user[key]!r} is no string"
+    for key in ("uid", "gid"):
+        if user.get(key) is not None and not _is_int(user[key]):
+            return f"user {key} {user[key]!r} is no number"
+    for home, names in answer["homes"].items():
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return f"homes[{home!r}] is {names!r}, not a list of user names"
+    for real, users in answer["users"].items():
+        if not isinstance(users, list) or not all(
+            isinstance(u, dict)
+            and _is_int(u.get("pid"))
+            and isinstance(u.get("how"), list)
+            and all(isinstance(h, str) for h in u["how"])
+            for u in users
+        ):
+            return f"users[{real!r}] is {users!r}, not a list of processes ({{pid, name, how}})"
+    if not all(isinstance(e, str) for e in answer["errors"]):
+        return f"errors is {answer['errors']!r}, not a list of sentences"
+    return ""
+
+
+def _root_shape(root):
+    """What is wrong with a root's walk and stamp (``""``: nothing): counts are counts, lists hold what the probe
+    puts in them, a readable stamp names a fingerprint object."""
+    walk = root.get("walk") or {}
+    for key in _WALK_COUNTS:
+        if walk.get(key) is not None and not (_is_int(walk[key]) and walk[key] >= 0):
+            return f"walk {key} is {walk[key]!r}, not a count"
+    for key, what in _STRING_LISTS.items():
+        value = walk.get(key)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+            return f"walk {key} is {value!r}, not {what}"
+    for key, fields in _DICT_LISTS.items():
+        value = walk.get(key)
+        if value is not None and (
+            not isinstance(value, list)
+            or not all(isinstance(v, dict) and all(isinstance(v.get(f), str) for f in fields) for v in value)
+        ):
+            return f"walk {key} is {value!r}, not a list of {{{', '.join(fields)}}}"
+    stamp = root.get("stamp") or {}
+    if stamp and stamp.get("state") not in ("none", "ok", "invalid"):
+        return f"stamp state is {stamp.get('state')!r}"
+    if stamp.get("state") == "ok" and not isinstance(stamp.get("fingerprint"), dict):
+        return f"stamp fingerprint is {stamp.get('fingerprint')!r}, not an object"
+    if stamp.get("reason") is not None and not isinstance(stamp["reason"], str):
+        return f"stamp reason is {stamp['reason']!r}, not a sentence"
+    return ""
 
 
 def _is_int(value):
@@ -279,8 +390,12 @@ def venv_plan_of(spec, context):
 
 
 # -- judging ---------------------------------------------------------------------------------------------------
-def judge_root(root, expected, venv_changes, reason):
-    """One root's facts and verdict (``reason`` is its refusal, or None)."""
+def judge_root(root, expected, venv_changes, reason, *, alone=False):
+    """One root's facts and verdict (``reason`` is its refusal, or None). A refused root has ``alone``: refused for
+    what was found at its path (a symlink on the way or one it resolves through, a directory above it others may
+    write, a root squatted in ``/tmp``, a file in its place: a user of the target other than root may have put
+    it there), not by the settings (:func:`settings_refusal`, an overlap of two roots); the run goes on without
+    it."""
     walked = root.get("walk") or {}
     stamp = root.get("stamp") or {}
     facts = {
@@ -291,7 +406,7 @@ def judge_root(root, expected, venv_changes, reason):
         "files": int(walked.get("files") or 0),
         "entries": int(walked.get("entries") or 0),
         "stamp": normalized(stamp["fingerprint"]) if stamp.get("state") == "ok" else None,
-        "stamp_error": stamp.get("reason") if stamp.get("state") == "invalid" else None,
+        "stamp_error": printable(stamp.get("reason"), STAMP_SHOWN) if stamp.get("state") == "invalid" else None,
         "escapes": walked.get("escapes") or [],
         "escapes_count": int(walked.get("escapes_count") or 0),
         "mounts": walked.get("mounts") or [],
@@ -300,7 +415,7 @@ def judge_root(root, expected, venv_changes, reason):
         "busy": [],
     }
     if reason:
-        return dict(facts, verdict="refused", reason=reason)
+        return dict(facts, verdict="refused", reason=reason, alone=alone)
     if not root["exists"]:
         return dict(facts, verdict="missing", reason="it does not exist; nothing to do")
     if expected is None:
@@ -314,7 +429,7 @@ def judge_root(root, expected, venv_changes, reason):
             was = "unstamped"
         return dict(facts, verdict="stale", reason=f"the venv is rebuilt in this run; {was}")
     if facts["stamp"] is not None:
-        if facts["stamp"] == expected:
+        if facts["stamp"] == normalized(expected):
             return dict(facts, verdict="fresh", reason=f"stamped for {describe(expected)}")
         return dict(facts, verdict="stale", reason=differences(facts["stamp"], expected))
     if facts["stamp_error"]:
@@ -381,8 +496,8 @@ def diff_lines(roots, expected, venv_changes, warmup):
             new = f"{target} (if the warm-up fills it)"
         else:
             new = state
-        before.append(f"{root['path']}: {state}\n")
-        after.append(f"{root['path']}: {new}\n")
+        before.append(f"{printable(root['path'])}: {state}\n")
+        after.append(f"{printable(root['path'])}: {new}\n")
     return "".join(before), "".join(after)
 
 
@@ -390,9 +505,22 @@ def window_line(label, root):
     """The one sentence of a stale root an unattended run leaves because a live process uses it."""
     users = f"in use by {describe_users(root['live'])}" if root["live"] else "in use by a live process"
     return (
-        f"{label}: compile cache {root['path']} is stale ({root['reason']}; {human_size(root['size_bytes'])}) but "
+        f"{label}: compile cache {printable(root['path'])} is stale ({root['reason']}; "
+        f"{human_size(root['size_bytes'])}) but "
         f"{users}: not purged under a live process; purging it needs a window (stop the job, or run recover.yml "
         "without recover_unattended)"
+    )
+
+
+def refused_line(label, root, warmup):
+    """The one sentence of a root refused alone (:func:`judge_root`): shown as a warning, and unattended named in
+    ``needs_window``; the run goes on with the other roots."""
+    skipped = "; no warm-up runs while it is refused" if warmup else ""
+    return (
+        f"{label}: compile cache root {printable(root['path'])} refused: {root['reason']}; it is left as it is "
+        f"(neither purged nor stamped), the other roots are handled as usual{skipped}; another user of the target may "
+        "have put it there: remove it in the target, or set compile_cache_roots to a directory only root and "
+        "compile_cache_user can write"
     )
 
 
@@ -413,8 +541,8 @@ def in_use(roots, users, ending, label, problems, *, unattended, window):
             waiting.append(root)
         elif live:
             problems.append(
-                f"{label}: cannot purge {root['path']}: in use by {describe_users(live)}; a purge never runs under "
-                "a live process (a running compile): stop it and run again"
+                f"{label}: cannot purge {printable(root['path'])}: in use by {describe_users(live)}; a purge never "
+                "runs under a live process (a running compile): stop it and run again"
             )
     return waiting
 
@@ -429,8 +557,15 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
     if user.get("home") and clean(user["home"]) not in homes:
         homes[clean(user["home"])] = [spec["user"]]
     reasons = [root_refusal(root, homes, spec["user"]) for root in answer["roots"]]
+    alone = [
+        bool(why) and not settings_refusal(r, homes, spec["user"])
+        for r, why in zip(answer["roots"], reasons, strict=True)
+    ]
     reasons = overlap_refusals(answer["roots"], reasons)
-    roots = [judge_root(r, expected, venv_changes, why) for r, why in zip(answer["roots"], reasons, strict=True)]
+    roots = [
+        judge_root(r, expected, venv_changes, why, alone=lone)
+        for r, why, lone in zip(answer["roots"], reasons, alone, strict=True)
+    ]
     problems = [f"{label}: the compile_cache probe could not read everything: {e}" for e in answer["errors"]]
     problems += list(extra_problems)
     if not user.get("exists"):
@@ -439,7 +574,7 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
             "to the user training runs as"
         )
     for root in roots:
-        if root["verdict"] == "refused":
+        if root["verdict"] == "refused" and not root["alone"]:
             problems.append(
                 f"{label}: compile cache root {printable(root['path'])} refused: {root['reason']}; nothing is deleted "
                 "(compile_cache_roots must name the cache directories themselves, like /tmp/torchinductor_root)"
@@ -464,21 +599,30 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
     cold = all(r["verdict"] in ("missing", "stale") or r["entries"] == 0 for r in existing)
     warmup = bool(spec["warmup"]) and expected is not None and bool(existing) and (bool(purging) or cold)
     warmup = warmup and not waiting  # never a compile while a live process uses the caches it would fill
+    # Nor while a root is refused alone: the warm-up's first root may be it, and what it fills is stamped as root.
+    alone = [r for r in roots if r["verdict"] == "refused" and r["alone"]]
+    warmup = warmup and not alone
+    refused_lines = [refused_line(label, root, bool(spec["warmup"])) for root in alone]
     changes = []
     for root in roots:
         if root["verdict"] == "stale" and not root.get("window"):
             changes.append(purge_line(root))
-            changes.append(f"stamp {root['path']} {REBUILT if venv_changes else 'for ' + describe(expected)}")
+            changes.append(
+                f"stamp {printable(root['path'])} {REBUILT if venv_changes else 'for ' + describe(expected)}"
+            )
         elif root["verdict"] == "unstamped":
             changes.append(
-                f"stamp {root['path']} ({root['reason'].replace('no stamp: ', 'unstamped: ')}; "
+                f"stamp {printable(root['path'])} ({root['reason'].replace('no stamp: ', 'unstamped: ')}; "
                 f"{human_size(root['size_bytes'])})"
             )
     if warmup:
         changes.append(warmup_line(spec))
     before, after = diff_lines(roots, expected, venv_changes, warmup)
     return {
-        "needs_window": [window_line(label, root) for root in waiting],
+        "needs_window": [window_line(label, root) for root in waiting]
+        + (refused_lines if spec.get("unattended") else []),
+        # Roots refused alone: a warning every run (the fact pass and the module show them); not a problem.
+        "warnings": refused_lines,
         "user": spec["user"],
         "home": user.get("home"),
         "venv": spec["venv"],
@@ -486,7 +630,12 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
         "expected_from": expected_from,
         "venv_changes": venv_changes,
         "roots": roots,
-        "refused": [{"path": r["path"], "reason": r["reason"]} for r in roots if r["verdict"] == "refused"],
+        # problem false: refused alone (judge_root), the run goes on; true: the settings are wrong, the run stops.
+        "refused": [
+            {"path": r["path"], "reason": r["reason"], "problem": not r["alone"]}
+            for r in roots
+            if r["verdict"] == "refused"
+        ],
         "warmup": {"argv": spec["warmup"], "timeout": spec["warmup_timeout"], "planned": warmup}
         if spec["warmup"]
         else None,

@@ -144,6 +144,29 @@ def check_answer(answer):
             raise CodeError(f"the training_code probe answered {key!r} that are not all strings", kind="probe")
 
 
+def reset_answer_shape(done):
+    """What is wrong with the reset script's success answer (``""``: nothing), past the type of each key: the
+    script runs inside the CT, so a backup without its ``dir`` or a list of names that are not strings is named,
+    never a KeyError further on.
+
+    ``reset_answer_shape({"backup": {"files": []}, "removed": [], "pruned": []})`` -> ``"backup has no 'dir'
+    (a path)"``."""
+    backup = done.get("backup")
+    if backup is not None:
+        if not isinstance(backup.get("dir"), str) or not backup["dir"].startswith("/"):
+            return "backup has no 'dir' (a path)"
+        if "files" in backup and not _strings(backup["files"]):
+            return "backup files is not a list of names"
+    for key in ("removed", "pruned"):
+        if not _strings(done.get(key)):
+            return f"{key} is not a list of paths"
+    return ""
+
+
+def _strings(value):
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
 def parse_status(text):
     """``git status --porcelain=v1 -z`` output -> ``[{"code", "path", "orig"}]`` in git's order.
 

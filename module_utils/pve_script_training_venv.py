@@ -394,7 +394,8 @@ def build_env():
 def write_atomic(path, text):
     """Write ``text`` to ``path`` through a temporary file renamed over it (never a half-written file).
 
-    The venv's parent may be writable by others in the target: the temporary file gets a name nobody can guess
+    The module refuses a venv whose parent others may write (the probe's ``venv_unsafe``) before this script
+    runs; as a second line all the same, the temporary file gets a name nobody can guess
     and is created exclusively (mkstemp: O_EXCL, so a link planted there is never followed), and the rename
     replaces a link at ``path`` itself rather than writing through it."""
     directory, name = os.path.split(path)

@@ -282,6 +282,8 @@ def check_answer(answer):
     version_py = answer.get("torch_version_py")
     if version_py is not None and not isinstance(version_py, dict):
         raise VenvError("the training_venv probe answered a torch_version_py that is not an object", kind="probe")
+    if answer.get("unsafe") is not None and not isinstance(answer["unsafe"], str):
+        raise VenvError("the training_venv probe answered an unsafe that is not a sentence", kind="probe")
 
 
 def _is_hook(hook):
@@ -470,6 +472,17 @@ def import_changes(path, answer, allowed):
     )
 
 
+def unsafe_problem(label, path, why):
+    """The problem of a venv another user than root could change (the probe's ``venv_unsafe``): its python runs
+    as root (the build's checks, verify's ``import torch``), and ``-I`` still runs the venv's ``.pth`` files."""
+    return (
+        f"{label}: the venv {printable(path)} could be changed by a user other than root: {printable(why)}; its "
+        "python runs as root, so nothing is built, swapped or run there: make every directory from / to it root's "
+        "and not writable by a group or other users (chown root:root, chmod go-w), or set training_venv_path to "
+        "such a place"
+    )
+
+
 def venv_facts(spec, answer, label):
     """The venv's facts before the window rule: what is installed, how it differs from the lock, the diff; pure.
 
@@ -496,6 +509,8 @@ def venv_facts(spec, answer, label):
             f"remove {shown(e['name'])} {shown(e['installed'])} (not in the lock)" for e in differences["extra"]
         ]
     problems = [f"{label}: the training venv probe could not read everything: {error}" for error in answer["errors"]]
+    if answer.get("unsafe"):
+        problems.append(unsafe_problem(label, spec["path"], answer["unsafe"]))
     version_py = answer.get("torch_version_py") or {}
     torch = installed.get("torch")
     return {

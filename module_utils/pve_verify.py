@@ -837,6 +837,8 @@ def check_answer(answer):
     version_py = answer.get("torch_version_py")
     if version_py is not None and not isinstance(version_py, dict):
         raise VerifyError("the verify probe answered a torch_version_py that is not an object", kind="probe")
+    if answer.get("unsafe") is not None and not isinstance(answer["unsafe"], str):
+        raise VerifyError("the verify probe answered an unsafe that is not a sentence", kind="probe")
     if version_py:
         for key, pattern in (("version", VERSION), ("cuda", CUDA_VERSION)):
             value = version_py.get(key)
@@ -928,6 +930,18 @@ def outcome(checks):
     return problems, warnings
 
 
+def unsafe_problem(label, venv, why):
+    """A venv another user than root could change (the probe's ``venv_unsafe``): verify never runs its python as
+    root (``-I`` still runs the venv's ``.pth`` files, and the user could swap the venv for theirs). The target's
+    text is quoted with repr (one line, every control character escaped), as this module quotes it elsewhere."""
+    return (
+        f"{label}: the venv {str(venv)!r} could be changed by a user other than root: {str(why)[:300]!r}; verify "
+        "does not run its "
+        "python as root: make every directory from / to it root's and not writable by a group or other users "
+        "(chown root:root, chmod go-w), or set verify_venv to such a place"
+    )
+
+
 def is_pending(spec, context, problems):
     """Whether the acting module runs: "always"; "changed" when another step has work (a real run only)."""
     others = [n for n, f in context["steps"].items() if n != NAME and isinstance(f, dict) and f.get("pending")]
@@ -961,6 +975,8 @@ def evaluate_step(spec, answer, node, context):
     torch_checks_, torch = torch_file_checks(spec, answer, context, label)
     checks += torch_checks_
     problems, warnings = outcome(checks)
+    if answer.get("unsafe"):  # its python is never run as root: a problem, so verify is not pending
+        problems.insert(0, unsafe_problem(label, spec["venv"], answer["unsafe"]))
     pending, others = is_pending(spec, context, problems)
     return {
         "venv": spec["venv"],

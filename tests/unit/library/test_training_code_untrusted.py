@@ -328,3 +328,34 @@ def test_a_failure_naming_a_path_the_target_chose_is_one_printable_line():
     with pytest.raises(training_code.CodeError) as caught:
         training_code.done_of(dict(answer, error="x\ny"), "/srv/train")
     assert caught.value.kind == "probe"
+
+
+GOOD_DONE = {
+    "head": "4f3c2a1b0e9d" * 3 + "abcd",
+    "fetched": False,
+    "removed": [],
+    "pruned": [],
+    "backup": {"dir": "/var/backups/pve-gpu-recover/training_code/20261203T101500Z", "files": ["HEAD"]},
+    "kept_ref": None,
+    "head_before": None,
+    "branch_before": None,
+}
+
+
+@pytest.mark.parametrize(
+    ("changed", "wrong"),
+    [
+        ({"backup": {"files": ["HEAD"]}}, "backup has no 'dir' (a path)"),
+        ({"backup": {"dir": 7}}, "backup has no 'dir' (a path)"),
+        ({"backup": {"dir": "/b", "files": [1]}}, "backup files is not a list of names"),
+        ({"removed": [{"x": 1}]}, "removed is not a list of paths"),
+        ({"pruned": [None]}, "pruned is not a list of paths"),
+    ],
+)
+def test_a_reset_answer_in_another_shape_is_a_named_failure_not_a_traceback(changed, wrong):
+    # The module reads done["backup"]["dir"] when the re-read is out of spec: a backup without it was a KeyError.
+    with pytest.raises(training_code.CodeError) as caught:
+        training_code.done_of(dict(GOOD_DONE, **changed), "/srv/train")
+    assert str(caught.value) == f"the reset script's answer is not in the expected shape: {wrong}"
+    assert caught.value.kind == "probe"
+    assert training_code.done_of(dict(GOOD_DONE), "/srv/train") == GOOD_DONE

@@ -80,7 +80,7 @@ def test_a_root_that_is_a_symlink_to_checkpoints_is_refused_and_the_checkpoints_
         f"{link} is a symlink (to {checkpoints}); a root is opened without following links: give the directory "
         "itself as the root"
     )
-    assert facts["refused"] == [{"path": str(link), "reason": reason}]
+    assert facts["refused"] == [{"path": str(link), "reason": reason, "problem": False}]
     assert facts["pending"] is False
     # The script, asked to purge it anyway, opens it the same way.
     done = script.probe(purge_payload(link, NOBODY))
@@ -218,7 +218,7 @@ def test_a_root_under_a_directory_others_can_write_is_refused(tmp_path, mode, ow
         f"it lies under {scratch}, {why}: any of them could put another directory in its place; chmod +t {scratch}, "
         "or give a root under a directory only root and the cache user can write"
     )
-    assert facts["refused"] == [{"path": str(root), "reason": reason}]
+    assert facts["refused"] == [{"path": str(root), "reason": reason, "problem": False}]
     assert script.probe(purge_payload(root))["message"] == (
         f"compile cache root {root} refused: {reason}; nothing was deleted"
     )
@@ -287,3 +287,77 @@ def test_the_probe_and_script_open_roots_this_way_on_python_3_9(tmp_path):
     assert answer["roots"][0]["id"] == [os.stat(root).st_dev, os.stat(root).st_ino]
     assert done["roots"][0]["purged"]["files"] == 1
     assert sorted(os.listdir(root)) == [STAMP]
+
+
+# -- review C: a root another user squats is refused alone, never the whole step --------------------------------
+def squatted_and_mine(tmp_path):
+    """/tmp/torchinductor_root created first by another user (the cache user is root), and root's own stale cache."""
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    squatted = stale_cache(sticky / "torchinductor_root", OTHER)
+    mine = stale_cache(tmp_path / "mine")
+    return sticky, squatted, mine
+
+
+def squat_line(squatted, sticky, warmup=False):
+    reason = (
+        f"{squatted} is owned by uid {OTHER}, but in {sticky} only root (uid 0) can be trusted (another user may "
+        "have put it there): remove it, or give another root"
+    )
+    skipped = "; no warm-up runs while it is refused" if warmup else ""
+    return reason, (
+        f"{LABEL}: compile cache root {squatted} refused: {reason}; it is left as it is (neither purged nor stamped), "
+        f"the other roots are handled as usual{skipped}; another user of the target may have put it there: remove it "
+        "in the target, or set compile_cache_roots to a directory only root and compile_cache_user can write"
+    )
+
+
+def test_a_squatted_root_is_refused_alone_and_the_other_roots_are_still_purged(tmp_path):
+    sticky, squatted, mine = squatted_and_mine(tmp_path)
+    facts, done = judge_and_act(tmp_path, [squatted, mine])
+    reason, line = squat_line(squatted, sticky)
+    assert facts["problems"] == []
+    assert facts["refused"] == [{"path": str(squatted), "reason": reason, "problem": False}]
+    assert (facts["warnings"], facts["needs_window"]) == ([line], [])
+    assert [r["verdict"] for r in facts["roots"]] == ["refused", "stale"]
+    assert facts["pending"] is True and facts["changes"][0].startswith(f"purge {mine} (")
+    assert "error" not in done, done
+    assert [r["stamped"] for r in done["roots"]] == [False, True]
+    assert sorted(os.listdir(mine)) == [STAMP]  # purged and stamped
+    assert (squatted / "fx" / "ab" / "graph").read_text() == "g"  # not a byte of the squatter's directory touched
+    assert json.loads((squatted / STAMP).read_text())["fingerprint"] == CU130
+
+
+def test_a_converged_target_with_a_squatted_root_has_nothing_to_do(tmp_path):
+    sticky, squatted, mine = squatted_and_mine(tmp_path)
+    judge_and_act(tmp_path, [squatted, mine])  # mine is now fresh
+    spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(squatted), str(mine)])
+    for unattended in (False, True):
+        facts = pve_cache.module_facts(dict(spec, unattended=unattended), probe_of(tmp_path, spec["roots"]), LABEL)
+        assert [r["verdict"] for r in facts["roots"]] == ["refused", "fresh"]
+        assert (facts["pending"], facts["changes"], facts["problems"]) == (False, [], [])
+        assert facts["diff"]["before"] == facts["diff"]["after"]
+        # Unattended: the drift corrector names it for a person (needs_window) instead of failing every hour.
+        assert facts["needs_window"] == ([squat_line(squatted, sticky)[1]] if unattended else [])
+
+
+def test_no_warm_up_runs_while_a_root_is_refused(tmp_path):
+    sticky, squatted, mine = squatted_and_mine(tmp_path)
+    fake_venv(tmp_path / "venv")
+    spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(squatted), str(mine)], warmup=["true"])
+    facts = pve_cache.module_facts(spec, probe_of(tmp_path, spec["roots"]), LABEL, venv_pending=True)
+    assert facts["warmup"]["planned"] is False
+    assert facts["warnings"] == [squat_line(squatted, sticky, warmup=True)[1]]
+    assert facts["pending"] is True  # mine is still purged
+
+
+def test_a_root_refused_by_its_setting_still_stops_the_run(tmp_path):
+    _, _, mine = squatted_and_mine(tmp_path)
+    fake_venv(tmp_path / "venv")
+    spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(mine), str(mine / "fx")])
+    facts = pve_cache.module_facts(spec, probe_of(tmp_path, spec["roots"]), LABEL, venv_pending=True)
+    assert facts["refused"] == [
+        {"path": str(mine / "fx"), "reason": f"it lies inside the root {mine}; give only that one", "problem": True}
+    ]
+    assert facts["problems"] and facts["pending"] is False and facts["warnings"] == []

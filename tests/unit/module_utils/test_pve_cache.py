@@ -353,13 +353,19 @@ def test_a_symlinked_root_is_judged_by_where_it_resolves_too():
         "it resolves through a symlink to /, and is the filesystem root /",
         "it resolves through a symlink to /root, and is the home directory of root",
     ]
-    assert facts["refused"] == [{"path": r["path"], "reason": r["reason"]} for r in facts["roots"][:2]]
-    assert facts["problems"][0] == (
+    # A link at the path is what a user of the target put there, not the settings: refused alone, loudly.
+    assert facts["refused"] == [
+        {"path": r["path"], "reason": r["reason"], "problem": False} for r in facts["roots"][:2]
+    ]
+    assert facts["problems"] == []
+    assert facts["warnings"][0] == (
         f"{LABEL}: compile cache root /tmp/torchinductor_root refused: it resolves through a symlink to /, and is the "
-        "filesystem root /; nothing is deleted (compile_cache_roots must name the cache directories themselves, like "
-        "/tmp/torchinductor_root)"
+        "filesystem root /; it is left as it is (neither purged nor stamped), the other roots are handled as usual; "
+        "another user of the target may have put it there: remove it in the target, or set compile_cache_roots to a "
+        "directory only root and compile_cache_user can write"
     )
-    assert facts["pending"] is False
+    assert facts["changes"][0].startswith("purge /tmp/torchinductor_root (stamped for torch 2.11.0+cu130")
+    assert facts["pending"] is True  # the third root, acceptable where it resolves
     # Acceptable where it resolves: purged there, and the purge line says so.
     alone = facts_of(answer_of(to_scratch))
     assert alone["changes"][0] == (
@@ -380,6 +386,9 @@ def test_a_root_that_is_no_directory_or_inside_another_root_is_refused():
         "it lies inside the root /scratch/cache; give only that one",
         "it is the same directory as the root /scratch/cache",
     ]
+    # A file where the root should be: found there, refused alone; two roots that overlap: the settings, a problem.
+    assert [r["problem"] for r in facts["refused"]] == [False, True, True]
+    assert len(facts["problems"]) == 2 and len(facts["warnings"]) == 1
 
 
 def test_a_root_template_needing_a_home_the_user_lacks_is_refused():

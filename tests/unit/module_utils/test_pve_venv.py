@@ -597,6 +597,7 @@ def test_no_venv_and_a_directory_that_is_not_one(tmp_path):
         "torch_version_py": None,
         "versions": [],
         "errors": [],
+        "unsafe": None,
     }
     assert (probe(tmp_path)["exists"], probe(tmp_path)["directory"]) == (False, True)
 

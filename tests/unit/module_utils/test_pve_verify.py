@@ -633,6 +633,7 @@ def test_the_probe_reads_torch_version_py_as_text(tmp_path):
             "cuda": "13.0",
             "git_version": "70d99e998b4955e0049d13a9ba1d3e2e1ac7a3e6",
         },
+        "unsafe": None,
     }
 
 
@@ -651,6 +652,7 @@ def test_the_probe_answers_for_a_missing_venv_and_a_venv_without_torch(tmp_path)
         "python": False,
         "site_packages": None,
         "torch_version_py": None,
+        "unsafe": None,
     }
     empty = make_venv_dir(tmp_path / "train", version_py=None)
     assert pve_probe_verify.probe({"venv": str(empty)})["torch_version_py"] is None
