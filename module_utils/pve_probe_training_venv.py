@@ -20,8 +20,11 @@ RECORD lists it (``hooks``), and every importable top-level entry that no RECORD
 import csv
 import os
 import re
-import stat
 import time
+
+from ansible.module_utils import pve_ct_venv
+
+SHARED = (pve_ct_venv,)  # container-side modules Target.run_probes ships with this part
 
 # torch/version.py assigns plain literals (`cuda: Optional[str] = '12.8'`, `debug = False`); an annotation may
 # sit between the name and the `=`.
@@ -263,119 +266,6 @@ def start_up_and_unowned(site_packages, listing, distributions):
     return hooks, unowned
 
 
-# -- who could change the venv: its python runs as root (verify, the build's checks) ----------------------------
-# The same source in pve_probe_training_venv.py and pve_probe_verify.py (a unit test keeps it equal): each file
-# travels alone into the target.
-_VERSION_NAME = r"\.\d{8}T\d{6}Z"  # <path>.<UTC stamp>: a version the training venv step built
-VENV_INSIDE = ("bin", "pyvenv.cfg", "lib")  # what the venv's python reads or runs at start-up, with lib/pythonX.Y/...
-
-
-class _Absent(Exception):
-    """A component does not exist (yet): root creates it, nobody else can have changed it."""
-
-
-def _writers(path, info, sticky_ok):
-    """Why a user other than root could change ``path`` (its lstat ``info``), or None: not root's, or writable by
-    a group or every user (a sticky directory of root's excepted where ``sticky_ok``: there an entry of root's
-    can be renamed or removed by root alone)."""
-    if info.st_uid != 0:
-        return f"{path} is owned by uid {info.st_uid}, not root"
-    mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o022 and not (sticky_ok and stat.S_ISDIR(info.st_mode) and mode & stat.S_ISVTX):
-        who = "every user" if mode & 0o002 else f"group {info.st_gid}"
-        return f"{path} may be written by {who} (mode {mode:04o})"
-    return None
-
-
-def _lstat(path):
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        raise _Absent(path) from None
-
-
-def _above(parts):
-    """Why a directory above the venv could be changed by another user than root, or None."""
-    for depth in range(len(parts)):
-        here = "/" + "/".join(parts[:depth])
-        info = _lstat(here)
-        if stat.S_ISLNK(info.st_mode):
-            return f"{here} is a symlink (to {os.readlink(here)}): a venv's path must be real directories from /"
-        why = _writers(here, info, sticky_ok=True) if stat.S_ISDIR(info.st_mode) else f"{here} is not a directory"
-        if why:
-            return why
-    return None
-
-
-def _version_of(path):
-    """``(real, None)``: the directory the venv at ``path`` is (itself, or the version its link names);
-    ``(None, why)`` when the link is not the step's own (root's, to a sibling ``<path>.<stamp>``)."""
-    info = _lstat(path)
-    if not stat.S_ISLNK(info.st_mode):
-        return path, None
-    parent, base = os.path.split(path)
-    target = os.readlink(path)
-    real = os.path.normpath(os.path.join(parent, target))
-    if os.path.dirname(real) != parent or not re.match(rf"^{re.escape(base)}{_VERSION_NAME}$", os.path.basename(real)):
-        return None, f"{path} is a symlink to {target}, not to a version {base}.<stamp> beside it"
-    if info.st_uid != 0:  # a link's own mode means nothing; its owner may replace it in a sticky parent
-        return None, f"{path} is owned by uid {info.st_uid}, not root"
-    return real, None
-
-
-def _inside(real):
-    """Why the venv directory ``real`` or what its python reads at start-up could be changed by another user."""
-    found = [real] + [os.path.join(real, name) for name in VENV_INSIDE]
-    try:
-        pythons = sorted(n for n in os.listdir(os.path.join(real, "lib")) if n.startswith("python"))
-    except OSError:
-        pythons = []
-    for name in pythons:
-        found += [os.path.join(real, "lib", name), os.path.join(real, "lib", name, "site-packages")]
-    for here in found:
-        try:
-            info = _lstat(here)
-        except _Absent:
-            if here == real:
-                return None  # a dangling link: no python to run; the step rebuilds it
-            continue
-        if stat.S_ISLNK(info.st_mode):
-            return f"{here} is a symlink (to {os.readlink(here)})"
-        if here == real and not stat.S_ISDIR(info.st_mode):
-            return f"{here} is not a directory"
-        why = _writers(here, info, sticky_ok=False)
-        if why:
-            return why
-    return None
-
-
-def venv_unsafe(path):
-    """Why a user other than root could change the venv at ``path`` (so its python must never run as root), or
-    None; None too for a venv (or directories) that do not exist yet, which root creates.
-
-    Each component from ``/`` is read by ``lstat``: a symlink is refused, except ``path`` itself when it is the
-    training venv step's link (root's) to a sibling ``<path>.<stamp>``; every directory above, the venv (the
-    version) and its ``bin``, ``pyvenv.cfg``, ``lib``, ``lib/pythonX.Y`` and their ``site-packages`` must be
-    root's and not writable by a group or every user. A sticky directory of root's (``/tmp``) is accepted above
-    the venv: the next component must be root's anyway, and only root can then move it.
-    ``venv_unsafe("/srv/alice/venv")`` with ``/srv/alice`` owned by uid 1000 -> ``"/srv/alice is owned by uid
-    1000, not root"``."""
-    parts = [part for part in os.path.normpath("/" + path).split("/") if part]
-    if not parts:
-        return "it is the filesystem root /"
-    try:
-        why = _above(parts)
-        if why:
-            return why
-        real, why = _version_of("/" + "/".join(parts))
-        return why or _inside(real)
-    except _Absent:
-        return None
-
-
-# -- end of the venv's safety ----------------------------------------------------------------------------------
-
-
 def probe(payload):
     """Answer ``{"path": venv, "timeout": s}`` with the venv's interpreter, distributions and torch build.
 
@@ -387,7 +277,7 @@ def probe(payload):
     site-packages, with the Names of the distributions whose RECORD lists it; ``text``, the start of an unowned
     ``.pth``), "unowned" (importable top-level entries no RECORD or top_level.txt owns),
     "torch_version_py" (parse_torch_version_py() or None), "versions" (:func:`finished_versions`), "errors" (what
-    could not be read), "unsafe" (:func:`venv_unsafe`)}``.
+    could not be read), "unsafe" (``pve_ct_venv.venv_unsafe``)}``.
     """
     path = payload["path"]
     deadline = time.monotonic() + float(payload.get("timeout", 60))
@@ -407,8 +297,8 @@ def probe(payload):
         "torch_version_py": None,
         "versions": finished_versions(path),
         "errors": [],
-        # Why a user other than root could change the venv (its python runs as root), or None: venv_unsafe().
-        "unsafe": venv_unsafe(path),
+        # Why a user other than root could change the venv (its python runs as root), or None.
+        "unsafe": pve_ct_venv.venv_unsafe(path),
     }
     text = _read(os.path.join(path, "pyvenv.cfg"))
     if text is None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import training_venv
 import yaml
-from ansible.module_utils import pve_ct_act, pve_probe_training_venv, pve_venv
+from ansible.module_utils import pve_ct_act, pve_ct_venv, pve_probe_training_venv, pve_venv
 from ansible.module_utils import pve_script_training_venv as script
 from ansible.module_utils.pve_target import PROBES_MAIN, Target, probes_input
 from ansible.module_utils.pve_venv import VenvError
@@ -375,10 +375,13 @@ def test_ct_check_mode_reports_the_rebuild_and_the_real_run_does_it_in_one_more_
         BUILT["previous"],
         BUILT["builder"],
     )
-    # What travels on stdin: the shared module once, then the build script's and the reader's sources, run in that
-    # order in one process.
+    # What travels on stdin: the shared modules once each, then the build script's and the reader's sources, run in
+    # that order in one process.
     given = json.loads(runner.stdin[1])
-    assert given["shared"] == {"pve_ct_act": inspect.getsource(pve_ct_act)}
+    assert given["shared"] == {
+        "pve_ct_act": inspect.getsource(pve_ct_act),
+        "pve_ct_venv": inspect.getsource(pve_ct_venv),
+    }
     sources = {"build": inspect.getsource(script), "training_venv": inspect.getsource(pve_probe_training_venv)}
     assert given["sources"] == sources
 

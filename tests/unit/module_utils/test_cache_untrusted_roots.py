@@ -8,6 +8,7 @@ a root or a directory in it swapped after the verdict, a bind mount inside a roo
 can write, a root squatted in a sticky directory, a directory of root's moved into the user's root.
 """
 
+import json
 import os
 import shutil
 import subprocess

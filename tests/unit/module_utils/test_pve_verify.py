@@ -815,8 +815,16 @@ def test_a_venv_without_torch_and_an_old_python_answer_too(tmp_path):
 
 
 def test_the_script_imports_only_the_standard_library_and_torch_only_inside():
-    # Its source travels alone to the target's pythons: nothing of ours, nothing installed but the venv's torch.
+    # Its source travels to the target's pythons: nothing of ours but its shared container-side modules (SHARED,
+    # shipped with it and optional for the venv's python running torch_facts), nothing installed but the venv's torch.
     tree = ast.parse(inspect.getsource(pve_probe_verify))
+    ours = [
+        node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "ansible.module_utils"
+    ]
+    assert [alias.name for node in ours for alias in node.names] == [
+        m.__name__.rsplit(".", 1)[1] for m in pve_probe_verify.SHARED
+    ]
+    assert all(alias.name.startswith("pve_ct_") for node in ours for alias in node.names)
     imported = {
         (alias.name.split(".")[0], node.col_offset)
         for node in ast.walk(tree)
@@ -826,7 +834,7 @@ def test_the_script_imports_only_the_standard_library_and_torch_only_inside():
     imported |= {
         (node.module.split(".")[0], node.col_offset) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
     }
-    assert {name for name, _ in imported} - {"torch"} <= set(sys.stdlib_module_names)
+    assert {name for name, _ in imported} - {"torch", "ansible"} <= set(sys.stdlib_module_names)
     assert [column for name, column in imported if name == "torch"] == [12]  # inside torch_facts(), never at the top
 
 

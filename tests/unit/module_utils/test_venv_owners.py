@@ -11,7 +11,7 @@ import inspect
 import os
 
 import pytest
-from ansible.module_utils import pve_probe_training_venv, pve_probe_verify, pve_venv, pve_verify
+from ansible.module_utils import pve_ct_venv, pve_probe_training_venv, pve_probe_verify, pve_venv, pve_verify
 
 from tests.unit.module_utils.test_pve_venv import CONTEXT, SPEC
 from tests.unit.module_utils.test_pve_verify import context, make_venv_dir
@@ -35,12 +35,12 @@ def parent_of(tmp_path, mode=0o755, uid=0):
     return parent
 
 
-def test_the_shared_part_is_the_same_source_in_both_probes():
-    def shared(module):
-        source = inspect.getsource(module)
-        return source[source.index("# -- who could change the venv") : source.index("# -- end of the venv's safety")]
-
-    assert shared(pve_probe_training_venv) == shared(pve_probe_verify)
+def test_both_probe_parts_ship_the_one_venv_safety_module():
+    # One source (module_utils/pve_ct_venv.py) shipped with each part in the same pct exec, not a copy in each.
+    assert (pve_ct_venv,) == pve_probe_training_venv.SHARED
+    assert (pve_ct_venv,) == pve_probe_verify.SHARED
+    assert "def venv_unsafe" not in inspect.getsource(pve_probe_verify)
+    assert "def venv_unsafe" not in inspect.getsource(pve_probe_training_venv)
 
 
 def test_a_venv_of_roots_under_directories_of_roots_is_safe_built_or_linked_or_not_yet_there(tmp_path):
