@@ -16,6 +16,14 @@ Python 3.9+, nothing of ours imported.
   and an empty ``HOME`` leave out the system's and root's config, so every run reads the same. The real config is
   read with ``git config --file`` (a parser: it follows no include and runs nothing). The view lives in a 0700 temp
   directory that is removed at the end;
+* :func:`locate` reads ``.git`` and ``commondir`` without following a link and accepts only a git dir and common
+  dir of the work tree's owner reached through no link (:class:`Untrusted` else: a ``.git`` file naming another
+  user's repository, or /etc/.git, is never used);
+* the reset's writes run as the repository's owner in a copy of the view they own (``View(owner=...)``); reads run
+  as root in the view only root can change; ``core.logAllRefUpdates=false``: a reflog that exists is appended to,
+  none is created;
+* a repository whose config defines clean/smudge filters that tracked paths use is not reset (:func:`filtered`):
+  without the filter a checkout writes the filtered blobs (git-lfs pointers) over the content;
 * with ``GIT_DIR`` given, git does not look for a repository (a directory that is not one is never mistaken for
   one further up) nor check its owner (``safe.directory`` is given all the same, for a git that would);
 * submodules are not entered (``--ignore-submodules=dirty``): git would run a submodule's own config;

@@ -7,17 +7,22 @@ Unlike a probe part, ``probe(payload)`` here changes the target. It is called th
 ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of ours but the
 container-side modules of ``SHARED``, the answer is plain JSON. git is called exactly as the probe part calls it,
 through :mod:`pve_ct_git` (a view of the repository whose config is an allowlist of the real one's keys, so nothing
-the repository's owner configured runs as root; no system or global config; no ``GIT_*`` of the caller). Files of
-the work tree are read and removed through directory file descriptors, never through a link.
+the repository's owner configured runs as root; no system or global config; no ``GIT_*`` of the caller). Reads run
+as root; every call that writes the repository (fetch, update-ref, checkout, reset) runs as the owner of the work
+tree's top (root for a repository of root's), in the owner's copy of the view, so a link the owner planted in
+``.git`` can only hurt the owner. Files of the work tree are read and removed through directory file descriptors
+from the top, opened once from ``/`` without following a link (:func:`open_top`), never through a link.
 
 In this order, and nothing is changed in the work tree, the index, HEAD or any branch before step 5:
 
 1. re-check what the fact pass found (the facts can be seconds old): a work tree whose top is ``path``, no
-   unfinished merge/rebase/..., no conflict, no untracked repository inside, the backup directory outside it;
+   unfinished merge/rebase/..., no conflict, no untracked repository inside, the backup directory outside it, a git
+   dir and common dir of the top's owner reached through no link (``untrusted``);
 2. fetch the commit from ``remote`` when the repository lacks it (``git fetch --no-tags <remote> <sha>``; only
    objects and FETCH_HEAD are written); a failed fetch ends the run;
-3. refuse when the checkout would overwrite IGNORED files (checkpoints, data): ignored files are never saved,
-   so they must never be touched;
+3. refuse when a tracked path (now or in the commit) has a clean/smudge filter the repository's config defines
+   (``filter``: git-lfs; a checkout without it writes pointers over the content), and when the checkout would
+   overwrite IGNORED files (checkpoints, data): ignored files are never saved, so they must never be touched;
 4. when anything is dirty, save it to ``<backup_dir>/<UTC stamp>/`` (mode 0700) and prove the saved copy restores
    it, before anything is reset:
 
@@ -36,10 +41,12 @@ In this order, and nothing is changed in the work tree, the index, HEAD or any b
    objects go to a scratch object directory: nothing of the repository is written); each patch applied to the old
    HEAD in a throw-away index (``GIT_INDEX_FILE``) must give exactly its tree, and each tarball must hold exactly
    the saved entries with the bytes the work tree has then (read again). Any failure here removes the backup and
-   ends the run;
+   ends the run; so does the deadline (checked for each saved file). With less than :data:`RESERVE` s left
+   after saving, the run ends (``timeout``) with the backup complete and nothing reset;
 5. a detached HEAD that no branch or tag contains gets a ref, ``refs/pve-gpu-recover/detached/<stamp>``, so that
    commits made on it stay reachable (a branch keeps its commits: it is never moved);
-6. ``git checkout --force --detach <commit>`` (or ``git reset --hard`` when HEAD is already the commit: a branch at
+6. ``git checkout --force --detach <commit>``, given :data:`GRACE` s beyond the deadline so that it is never
+   killed halfway (or ``git reset --hard`` when HEAD is already the commit: a branch at
    it stays checked out). Detached, because the pin is a commit, not a branch: moving a branch to it would drop the
    commits the branch had beyond it, and leaving a branch name on a tree it no longer describes would mislead;
 7. remove the untracked files that were saved, exactly those and only while they still have the saved bytes (not
