@@ -566,8 +566,9 @@ class Reset:
             except OSError:
                 continue  # none, or still the link to the real one
             with os.fdopen(handle, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    continue
+                info = os.fstat(f.fileno())
+                if not stat.S_ISREG(info.st_mode) or info.st_uid != uid or info.st_nlink != 1:
+                    continue  # not what git (run as the owner) wrote: never copied (a hard link to root's file)
                 data = f.read()
             common = open_top(self.view.common)
             try:

@@ -39,8 +39,11 @@ def test_a_reflog_link_the_owner_plants_is_never_written_through_by_root(lab, ca
     give_to_nobody(lab.repo)
     result = lab.run(capsys)
     assert target.read_bytes() == b"root's own bytes\n", "root's git appended a reflog line through the link"
-    if not result.get("failed"):  # git as nobody may not write the victim: the reset fails or skips the reflog
-        assert result["head"] == lab.pinned
+    # git, run as nobody, may not write root's file: the owner's link breaks only the owner's reset (after the
+    # backup: their changes are saved).
+    assert result["failed"] is True and "unable to append" in result["msg"], result
+    (backup,) = lab.backups.iterdir()
+    assert os.stat(backup).st_uid == 0 and (backup / "changes.patch").read_bytes()
 
 
 def test_a_fetch_head_link_the_owner_plants_is_never_written_through_by_root(lab, capsys, tmp_path):
