@@ -331,8 +331,8 @@ from ansible.module_utils.pve_text import printable
 
 RESET = "reset"
 # The pct exec of a reset gets reset_timeout, the re-read's timeout and this much more, so that the script's own
-# deadline fires first and it can still answer.
-GRACE = 10
+# deadline fires first and it can still answer: 10 s, and the grace a checkout started in time gets beyond it.
+GRACE = 10 + int(pve_script_training_code.GRACE)
 # Backups an unattended run keeps when backup_keep is unset: a timer that resets a drifting repository every night
 # must not fill the disk; an attended run keeps every one unless told.
 UNATTENDED_KEEP = 10

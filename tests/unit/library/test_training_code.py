@@ -111,10 +111,11 @@ def read_call(answer):
 
 
 def reset_call(done, reread, **changed):
-    # reset_timeout (600) + the re-read's timeout (60) + 10 s for the script to answer; one pct exec for both parts.
+    # reset_timeout (600) + the re-read's timeout (60) + 10 s for the script to answer + the checkout's 120 s of
+    # grace; one pct exec for both parts.
     payloads = {"reset": dict(RESET_PAYLOAD, **changed), "training_code": READ_PAYLOAD}
     out = json.dumps({"reset": {"answer": done, "seconds": 0.4}, "training_code": {"answer": reread, "seconds": 0.02}})
-    return [*PCT, "670", *WRAPPER, json.dumps(payloads)], (0, out, "")
+    return [*PCT, "790", *WRAPPER, json.dumps(payloads)], (0, out, "")
 
 
 @pytest.fixture
