@@ -269,7 +269,12 @@ class View:
         self.top = top
         self.git_dir = git_dir
         self.common = common
-        self.scratch = tempfile.mkdtemp(prefix="pve-gpu-recover-git-", dir=scratch_root())
+        # A view the owner's git enters lies in /tmp (root's, sticky): a temp directory of root's (a module's own,
+        # 0700) may be one the owner cannot pass through.
+        owned_by_user = owner is not None and owner[0] != 0
+        self.scratch = tempfile.mkdtemp(
+            prefix="pve-gpu-recover-git-", dir=ROOT_TMP if owned_by_user else scratch_root()
+        )
         self.dir = os.path.join(self.scratch, "common")
         home = os.path.join(self.scratch, "home")
         os.mkdir(self.dir, 0o700)
