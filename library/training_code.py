@@ -282,7 +282,9 @@ error:
     - On failure, what kind of failure it was, stable for code. From the reset - C(fetch), C(missing) (the
       commit is nowhere), C(collision) (ignored files in the way), C(backup) (the saved copy would not restore the
       tree), C(no_space), C(timeout), C(reset) (the checkout failed), C(conflict), C(operation), C(nested),
-      C(unborn), C(no_repository), C(no_git), C(git), C(os_error). From the module - C(invalid), C(problems)
+      C(unborn), C(untrusted) (a .git file or commondir naming a git dir its owner does not own, or through a
+      link), C(filter) (the repository's config defines clean/smudge filters, git-lfs), C(no_repository),
+      C(no_git), C(git), C(os_error). From the module - C(invalid), C(problems)
       (what the read found makes a reset unsafe), C(verify) (not at the commit and clean after the reset), and the
       target's (C(stopped), C(missing), C(probe), ...).
   returned: failure
@@ -330,8 +332,8 @@ from ansible.module_utils.pve_text import printable
 
 RESET = "reset"
 # The pct exec of a reset gets reset_timeout, the re-read's timeout and this much more, so that the script's own
-# deadline fires first and it can still answer.
-GRACE = 10
+# deadline fires first and it can still answer: 10 s, and the grace a checkout started in time gets beyond it.
+GRACE = 10 + int(pve_script_training_code.GRACE)
 # Backups an unattended run keeps when backup_keep is unset: a timer that resets a drifting repository every night
 # must not fill the disk; an attended run keeps every one unless told.
 UNATTENDED_KEEP = 10

@@ -25,7 +25,7 @@ import os
 import posixpath
 import re
 
-from ansible.module_utils import pve_probe_training_code
+from ansible.module_utils import pve_ct_git, pve_probe_training_code
 from ansible.module_utils import pve_process as pp
 from ansible.module_utils.pve_errors import RecoverError
 from ansible.module_utils.pve_gpu_cleanup import ending_pids_of, owner_of
@@ -142,6 +142,14 @@ def check_answer(answer):
     for key in ("collisions", "errors"):
         if not all(isinstance(item, str) for item in answer[key]):
             raise CodeError(f"the training_code probe answered {key!r} that are not all strings", kind="probe")
+    # Added later: optional, so that an older probe's answer still reads.
+    if not isinstance(answer.get("untrusted"), (str, type(None))):
+        raise CodeError("the training_code probe answered no 'untrusted' of the expected type", kind="probe")
+    filters = answer.get("filters", {})
+    if not isinstance(filters, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in filters.items()
+    ):
+        raise CodeError("the training_code probe answered no 'filters' of the expected type", kind="probe")
 
 
 def reset_answer_shape(done):
@@ -260,6 +268,11 @@ def code_problems(label, spec, answer, entries):
             f"{label}: there is no directory {path}; clone the training code there first (git clone <url> {path}) "
             f"or set training_code_path to where it is"
         ]
+    if answer.get("untrusted"):
+        return [
+            *problems,
+            f"{label}: untrusted git dir: {printable(answer['untrusted'])}; nothing is reset there",
+        ]
     if problems and not answer["repo"]:
         return problems  # git could not say what is there (another owner's repository, a timeout)
     if answer["bare"]:
@@ -307,6 +320,14 @@ def code_problems(label, spec, answer, entries):
             f"set training_code_remote (a remote's name such as origin, or a URL), or fetch it there "
             f"(git -C {path} fetch origin {commit})"
         )
+    return problems + checkout_problems(label, path, commit, answer)
+
+
+def checkout_problems(label, path, commit, answer):
+    """Why the checkout itself would harm the work tree: filters it would skip, ignored files it would overwrite."""
+    problems = []
+    if answer.get("filters"):
+        problems.append(f"{label}: {printable(pve_ct_git.filter_problem(path, commit, answer['filters']))}")
     if answer["collisions"]:
         problems.append(
             f"{label}: checking out {short(commit)} would overwrite ignored files that the commit tracks: "

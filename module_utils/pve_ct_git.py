@@ -16,6 +16,14 @@ Python 3.9+, nothing of ours imported.
   and an empty ``HOME`` leave out the system's and root's config, so every run reads the same. The real config is
   read with ``git config --file`` (a parser: it follows no include and runs nothing). The view lives in a 0700 temp
   directory that is removed at the end;
+* :func:`locate` reads ``.git`` and ``commondir`` without following a link and accepts only a git dir and common
+  dir of the work tree's owner reached through no link (:class:`Untrusted` else: a ``.git`` file naming another
+  user's repository, or /etc/.git, is never used);
+* the reset's writes run as the repository's owner in a copy of the view they own (``View(owner=...)``); reads run
+  as root in the view only root can change; ``core.logAllRefUpdates=false``: a reflog that exists is appended to,
+  none is created;
+* a repository whose config defines clean/smudge filters that tracked paths use is not reset (:func:`filtered`):
+  without the filter a checkout writes the filtered blobs (git-lfs pointers) over the content;
 * with ``GIT_DIR`` given, git does not look for a repository (a directory that is not one is never mistaken for
   one further up) nor check its owner (``safe.directory`` is given all the same, for a git that would);
 * submodules are not entered (``--ignore-submodules=dirty``): git would run a submodule's own config;
@@ -26,6 +34,7 @@ Python 3.9+, nothing of ours imported.
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 
@@ -87,6 +96,7 @@ FIXED = (
     "submodule.recurse=false",
     "diff.ignoreSubmodules=dirty",
     "protocol.ext.allow=never",
+    "core.logAllRefUpdates=false",  # reflogs that exist are appended to; none is created (no logs/ in the view)
 )
 
 
@@ -118,29 +128,81 @@ def git_argv(git, top, args, config=()):
     return [git, *fixed, "-C", top, *args]
 
 
+class Untrusted(Exception):
+    """The work tree's git dir or common dir lies where its owner does not control it: never used."""
+
+
+def owner(top):
+    """``(uid, gid)`` of the work tree's top: who git's writes run as (root's repositories: root)."""
+    info = os.stat(top)
+    return info.st_uid, info.st_gid
+
+
+def _owned_dir(path, uid, what, top):
+    """``path`` as a directory of ``uid`` (or root's, for a work tree of root's) reached through no link."""
+    clean = os.path.normpath(path)
+    if os.path.realpath(clean) != clean:
+        raise Untrusted(
+            f"the {what} of {top} is {clean}, reached through a symlink (to {os.path.realpath(clean)}): a git dir is "
+            "used only where no link leads; move the repository's git dir into place"
+        )
+    try:
+        info = os.lstat(clean)
+    except FileNotFoundError:
+        raise Untrusted(f"the {what} of {top} is {clean}, which does not exist") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise Untrusted(f"the {what} of {top} is {clean}, which is not a directory")
+    if info.st_uid != uid:
+        raise Untrusted(
+            f"the {what} of {top} is {clean}, owned by uid {info.st_uid}, not by the work tree's owner (uid {uid}): "
+            "another user's repository is never reset through a .git file or commondir naming it"
+        )
+    return clean
+
+
+def _read_small(path):
+    """The first 4 KiB of the regular file ``path``, never through a link; None when it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise Untrusted(f"{path} cannot be read without following a link: {error.strerror}") from None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise Untrusted(f"{path} is not a regular file")
+        return handle.read(4096).decode("utf-8", "surrogateescape")
+
+
 def locate(top):
     """``(git_dir, common_dir)`` of the work tree at ``top``, read from its ``.git`` (a directory, or a file
     ``gitdir: <path>``) and the git dir's ``commondir``, without running git; ``(None, None)`` when ``top`` has no
-    ``.git``."""
+    ``.git``. Both must be directories of the top's owner reached through no link (a ``.git`` file naming another
+    user's repository, /etc/.git, is :class:`Untrusted`), and ``.git`` itself no link."""
+    uid = os.stat(top).st_uid
     dotgit = os.path.join(top, ".git")
-    if os.path.isdir(dotgit):
+    try:
+        info = os.lstat(dotgit)
+    except FileNotFoundError:
+        return None, None
+    if stat.S_ISLNK(info.st_mode):
+        raise Untrusted(f"{dotgit} is a symlink (to {os.readlink(dotgit)}); a git dir is used only where no link leads")
+    if stat.S_ISDIR(info.st_mode):
         git_dir = dotgit
-    elif os.path.isfile(dotgit):
-        with open(dotgit, "rb") as handle:
-            text = handle.read(4096).decode("utf-8", "surrogateescape")
+    elif stat.S_ISREG(info.st_mode):
+        if info.st_uid != uid:
+            raise Untrusted(f"{dotgit} is owned by uid {info.st_uid}, not by the work tree's owner (uid {uid})")
+        text = _read_small(dotgit) or ""
         if not text.startswith("gitdir: "):
             return None, None
-        git_dir = os.path.normpath(os.path.join(top, text[len("gitdir: ") :].strip()))
+        git_dir = os.path.join(top, text[len("gitdir: ") :].strip())
     else:
         return None, None
+    git_dir = _owned_dir(git_dir, uid, "git dir", top)
     common = git_dir
-    try:
-        with open(os.path.join(git_dir, "commondir"), "rb") as handle:
-            common = os.path.normpath(
-                os.path.join(git_dir, handle.read(4096).decode("utf-8", "surrogateescape").strip())
-            )
-    except FileNotFoundError:
-        pass
+    text = _read_small(os.path.join(git_dir, "commondir"))
+    if text is not None:
+        common = _owned_dir(os.path.join(git_dir, text.strip()), uid, "common git dir", top)
     return git_dir, common
 
 
@@ -203,11 +265,16 @@ class View:
     """The repository as git is shown it: the real git dir, a common dir of links whose config is only the
     allowed keys (see the module's docstring). ``env`` is what every git call runs with; ``close()`` removes it."""
 
-    def __init__(self, git, top, git_dir, common, environ=None):
+    def __init__(self, git, top, git_dir, common, environ=None, *, owner=None):
         self.top = top
         self.git_dir = git_dir
         self.common = common
-        self.scratch = tempfile.mkdtemp(prefix="pve-gpu-recover-git-", dir=scratch_root())
+        # A view the owner's git enters lies in /tmp (root's, sticky): a temp directory of root's (a module's own,
+        # 0700) may be one the owner cannot pass through.
+        owned_by_user = owner is not None and owner[0] != 0
+        self.scratch = tempfile.mkdtemp(
+            prefix="pve-gpu-recover-git-", dir=ROOT_TMP if owned_by_user else scratch_root()
+        )
         self.dir = os.path.join(self.scratch, "common")
         home = os.path.join(self.scratch, "home")
         os.mkdir(self.dir, 0o700)
@@ -242,6 +309,30 @@ class View:
             GIT_CONFIG_KEY_1="safe.directory",
             GIT_CONFIG_VALUE_1=git_dir,
         )
+        # git's writes run as the repository's owner (``owner``: ``(uid, gid)``, not root): their own links in .git
+        # can then only hurt them. They get a common dir of their own (git writes a lock next to ``shallow`` when a
+        # fetch deepens it) with the same links and a copy of the allowed config: were they to swap it during the
+        # run, what they name runs as they, never as root; root's own git calls never read it.
+        self.owner = owner if owner is not None and owner[0] != 0 else None
+        self.owned = None
+        self.owner_env = self.env
+        if self.owner is not None:
+            uid, gid = self.owner
+            os.chmod(self.scratch, 0o711)  # noqa: S103 (the owner may pass through to their own directory, not list)
+            self.owned = os.path.join(self.scratch, "owned")
+            owned_home = os.path.join(self.scratch, "owned-home")
+            os.mkdir(self.owned, 0o700)
+            os.mkdir(owned_home, 0o700)
+            for name in os.listdir(self.dir):
+                if name != "config":
+                    os.symlink(os.readlink(os.path.join(self.dir, name)), os.path.join(self.owned, name))
+            with open(
+                os.open(os.path.join(self.owned, "config"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w"
+            ) as f:
+                f.write(config_text(self.config))
+            os.chown(self.owned, uid, gid)
+            os.chown(owned_home, uid, gid)
+            self.owner_env = dict(self.env, GIT_COMMON_DIR=self.owned, HOME=owned_home)
 
     def value(self, key):
         """The last value of ``key`` in the real config (read, never given to git unless allowed), or None."""
@@ -275,6 +366,67 @@ def status_entries(data):
             index += 1
         entries.append((code, field[3:], original))
     return entries
+
+
+FILTER_KEYS = re.compile(r"filter\.(.+)\.(?:clean|smudge|process)", re.DOTALL)
+BATCH = 500  # paths per `git check-attr` call
+
+
+def filter_drivers(entries):
+    """The clean/smudge filter drivers the repository's config defines: ``{"lfs", ...}`` from its entries."""
+    return {match.group(1) for key, value in entries if value and (match := FILTER_KEYS.fullmatch(key))}
+
+
+def filtered(must, entries, paths, commit=None, commit_paths=()):
+    """``{driver: number of paths}`` of the paths whose ``filter`` attribute names a driver the config defines (a
+    checkout without it writes the blob, an LFS pointer, where the owner had the content): ``paths`` with the
+    attributes of the work tree and the index, ``commit_paths`` with those of ``commit`` (read into a scratch index:
+    git 2.39 has no ``check-attr --source``). ``must(args, env)`` runs git and answers its stdout; ``git check-attr``
+    and ``read-tree`` into a scratch index run no filter and write nothing of the repository. Nothing is run when
+    the config defines no driver."""
+    drivers = filter_drivers(entries)
+    counts = {}
+    if not drivers:
+        return counts
+
+    def count(paths, cached, env):
+        paths = sorted(set(paths))
+        for start in range(0, len(paths), BATCH):
+            args = [
+                "check-attr",
+                "-z",
+                *(["--cached"] if cached else []),
+                "filter",
+                "--",
+                *paths[start : start + BATCH],
+            ]
+            fields = must(args, env).decode("utf-8", "surrogateescape").split("\0")
+            for index in range(2, len(fields), 3):
+                if fields[index] in drivers:
+                    counts[fields[index]] = counts.get(fields[index], 0) + 1
+
+    count(paths, False, None)
+    if commit and commit_paths:
+        with tempfile.TemporaryDirectory(prefix="pve-gpu-recover-", dir=scratch_root()) as scratch:
+            env = {"GIT_INDEX_FILE": os.path.join(scratch, "index")}
+            must(["read-tree", commit], env)
+            before = dict(counts)
+            counts.clear()
+            count(commit_paths, True, env)
+            for name, number in before.items():
+                counts[name] = max(counts.get(name, 0), number)
+    return counts
+
+
+def filter_problem(path, commit, counts):
+    """The sentence that refuses a reset of a repository whose filters would be skipped."""
+    named = ", ".join(f"{name} ({count} paths)" for name, count in sorted(counts.items()))
+    return (
+        f"the repository at {path} uses the clean/smudge filter {named} (git-lfs?); this step never runs a "
+        f"repository's filters, and a checkout without them would write the filtered blobs (LFS pointers) over the "
+        f"content: reset it by hand as its owner (git -C {path} stash -u && git -C {path} checkout --detach "
+        f"{commit}), or drop the filter attribute, and run again; nothing was reset"
+    )
 
 
 def first_error(err):

@@ -34,7 +34,7 @@ class Git:
         self.deadline = deadline
         self.env = pve_ct_git.git_env(top)  # until the view is open: `git --version` only
 
-    def run(self, *args):
+    def run(self, *args, env=None):
         remaining = self.deadline - time.monotonic()
         shown = "git " + " ".join(args)
         if remaining <= 0:
@@ -44,7 +44,7 @@ class Git:
                 pve_ct_git.git_argv(self.git, self.top, args),
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
-                env=self.env,
+                env=dict(self.env, **(env or {})),
                 cwd="/",
                 timeout=remaining,
                 check=False,
@@ -55,8 +55,8 @@ class Git:
             raise Stop(f"cannot run `{self.git}`: {error.strerror}") from None
         return done.returncode, done.stdout, done.stderr.decode(errors="replace")
 
-    def must(self, *args):
-        rc, out, err = self.run(*args)
+    def must(self, *args, env=None):
+        rc, out, err = self.run(*args, env=env)
         if rc != 0:
             raise Stop(f"`git {' '.join(args)}` in {self.top} failed (exit {rc}): {pve_ct_git.first_error(err)}")
         return out
@@ -69,6 +69,30 @@ def collisions(git, commit, untracked):
     return pve_ct_git.collisions(git.top, tracked, listed, untracked)
 
 
+def checkout_facts(git, view, commit, status, answer):
+    """``commit_present``, and when a reset is due the ``filters`` a checkout would skip and the ignored files it
+    would overwrite (``collisions``), into ``answer``."""
+    if answer["head"] == commit:
+        answer["commit_present"] = True
+    else:
+        rc, _, _ = git.run("cat-file", "-e", f"{commit}^{{commit}}")
+        answer["commit_present"] = rc == 0
+    if (answer["head"] != commit or status) and pve_ct_git.filter_drivers(view.config):
+        paths = pve_ct_git.split_z(git.must("ls-files", "-z"))
+        listed = []
+        if answer["commit_present"]:
+            listed = pve_ct_git.split_z(git.must("ls-tree", "-r", "--name-only", "-z", commit))
+        answer["filters"] = pve_ct_git.filtered(
+            lambda args, env: git.must(*args, env=env), view.config, paths, commit, listed
+        )
+    if answer["head"] != commit and answer["commit_present"]:
+        untracked = [p for code, p, _ in pve_ct_git.status_entries(status) if code == "??"]
+        answer["collisions"] = [
+            p.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            for p in collisions(git, commit, untracked)
+        ]
+
+
 def probe(payload):
     """Answer ``{"path", "commit" (full sha), "git" (name or path), "timeout" (s)}`` with the repository's state.
 
@@ -77,7 +101,9 @@ def probe(payload):
     None: no commit yet), "branch" (None: detached), "status" (``git status --porcelain=v1 -z
     --untracked-files=all`` text: ignored files never appear), "operation" (an unfinished merge/rebase/...),
     "commit_present", "collisions" (ignored files a checkout of the commit would overwrite), "errors" (what could
-    not be read)}``.
+    not be read), "untrusted" (why the git dir is not used: a ``.git`` file or commondir naming a directory its
+    owner does not own, or reached through a link; else None), "filters" (``{driver: paths}``: when a reset is due,
+    the clean/smudge filters the config defines that tracked paths use)}``.
     """
     path = payload["path"]
     commit = payload["commit"].lower()
@@ -97,6 +123,8 @@ def probe(payload):
         "commit_present": None,
         "collisions": [],
         "errors": [],
+        "untrusted": None,
+        "filters": {},
     }
     git_path = pve_ct_git.find_git(payload.get("git") or "git")
     if git_path is None:
@@ -109,7 +137,11 @@ def probe(payload):
         answer["git_version"] = version[2] if len(version) > 2 else None
         if not answer["exists"]:
             return answer
-        git_dir, common = pve_ct_git.locate(top)
+        try:
+            git_dir, common = pve_ct_git.locate(top)
+        except pve_ct_git.Untrusted as error:
+            answer["untrusted"] = str(error)
+            return answer
         if git_dir is None:
             answer["bare"] = pve_ct_git.looks_bare(top)
             return answer
@@ -135,17 +167,7 @@ def probe(payload):
         answer["branch"] = out.decode(errors="replace").strip() if rc == 0 else None
         status = git.must("status", "--porcelain=v1", "-z", "--untracked-files=all", "--ignore-submodules=dirty")
         answer["status"] = status.decode("utf-8", errors="backslashreplace")
-        if answer["head"] == commit:
-            answer["commit_present"] = True
-            return answer
-        rc, _, _ = git.run("cat-file", "-e", f"{commit}^{{commit}}")
-        answer["commit_present"] = rc == 0
-        if answer["commit_present"]:
-            untracked = [p for code, p, _ in pve_ct_git.status_entries(status) if code == "??"]
-            answer["collisions"] = [
-                p.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-                for p in collisions(git, commit, untracked)
-            ]
+        checkout_facts(git, view, commit, status, answer)
     except Stop as error:
         answer["errors"].append(str(error))
     finally:

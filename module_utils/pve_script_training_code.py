@@ -7,17 +7,22 @@ Unlike a probe part, ``probe(payload)`` here changes the target. It is called th
 ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of ours but the
 container-side modules of ``SHARED``, the answer is plain JSON. git is called exactly as the probe part calls it,
 through :mod:`pve_ct_git` (a view of the repository whose config is an allowlist of the real one's keys, so nothing
-the repository's owner configured runs as root; no system or global config; no ``GIT_*`` of the caller). Files of
-the work tree are read and removed through directory file descriptors, never through a link.
+the repository's owner configured runs as root; no system or global config; no ``GIT_*`` of the caller). Reads run
+as root; every call that writes the repository (fetch, update-ref, checkout, reset) runs as the owner of the work
+tree's top (root for a repository of root's), in the owner's copy of the view, so a link the owner planted in
+``.git`` can only hurt the owner. Files of the work tree are read and removed through directory file descriptors
+from the top, opened once from ``/`` without following a link (:func:`open_top`), never through a link.
 
 In this order, and nothing is changed in the work tree, the index, HEAD or any branch before step 5:
 
 1. re-check what the fact pass found (the facts can be seconds old): a work tree whose top is ``path``, no
-   unfinished merge/rebase/..., no conflict, no untracked repository inside, the backup directory outside it;
+   unfinished merge/rebase/..., no conflict, no untracked repository inside, the backup directory outside it, a git
+   dir and common dir of the top's owner reached through no link (``untrusted``);
 2. fetch the commit from ``remote`` when the repository lacks it (``git fetch --no-tags <remote> <sha>``; only
    objects and FETCH_HEAD are written); a failed fetch ends the run;
-3. refuse when the checkout would overwrite IGNORED files (checkpoints, data): ignored files are never saved,
-   so they must never be touched;
+3. refuse when a tracked path (now or in the commit) has a clean/smudge filter the repository's config defines
+   (``filter``: git-lfs; a checkout without it writes pointers over the content), and when the checkout would
+   overwrite IGNORED files (checkpoints, data): ignored files are never saved, so they must never be touched;
 4. when anything is dirty, save it to ``<backup_dir>/<UTC stamp>/`` (mode 0700) and prove the saved copy restores
    it, before anything is reset:
 
@@ -36,10 +41,12 @@ In this order, and nothing is changed in the work tree, the index, HEAD or any b
    objects go to a scratch object directory: nothing of the repository is written); each patch applied to the old
    HEAD in a throw-away index (``GIT_INDEX_FILE``) must give exactly its tree, and each tarball must hold exactly
    the saved entries with the bytes the work tree has then (read again). Any failure here removes the backup and
-   ends the run;
+   ends the run; so does the deadline (checked for each saved file). With less than :data:`RESERVE` s left
+   after saving, the run ends (``timeout``) with the backup complete and nothing reset;
 5. a detached HEAD that no branch or tag contains gets a ref, ``refs/pve-gpu-recover/detached/<stamp>``, so that
    commits made on it stay reachable (a branch keeps its commits: it is never moved);
-6. ``git checkout --force --detach <commit>`` (or ``git reset --hard`` when HEAD is already the commit: a branch at
+6. ``git checkout --force --detach <commit>``, given :data:`GRACE` s beyond the deadline so that it is never
+   killed halfway (or ``git reset --hard`` when HEAD is already the commit: a branch at
    it stays checked out). Detached, because the pin is a commit, not a branch: moving a branch to it would drop the
    commits the branch had beyond it, and leaving a branch name on a tree it no longer describes would mislead;
 7. remove the untracked files that were saved, exactly those and only while they still have the saved bytes (not
@@ -86,6 +93,11 @@ UNMERGED = {"DD", "AU", "UD", "UA", "DU", "AA", "UU"}
 SPARE = 1024 * 1024  # bytes the backup's file system keeps free beyond the backup
 TAIL_LINES = 40
 KILL_WAIT = 5
+# The checkout (or reset) is started only when this much of reset_timeout is left, and may overrun the deadline by
+# GRACE: git killed midway would leave a half-written work tree and an index.lock.
+RESERVE = 30.0
+GRACE = 120.0
+DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 def short(sha):
@@ -106,10 +118,17 @@ class Git:
         self.deadline = deadline
         self.budget = budget
         self.env = pve_ct_git.git_env(top)
+        self.owner = None  # (uid, gid) that git's writes run as, None: root (a repository of root's)
+        self.owner_env = self.env
 
-    def run(self, *args, config=(), env=None):
+    def run(self, *args, config=(), env=None, write=False, grace=0.0):
+        """``(rc, stdout, stderr)``. ``write``: a call that writes the repository runs as its owner (not root), in
+        the owner's copy of the view; ``grace``: seconds it may run past the deadline."""
         argv = pve_ct_git.git_argv(self.git, self.top, args, config)
         remaining = self.deadline - time.monotonic()
+        as_owner = {}
+        if write and self.owner is not None:
+            as_owner = {"user": self.owner[0], "group": self.owner[1], "extra_groups": []}
         if remaining <= 0:
             raise pve_ct_act.ActError(
                 "timeout", f"the reset's {self.budget:g} s (reset_timeout) ran out before `git {args[0]}`"
@@ -120,14 +139,15 @@ class Git:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=dict(self.env, **(env or {})),
+                env=dict(self.owner_env if as_owner else self.env, **(env or {})),
                 cwd="/",
                 start_new_session=True,  # so that a timeout kills what git started too (ssh, remote helpers)
+                **as_owner,
             )
         except OSError as error:
             raise pve_ct_act.ActError("no_git", f"cannot run `{self.git}`: {error.strerror}", cmd=argv) from None
         try:
-            out, err = process.communicate(timeout=remaining)
+            out, err = process.communicate(timeout=remaining + grace)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(OSError):
                 os.killpg(process.pid, signal.SIGKILL)
@@ -144,8 +164,8 @@ class Git:
             ) from None
         return process.returncode, out, err.decode(errors="replace")
 
-    def must(self, *args, what, kind="git", config=(), env=None):
-        rc, out, err = self.run(*args, config=config, env=env)
+    def must(self, *args, what, kind="git", config=(), env=None, write=False, grace=0.0):
+        rc, out, err = self.run(*args, config=config, env=env, write=write, grace=grace)
         if rc != 0:
             argv = pve_ct_git.git_argv(self.git, self.top, args, config)
             raise pve_ct_act.ActError(
@@ -186,14 +206,31 @@ def _remove(path):
 
 
 # -- the work tree's entries, never through a link ---------------------------------------------------------
+def open_top(top):
+    """The directory ``top`` (absolute, as realpath gives it) opened from ``/`` one component at a time, never
+    through a link: every read, digest and removal of the reset works from this fd, so a repository renamed away
+    and replaced by a link (by whoever owns its parent) is never followed."""
+    fd = os.open("/", DIRECTORY)
+    try:
+        for part in [p for p in top.split("/") if p]:
+            deeper = os.open(part, DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def parent_fd(top, path):
-    """``(fd, name)``: the directory that holds ``path`` (relative to ``top``), each component opened with
-    O_NOFOLLOW, so that a directory the checkout turned into a link to elsewhere is never entered (OSError then)."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    """``(fd, name)``: the directory that holds ``path`` (relative to ``top``: an open directory fd, or a path
+    opened without following a link), each component opened with O_NOFOLLOW, so that a directory the checkout
+    turned into a link to elsewhere is never entered (OSError then)."""
+    fd = os.dup(top) if isinstance(top, int) else open_top(os.path.realpath(top))
     parts = path.split("/")
     try:
         for part in parts[:-1]:
-            deeper = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            deeper = os.open(part, DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = deeper
     except BaseException:
@@ -229,6 +266,14 @@ def entry_digest(top, path, *, blob=None):
     except OSError:
         return None
     try:
+        return digest_at(fd, name, blob=blob)
+    finally:
+        os.close(fd)
+
+
+def digest_at(fd, name, *, blob=None):
+    """:func:`entry_digest` of the entry ``name`` of the open directory ``fd``."""
+    try:
         info = os.stat(name, dir_fd=fd, follow_symlinks=False)
         if stat.S_ISLNK(info.st_mode):
             data = os.fsencode(os.readlink(name, dir_fd=fd))
@@ -248,10 +293,12 @@ def entry_digest(top, path, *, blob=None):
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
         return "file", digest.hexdigest()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    finally:
-        os.close(fd)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None
+        raise
 
 
 def add_entry(tar, top, path):
@@ -296,20 +343,21 @@ def member_digest(tar, member):
 
 def remove_entry(top, path, want):
     """Remove the file or link at ``path`` when it still is what was saved (``want``: ``(kind, sha256)``), never
-    through a link, and the directories it leaves empty; whether it was removed. A path under a directory that is
-    now a link (the checkout made it one) is left alone: the link's target is not the repository's."""
+    through a link, and the directories it leaves empty; whether it was removed. ``top``: the work tree's open fd
+    (or its path). The digest is read through the same directory fd the unlink uses. A path under a directory that
+    is now a link (the checkout made it one) is left alone: the link's target is not the repository's."""
     try:
-        fds = [os.open(top, os.O_RDONLY | os.O_DIRECTORY)]
+        fds = [os.dup(top) if isinstance(top, int) else open_top(os.path.realpath(top))]
     except OSError:
         return False
     parts = path.split("/")
     try:
         for part in parts[:-1]:
             try:
-                fds.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
+                fds.append(os.open(part, DIRECTORY, dir_fd=fds[-1]))
             except OSError:
                 return False  # gone, or a link now
-        if entry_digest(top, path) != want:
+        if digest_at(fds[-1], parts[-1]) != want:
             return False  # changed since it was saved (or a directory now): never removed unsaved
         try:
             os.unlink(parts[-1], dir_fd=fds[-1])
@@ -387,6 +435,7 @@ class Reset:
         self.git = None
         self.git_dir = None
         self.view = None
+        self.top_fd = None  # the work tree, opened once from / without following a link
         self.backup = None  # the backup directory once written
         self.saved = {}  # the tarballs' manifest records, by tarball
         self.touched = False  # whether anything of the repository was changed (step 5 on)
@@ -407,16 +456,27 @@ class Reset:
         if not os.path.isdir(self.top):
             raise pve_ct_act.ActError("no_repository", f"there is no directory {self.path}")
         self.git = Git(git, self.top, self.deadline, self.budget)
-        git_dir, common = pve_ct_git.locate(self.top)
+        try:
+            self.top_fd = open_top(self.top)
+        except OSError as error:
+            raise pve_ct_act.ActError(
+                "untrusted", f"{self.path} cannot be opened from / without following a link: {error.strerror}"
+            ) from None
+        info = os.fstat(self.top_fd)
+        try:
+            git_dir, common = pve_ct_git.locate(self.top)
+        except pve_ct_git.Untrusted as error:
+            raise pve_ct_act.ActError("untrusted", f"{error}; nothing was done") from None
         if git_dir is None:
             raise pve_ct_act.ActError("no_repository", f"{self.path} is not a git work tree (no .git)")
         try:
-            self.view = pve_ct_git.View(git, self.top, git_dir, common)
+            self.view = pve_ct_git.View(git, self.top, git_dir, common, owner=(info.st_uid, info.st_gid))
         except (OSError, subprocess.SubprocessError, pve_ct_git.ViewError) as error:
             raise pve_ct_act.ActError(
                 "no_repository", f"cannot read the repository's config in {common}: {error}"
             ) from None
         self.git.env = self.view.env
+        self.git.owner, self.git.owner_env = self.view.owner, self.view.owner_env
         worktree = self.view.value("core.worktree")
         if worktree is not None and os.path.realpath(os.path.join(git_dir, worktree)) != self.top:
             raise pve_ct_act.ActError("no_repository", f"the work tree of the repository at {self.path} is {worktree}")
@@ -478,7 +538,7 @@ class Reset:
                 f"commit {self.commit} is not in the repository at {self.path} and no remote is set to fetch it from",
             )
         args = ("fetch", "--quiet", "--no-tags", "--no-recurse-submodules", self.remote, self.commit)
-        rc, _, err = self.git.run(*args)
+        rc, _, err = self.git.run(*args, write=True)
         self.settle()
         if rc != 0:
             raise pve_ct_act.ActError(
@@ -495,13 +555,51 @@ class Reset:
     def settle(self):
         """A file git rewrote in the view's common dir (it replaces a file by renaming a new one over it, so the
         link is replaced, not followed) goes to the real common dir: a fetch into a shallow clone updates
-        ``shallow``."""
+        ``shallow``. Read without following a link, written through the common dir's fd under a new name
+        (O_EXCL|O_NOFOLLOW), owned by the repository's owner, then renamed over the old one (a rename replaces a
+        link, never follows it)."""
+        source = self.view.owned or self.view.dir
+        uid, gid = self.view.owner or (0, 0)
         for name in ("shallow", "packed-refs"):
-            mine = os.path.join(self.view.dir, name)
-            if os.path.isfile(mine) and not os.path.islink(mine):
-                real = os.path.join(self.view.common, name)
-                shutil.copyfile(mine, f"{real}.pve-gpu-recover")
-                os.replace(f"{real}.pve-gpu-recover", real)
+            try:
+                handle = os.open(os.path.join(source, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                continue  # none, or still the link to the real one
+            with os.fdopen(handle, "rb") as f:
+                info = os.fstat(f.fileno())
+                if not stat.S_ISREG(info.st_mode) or info.st_uid != uid or info.st_nlink != 1:
+                    continue  # not what git (run as the owner) wrote: never copied (a hard link to root's file)
+                data = f.read()
+            common = open_top(self.view.common)
+            try:
+                temp = f"{name}.pve-gpu-recover"
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp, dir_fd=common)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                with open(os.open(temp, flags, 0o644, dir_fd=common), "wb") as out:
+                    out.write(data)
+                    os.fchown(out.fileno(), uid, gid)
+                os.replace(temp, name, src_dir_fd=common, dst_dir_fd=common)
+            finally:
+                os.close(common)
+
+    def refuse_filters(self):
+        """A reset is due: refuse it when a path tracked now or by the commit has a filter the config defines."""
+        if not pve_ct_git.filter_drivers(self.view.config):
+            return
+        paths = pve_ct_git.split_z(self.git.must("ls-files", "-z", what="listing the tracked files"))
+        listed = pve_ct_git.split_z(
+            self.git.must("ls-tree", "-r", "--name-only", "-z", self.commit, what="listing the commit's files")
+        )
+        counts = pve_ct_git.filtered(
+            lambda args, env: self.git.must(*args, what="reading the filter attributes (`git check-attr`)", env=env),
+            self.view.config,
+            paths,
+            self.commit,
+            listed,
+        )
+        if counts:
+            raise pve_ct_act.ActError("filter", pve_ct_git.filter_problem(self.path, self.commit, counts))
 
     # -- 4. save -----------------------------------------------------------------------------------------------
     def hidden(self, head, tracked, untracked):
@@ -539,7 +637,7 @@ class Reset:
             mode, sha = index.get(path, (None, None))
             if mode in (None, "160000"):
                 continue
-            now = entry_digest(self.top, path, blob=object_format)
+            now = entry_digest(self.top_fd, path, blob=object_format)
             if now is not None and now[1] != sha:
                 found.append(path)
         return found
@@ -573,7 +671,11 @@ class Reset:
         sizes = 0
         for path in [*files_of_changes, *untracked]:
             with contextlib.suppress(OSError):
-                sizes += os.lstat(os.path.join(self.top, path)).st_size
+                fd, name = parent_fd(self.top_fd, path)
+                try:
+                    sizes += os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
+                finally:
+                    os.close(fd)
         need, free = len(changes) + len(staged) + sizes + SPARE, free_bytes(self.root)
         if need > free:
             raise pve_ct_act.ActError(
@@ -637,8 +739,14 @@ class Reset:
         with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
             with tarfile.open(fileobj=handle, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
                 for path in paths:
+                    if time.monotonic() > self.deadline:
+                        raise pve_ct_act.ActError(
+                            "timeout",
+                            f"the reset's {self.budget:g} s (reset_timeout) ran out while saving {shown(path)}; "
+                            "nothing was reset: raise reset_timeout, or add large files to .gitignore",
+                        )
                     try:
-                        record = add_entry(tar, self.top, path)
+                        record = add_entry(tar, self.top_fd, path)
                     except OSError as error:
                         if error.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                             continue  # deleted, or a directory of it is not one now: the patch holds the deletion
@@ -658,7 +766,7 @@ class Reset:
         if got != want:
             wrong = sorted(shown(p) for p in set(got) ^ set(want) | {p for p in want if got.get(p) != want[p]})
             raise pve_ct_act.ActError("backup", f"{target} does not hold exactly the saved files (wrong: {wrong[:5]})")
-        moved = sorted(shown(p) for p, digest in want.items() if entry_digest(self.top, p) != digest)
+        moved = sorted(shown(p) for p, digest in want.items() if entry_digest(self.top_fd, p) != digest)
         if moved:
             raise pve_ct_act.ActError(
                 "backup", f"{', '.join(moved[:5])} changed while it was saved (a live job writing?); run again"
@@ -725,13 +833,19 @@ class Reset:
         if contained.strip():
             return None
         ref = f"{KEEP_REF}{self.stamp}"
-        self.git.must("update-ref", ref, head, what=f"keeping the detached HEAD as {ref}")
+        self.git.must("update-ref", ref, head, what=f"keeping the detached HEAD as {ref}", write=True)
         return ref
 
     def reset(self, head):
         if head == self.commit:
             self.git.must(
-                "reset", "--quiet", "--hard", what="resetting the work tree (`git reset --hard`)", kind="reset"
+                "reset",
+                "--quiet",
+                "--hard",
+                what="resetting the work tree (`git reset --hard`)",
+                kind="reset",
+                write=True,
+                grace=GRACE,
             )
         else:
             self.git.must(
@@ -743,6 +857,8 @@ class Reset:
                 self.commit,
                 what=f"checking out {short(self.commit)}",
                 kind="reset",
+                write=True,
+                grace=GRACE,
             )
 
     def remove(self, untracked):
@@ -754,7 +870,7 @@ class Reset:
         for path in untracked:
             if path in tracked or path not in saved:
                 continue
-            if remove_entry(self.top, path, saved[path]):
+            if remove_entry(self.top_fd, path, saved[path]):
                 removed.append(shown(path))
         return removed
 
@@ -779,6 +895,8 @@ class Reset:
         started = time.monotonic()
         head, branch, tracked, untracked = self.check()
         fetched = self.ensure_commit()
+        if head != self.commit or tracked or untracked:
+            self.refuse_filters()
         if head != self.commit:
             in_the_way = collisions(self.git, self.commit, untracked)
             if in_the_way:
@@ -793,6 +911,14 @@ class Reset:
             hidden = self.hidden(head, tracked, untracked)
             if tracked or untracked or hidden:
                 backup = self.save(head, branch, tracked, untracked, hidden)
+            left = self.deadline - time.monotonic()
+            if left < min(RESERVE, self.budget / 4):
+                raise pve_ct_act.ActError(
+                    "timeout",
+                    f"only {max(left, 0):.0f} s of the reset's {self.budget:g} s (reset_timeout) were left after "
+                    f"saving; the checkout is never started without {min(RESERVE, self.budget / 4):g} s: nothing was "
+                    "reset (the backup is complete); raise reset_timeout and run again",
+                )
             self.touched = True
             kept = self.keep_detached(head, branch)
             self.reset(head)
@@ -840,5 +966,7 @@ def probe(payload):
     finally:
         if reset.view is not None:
             reset.view.close()
+        if reset.top_fd is not None:
+            os.close(reset.top_fd)
     failure.update(backup=reset.backup, touched=reset.touched)
     return failure

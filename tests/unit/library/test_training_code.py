@@ -111,10 +111,11 @@ def read_call(answer):
 
 
 def reset_call(done, reread, **changed):
-    # reset_timeout (600) + the re-read's timeout (60) + 10 s for the script to answer; one pct exec for both parts.
+    # reset_timeout (600) + the re-read's timeout (60) + 10 s for the script to answer + the checkout's 120 s of
+    # grace; one pct exec for both parts.
     payloads = {"reset": dict(RESET_PAYLOAD, **changed), "training_code": READ_PAYLOAD}
     out = json.dumps({"reset": {"answer": done, "seconds": 0.4}, "training_code": {"answer": reread, "seconds": 0.02}})
-    return [*PCT, "670", *WRAPPER, json.dumps(payloads)], (0, out, "")
+    return [*PCT, "790", *WRAPPER, json.dumps(payloads)], (0, out, "")
 
 
 @pytest.fixture
@@ -708,11 +709,15 @@ def test_an_unfinished_merge_is_a_problem(lab, capsys):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the repository to another user")
-def test_a_repository_another_user_owns_is_read_and_reset_as_root(lab, capsys):
+def test_a_repository_another_user_owns_is_read_as_root_and_reset_as_its_owner(lab, capsys):
     lab.dirty()
     for directory, dirs, files in os.walk(lab.repo):
         for name in [*dirs, *files, "."]:
             os.lchown(os.path.join(directory, name), 4242, 4242)
+    for parent in lab.repo.parents:  # pytest's tmp directories are root's, mode 0700: let the owner reach it
+        if parent == Path("/tmp"):
+            break
+        parent.chmod(parent.stat().st_mode | 0o111)
     assert (
         "dubious ownership"
         in subprocess.run(["git", "-C", str(lab.repo), "status"], capture_output=True, text=True, check=False).stderr
@@ -720,6 +725,8 @@ def test_a_repository_another_user_owns_is_read_and_reset_as_root(lab, capsys):
     result = lab.run(capsys)
     assert (result["changed"], result["head"]) == (True, lab.pinned), result.get("msg")
     assert result["backup"]["changed"] == 3
+    assert (lab.repo / "model.py").stat().st_uid == 4242  # written by git running as the owner
+    assert os.stat(result["backup"]["dir"]).st_uid == 0  # the backup is root's
 
 
 def test_the_parts_run_as_shipped_on_python_3_9(lab):

@@ -79,19 +79,36 @@ def hostile(lab, tmp_path):
     for key, value in HOSTILE.items():
         git(lab.repo, "config", key, value.format(marker=marker, hooks=hooks, included=included))
     if os.geteuid() == 0:  # the repository belongs to nobody: git would refuse it but for safe.directory
-        for directory, dirs, files in os.walk(lab.repo):
-            for name in [*dirs, *files, "."]:
-                os.lchown(os.path.join(directory, name), NOBODY, NOBODY)
+        give_to_nobody(lab.repo)
     return markers
+
+
+def give_to_nobody(repo):
+    """chown -R nobody the repository (git's writes then run as nobody) and let nobody reach it (pytest's tmp
+    directories are root's, mode 0700)."""
+    for directory, dirs, files in os.walk(repo):
+        for name in [*dirs, *files, "."]:
+            os.lchown(os.path.join(directory, name), NOBODY, NOBODY)
+    for parent in Path(repo).parents:
+        if parent == Path("/tmp"):
+            break
+        parent.chmod(parent.stat().st_mode | 0o111)
 
 
 def test_no_setting_of_the_repository_owner_runs_in_check_mode_or_a_real_run(lab, capsys, tmp_path):
     lab.dirty()
     markers = hostile(lab, tmp_path)
     before = snapshot(lab.root)
+    # The owner's filters are defined in their config and named in .gitattributes: the reset is refused (a checkout
+    # without them would write the blobs over the content), in check mode and a real run, and nothing runs.
+    for check_mode in (True, False):
+        refused = lab.run(capsys, check_mode=check_mode)
+        assert refused["failed"] is True and "clean/smudge filter evil (" in refused["msg"], refused
+        assert sorted(os.listdir(markers)) == [], "a probe ran the owner's config"
+        assert snapshot(lab.root) == before  # nothing written
+    (lab.repo / ".gitattributes").write_text("*.py diff=evil\n")
     check = lab.run(capsys, check_mode=True)
     assert sorted(os.listdir(markers)) == [], "a probe ran the owner's config"
-    assert snapshot(lab.root) == before  # check mode wrote nothing
     assert check["changed"] is True, check.get("msg")
     assert check["dirty"]["untracked"] == [".gitattributes", "scratch notes.txt"]
     real = lab.run(capsys)
@@ -138,13 +155,16 @@ def test_the_view_config_keeps_only_allowed_keys_each_quoted():
 
 
 def strip_filter(lab, tmp_path):
-    """nbstripout's effect: a clean filter that drops output lines (and writes a marker when it runs)."""
+    """nbstripout's effect: a clean filter that drops output lines (and writes a marker when it runs), installed in
+    the owner's global config (``nbstripout --install --global``): the repository's config defines no filter, so
+    the reset is not refused, and git run by the step reads no global config: the filter is not applied."""
     ran = tmp_path / "stripped"
     strip = tmp_path / "strip.sh"
     strip.write_text(f'#!/bin/sh\ntouch "{ran}"\ngrep -v "^output" || true\n')
     strip.chmod(0o755)
-    git(lab.repo, "config", "filter.strip.clean", str(strip))
-    git(lab.repo, "config", "filter.strip.smudge", "cat")
+    (tmp_path / "home").mkdir(exist_ok=True)
+    git(lab.repo, "config", "--global", "filter.strip.clean", str(strip))
+    git(lab.repo, "config", "--global", "filter.strip.smudge", "cat")
     (lab.repo / ".gitattributes").write_text("*.ipynb filter=strip\n")
     (lab.repo / "nb.ipynb").write_text("cell 1\n")
     git(lab.repo, "add", ".gitattributes", "nb.ipynb")
