@@ -19,7 +19,7 @@ step() { echo; echo "== $* ($(date -u +%H:%M:%S.%N | cut -c1-12))"; }
     step /proc/driver/nvidia/version; cat /proc/driver/nvidia/version
     step nvidia majors in /proc/devices; grep -i nvidia /proc/devices
     step device nodes; ls -l /dev/nvidia*
-    step "project GPU query (module_utils/nvidia_smi.py GPU_FIELDS)"
+    step "project GPU query (plugins/module_utils/nvidia_smi.py GPU_FIELDS)"
     nvidia-smi "--query-gpu=$FIELDS" --format=csv; echo "rc=$?"
     step memory query; nvidia-smi --query-gpu=index,uuid,memory.used --format=csv; echo "rc=$?"
 } > "$OUT/captures.txt" 2>&1

@@ -12,9 +12,10 @@ machines keep torch 2.13.0+cpu for Python 3.11 in /opt/wheels) and its runtime d
 
 Interleaved in one loop, medians of ``--runs``:
 
-* ``check``: the fact pass's venv part as a converged run ships it: module_utils/pve_probe_training_venv.py fed to
+* ``check``: the fact pass's venv part as a converged run ships it: plugins/module_utils/steps/training_venv/probe.py
+fed to
   ``python3 -I -c PROBES_MAIN`` with the probe runner (Target.run_probes' program), then
-  ``pve_venv.evaluate_step`` against a lock made from the venv itself (in spec);
+  ``venv_facts.evaluate_step`` against a lock made from the venv itself (in spec);
 * ``import``: ``<venv>/bin/python -c "import torch"``, what a check that imports torch costs.
 """
 
@@ -32,9 +33,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-import conftest  # noqa: E402,F401  (module_utils importable as ansible.module_utils.*)
-from ansible.module_utils import pve_probe_training_venv, pve_venv  # noqa: E402
-from ansible.module_utils.pve_target import PROBES_MAIN, probes_input  # noqa: E402
+import conftest  # noqa: E402,F401  (the collection importable as ansible_collections.pve_gpu.recover)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import PROBES_MAIN, probes_input  # noqa: E402
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import (  # noqa: E402
+    facts as venv_facts,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import (  # noqa: E402
+    probe as venv_probe,
+)
 
 WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
 TORCH_DEPS = ("filelock", "typing-extensions", "sympy", "networkx", "jinja2", "fsspec")
@@ -59,7 +65,7 @@ def timed(argv, stdin=None):
 
 def read_venv(venv, python):
     """The probe part's answer for ``venv``, run as the fact pass runs it: ``(seconds, answer)``."""
-    program = probes_input({"training_venv": (pve_probe_training_venv, {"path": venv, "timeout": 60})})
+    program = probes_input({"training_venv": (venv_probe, {"path": venv, "timeout": 60})})
     seconds, out = timed([python, "-I", "-c", PROBES_MAIN], stdin=program)
     return seconds, json.loads(out)["training_venv"]["answer"]
 
@@ -69,7 +75,7 @@ def lock_of(answer, torch=None, torch_index=None):
 
     The hashes are placeholders: the in-spec check compares names and versions, and this lock is never built from.
     """
-    versions = pve_venv.installed_versions(answer)
+    versions = venv_facts.installed_versions(answer)
     if torch:
         versions["torch"] = torch
     header = "# lock made by bench/venv_check.py from the venv itself (placeholder hashes: never built from)\n"
@@ -82,10 +88,10 @@ def check_once(venv, python):
     """The converged fact pass's venv work: probe in a fresh python, then the comparison with the lock."""
     started = time.perf_counter()
     seconds, answer = read_venv(venv, python)
-    versions = pve_venv.installed_versions(answer)
-    spec = dict(pve_venv.SPEC_DEFAULTS, path=venv, lock=lock_of(answer))
+    versions = venv_facts.installed_versions(answer)
+    spec = dict(venv_facts.SPEC_DEFAULTS, path=venv, lock=lock_of(answer))
     context = {"target": {"label": "bench", "vmid": None, "node": "bench"}, "steps": {}}
-    facts = pve_venv.evaluate_step(spec, answer, {}, context)
+    facts = venv_facts.evaluate_step(spec, answer, {}, context)
     if facts["pending"] or facts["problems"]:
         sys.exit(f"the venv is not in spec against its own lock: {facts['changes'] + facts['problems']}")
     return time.perf_counter() - started, seconds, len(versions), facts["torch"]

@@ -43,6 +43,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     # Run as a script (roles/drift_timer calls it by path): its package is the checkout's drift/.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import drift  # noqa: F401  (first: it puts the collection on sys.path)
+
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES
 
 from drift import unattended
 from drift.errors import DriftError, LockHeld
@@ -61,20 +64,22 @@ from drift.text import one_line, shown
 __all__ = ["RUN_DIR", "DriftError", "LockHeld", "acquire_lock", "iso", "load_reports", "prune_runs", "write_atomic"]
 
 PLAYBOOK = "recover.yml"
+REPORT_CALLBACK = "pve_gpu.recover.recover_report"
 SUMMARY_VERSION = 1
 EXIT_IN_SPEC, EXIT_FAILED, EXIT_DRIFT = 0, 1, 2
 STATUSES = ("in_spec", "drift", "failed", "busy", "unreachable")
 # Statuses that fail the run: busy is a failure too (the target was not checked), only its cause differs.
 FAILURES = ("failed", "busy", "unreachable")
-# The fact pass's error kinds (module_utils/pve_lock.py) that mean another run holds the target: ``locked`` (its run
+# The fact pass's error kinds (plugins/module_utils/pve_lock.py) that mean another run holds the target: ``locked``
+# (its run
 # lock) and ``busy`` (that run has been changing the node's lock directory for seconds).
 BUSY_KINDS = ("locked", "busy")
 # A step's diff in the summary: at most this many lines per side (only the lines that differ when it is longer).
 DIFF_LINES = 50
 # The tasks whose error kinds mean the run lock: a later step's own "busy" (a compile cache in use) is a failure.
 LOCK_ACTIONS = ("target_facts", "target_lock")
-# recover.yml's order of the steps (the report callback's STEP_ROLES); a step not listed comes last, by name.
-STEP_ORDER = ("preflight", "gpu_processes", "training_code", "training_venv", "compile_cache", "verify")
+# The order the steps run (the registry's); a step not listed comes last, by name.
+STEP_ORDER = STEP_NAMES
 # The extra variable a correction run sets; the roles leave what is unsafe unattended to a window.
 UNATTENDED = unattended.UNATTENDED
 # At most this many seconds of --timeout for --correct's proof that the checkout runs unattended.
@@ -581,9 +586,8 @@ def environment(args, report_dir):
         # systemd gives a bare PATH: the venv's ansible-playbook first.
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)]),
         "PVE_GPU_RECOVER_REPORT_DIR": str(report_dir),
-        # ansible-runner sets ANSIBLE_CALLBACK_PLUGINS (its own), which hides ansible.cfg's callback_plugins.
-        "ANSIBLE_CALLBACK_PLUGINS": str(args.project / "plugins" / "callback"),
-        "ANSIBLE_CALLBACKS_ENABLED": ",".join(dict.fromkeys([*callbacks, "recover_report"])),
+        # ansible-runner's environment replaces ansible.cfg's list: the collection's report callback, by its FQCN.
+        "ANSIBLE_CALLBACKS_ENABLED": ",".join(dict.fromkeys([*callbacks, REPORT_CALLBACK])),
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_HOST_KEY_CHECKING": host_key_checking(args.project),
     }

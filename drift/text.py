@@ -2,26 +2,13 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Text a container chose, made one safe line before the runner shows it (the journal, the summary's reasons).
 
-The escaper is the project's one, ``module_utils/pve_text.py`` ``printable``: loaded from this checkout by path,
-since the runner is plain Python on the controller where ``ansible.module_utils`` does not hold the project's files.
+The escaper is the project's one, ``plugins/module_utils/pve_text.py`` ``printable`` (drift/__init__.py puts the
+collection on the path).
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-PVE_TEXT = Path(__file__).resolve().parent.parent / "module_utils" / "pve_text.py"
-
-
-def _load(path=PVE_TEXT):
-    spec = importlib.util.spec_from_file_location("pve_gpu_recover_pve_text", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-printable = _load().printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
 
 
 def shown(text):

@@ -8,7 +8,7 @@ variable proves nothing (a role can default it and never pass it on), so the run
 recover.yml, in check mode with ``recover_unattended=true``, against a synthetic target on localhost with every
 step on and pending, and looks at what each module was called with:
 
-* a copy of the checkout without its modules (``library/``, a role's ``library/``): each module is a stand-in of
+* a copy of the checkout without its modules (``plugins/modules/``, a role's ``library/``): each module is a stand-in of
   the same name that does nothing but return the options it got (the fact pass's returns every step pending), so
   the playbook, roles, templates and action plugins are the checkout's own and nothing real runs;
 * the fact pass (``target_facts``) must get ``unattended`` true in the settings of every step in UNATTENDED_STEPS,
@@ -36,10 +36,10 @@ PROBE_HOST = "unattended-probe"
 PROBE_NODE = "unattended-probe-node"
 # The key the stand-ins return what they got under.
 PROBE_KEY = "pve_gpu_recover_probe"
-# Not copied: nothing Ansible reads for recover.yml (nor hidden top-level directories but .ansible; every
-# library/ is replaced by stand-ins).
+# Not copied: nothing Ansible reads for recover.yml (nor hidden top-level directories but .ansible; every module,
+# plugins/modules/ and a role's library/, is replaced by stand-ins).
 SKIP_TOP = {"reports", "tests", "docs", "bench", "molecule", "__pycache__"}
-SKIP_ANY = {"library", "__pycache__", ".git"}
+SKIP_ANY = {"library", "__pycache__", ".git", ".venv", ".venv-latest"}
 
 STUB = """#!/usr/bin/python
 # WANT_JSON
@@ -147,25 +147,33 @@ def contract_problems(calls, failures=(), steps=UNATTENDED_STEPS):
 
 # -- the probe run ----------------------------------------------------------------------------------------------------
 def module_names(project):
-    """The modules the checkout ships: ``library/*.py`` and every role's ``library/*.py``."""
+    """The modules the checkout ships: ``plugins/modules/*.py`` and every role's ``library/*.py``."""
     project = Path(project)
-    found = [*project.glob("library/*.py"), *project.glob("roles/*/library/*.py")]
+    found = [
+        *project.glob("plugins/modules/*.py"),
+        *project.glob("library/*.py"),
+        *project.glob("roles/*/library/*.py"),
+    ]
     return sorted({path.stem for path in found if path.stem != "__init__"})
 
 
 def copy_checkout(project, into):
-    """The checkout's files Ansible reads for recover.yml, links kept as links, no ``library`` directory."""
+    """The checkout's files Ansible reads for recover.yml, links kept as links (collections/ then finds the copy),
+    every module a stand-in: plugins/modules/ holds only those, and no role keeps a ``library`` directory."""
+    modules = Path(project) / "plugins" / "modules"
 
     def skip(directory, names):
         top = Path(directory) == Path(project)
         hidden = {n for n in names if top and n.startswith(".") and n != ".ansible"}
-        return [n for n in names if n in SKIP_ANY or n in hidden or (top and n in SKIP_TOP)]
+        stand_ins = set(names) if Path(directory) == modules else set()
+        return [n for n in names if n in SKIP_ANY or n in hidden or n in stand_ins or (top and n in SKIP_TOP)]
 
     shutil.copytree(project, into, symlinks=True, ignore=skip)
-    library = Path(into) / "library"
-    library.mkdir()
-    for name in [*module_names(project), *UNATTENDED_STEPS, FACT_PASS]:
-        (library / f"{name}.py").write_text(stub_module(name), encoding="utf-8")
+    # Where a collection finds its modules (plugins/modules, by FQCN) and where a plain project does (library/).
+    for stubs in (Path(into) / "plugins" / "modules", Path(into) / "library"):
+        stubs.mkdir(parents=True, exist_ok=True)
+        for name in [*module_names(project), *UNATTENDED_STEPS, FACT_PASS]:
+            (stubs / f"{name}.py").write_text(stub_module(name), encoding="utf-8")
 
 
 def probe(ansible_runner, project, *, timeout=120, cancel=lambda: False, python=sys.executable):

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 import yaml
-from ansible.module_utils import pve_target
-from ansible.module_utils.pve_target import CommandResult
 from ansible.module_utils.testing import patch_module_args
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import CommandResult
 
 
 class FakeRunner:

@@ -53,7 +53,7 @@ KNOWN_ANSIBLE = frozenset({(2, 19), (2, 20), (2, 21)})
 KEEP = 4  # payload keys kept: one per version of the code a controller still runs, about 0.3 MB each
 # The run's id, shared by the ansible-playbook process's workers through its own temp directory (local_tmp).
 RUN_ID_FILE = "pve-gpu-recover-run-id"
-# A CT id as module_utils/pve_target.py checks it again on the node.
+# A CT id as plugins/module_utils/pve_target.py checks it again on the node.
 VMID_MIN = 100
 VMID_MAX = 999999999
 # The pid of ansible-playbook, set by the recover_report callback in that process (the drift runner clears any
@@ -138,7 +138,7 @@ def controller_defaults(environ=None, parent_pid=None):
 
     ``controller_pid`` is CONTROLLER_PID_ENV's, else this worker's parent (``parent_pid``, default os.getppid():
     Ansible forks its workers from ansible-playbook): never absent, since two runs under one run id, owner and
-    controller are told apart by it alone (module_utils/pve_lock.py, "One run").
+    controller are told apart by it alone (plugins/module_utils/pve_lock.py, "One run").
     """
     environ = os.environ if environ is None else environ
     host = platform.node() or "unknown"
@@ -194,6 +194,18 @@ def python_files(dirs):
             subdirs[:] = [d for d in subdirs if d != "__pycache__"]
             found += [os.path.join(root, f) for f in files if f.endswith(".py")]
     return found
+
+
+def module_fqn(module_path):
+    """The name Ansible's payload cache files a module under: ``ansible_collections.pve_gpu.recover.plugins.modules.
+    target_facts`` for a collection's module (ansible-core's own rule, an internal), ``ansible.legacy.<name>`` for
+    one found on a library path."""
+    from ansible.executor.module_common import _get_ansible_module_fqn  # noqa: PLC0415 (an internal: known versions)
+
+    try:
+        return _get_ansible_module_fqn(module_path)
+    except ValueError:
+        return f"ansible.legacy.{os.path.splitext(os.path.basename(module_path))[0]}"
 
 
 def private_dir(path):
@@ -330,9 +342,11 @@ class ActionModule(NormalAction):
             store = os.path.join(os.path.dirname(local_tmp), STORE_NAME)
             if not private_dir(store):
                 return None
-            key = payload_key(module_path, C.DEFAULT_MODULE_UTILS_PATH or [])
-        except (OSError, AttributeError) as error:
+            # The collection's module_utils (plugins/modules/../module_utils) and any configured directory.
+            collection_utils = os.path.join(os.path.dirname(os.path.dirname(module_path)), "module_utils")
+            key = payload_key(module_path, [collection_utils, *(C.DEFAULT_MODULE_UTILS_PATH or [])])
+            fqn = module_fqn(module_path)
+        except (OSError, AttributeError, ValueError) as error:
             display.vvv(f"target_facts: AnsiballZ payload not kept: {error}")
             return None
-        name = os.path.splitext(os.path.basename(module_path))[0]
-        return store, key, os.path.join(local_tmp, "ansiballz_cache"), f"ansible.legacy.{name}"
+        return store, key, os.path.join(local_tmp, "ansiballz_cache"), fqn

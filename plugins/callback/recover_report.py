@@ -15,16 +15,17 @@ description:
     lock. The run id is the one the fact pass (target_facts) names the run by.
   - Prints the path of each report at the end of the run, and says so when a step changed something before the
     run failed (Ansible drops C(changed) from failed tasks, so the recap alone would hide it). Text a target chose
-    (a process name, a file name) is printed as one line, its control characters escaped (module_utils/pve_text.py).
+    (a process name, a file name) is printed as one line, its control characters escaped
+    (plugins/module_utils/pve_text.py).
   - Writes each report through a new temporary file (never an existing file or link) renamed over its path, into
     directories that are neither links nor another user's nor writable by every user; otherwise it warns and
     writes nothing there.
-  - Only targets that ran a task of a recovery step (a role named like a step of module_utils/pve_steps.py, or
-    the M(target_facts) fact pass) get a report; other playbooks are left alone.
+  - Only targets that ran a task of a recovery step (a role named like a step of plugins/module_utils/pve_steps.py, or
+    the M(pve_gpu.recover.target_facts) fact pass) get a report; other playbooks are left alone.
 version_added: "0.2.0"
 author: pve-gpu-recover contributors
 requirements:
-  - Enabled in ansible.cfg (C(callbacks_enabled = recover_report)), as this project's ansible.cfg does.
+  - Enabled in ansible.cfg (C(callbacks_enabled = pve_gpu.recover.recover_report)), as this project's ansible.cfg does.
 options:
   report_dir:
     description:
@@ -39,7 +40,6 @@ options:
 """
 
 import contextlib
-import importlib.util
 import json
 import os
 import secrets
@@ -47,31 +47,13 @@ import stat
 import tempfile
 import time
 
-from ansible import constants as C
 from ansible import context
 from ansible.plugins.callback import CallbackBase
-
-
-def _load_printable():
-    """module_utils/pve_text.py's ``printable``, the project's one escaper: loaded by path, since on the controller
-    ``ansible.module_utils`` does not hold the project's files. This checkout's first, then the configured
-    module_utils directories."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    candidates = [os.path.join(root, "module_utils"), *(C.DEFAULT_MODULE_UTILS_PATH or [])]
-    for directory in candidates:
-        path = os.path.join(os.path.expanduser(directory), "pve_text.py")
-        if os.path.isfile(path):
-            spec = importlib.util.spec_from_file_location("pve_gpu_recover_pve_text", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module.printable
-    raise ImportError(f"recover_report needs module_utils/pve_text.py (looked in {', '.join(candidates)})")
-
-
-printable = _load_printable()
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
 
 # The roles whose tasks make up a report (one per step of recover.yml).
-STEP_ROLES = ("preflight", "gpu_processes", "training_code", "training_venv", "compile_cache", "verify")
+STEP_ROLES = STEP_NAMES  # the registry's list, never a copy
 # Actions that run on the controller only: no module execution, no remote call.
 LOCAL_ACTIONS = {
     "assert",
@@ -141,6 +123,16 @@ def write_report(directory, name, run_id, report):
 
 def short_action(action):
     return action.rsplit(".", 1)[-1]
+
+
+COLLECTION = "pve_gpu.recover."
+
+
+def step_of(role_name):
+    """The step a role runs (``pve_gpu.recover.training_venv`` or, from a checkout's roles_path, ``training_venv``)
+    or None: a role of another collection is never one of ours, whatever its short name."""
+    name = role_name.removeprefix(COLLECTION) if role_name else None
+    return name if name in STEP_ROLES and (role_name.startswith(COLLECTION) or "." not in role_name) else None
 
 
 def merge_after(before, steps):
@@ -232,7 +224,7 @@ class CallbackModule(CallbackBase):
         task = result._task
         data = result._result
         facts = data.get("ansible_facts") or {}
-        role = task._role.get_name() if task._role else None
+        role = step_of(task._role.get_name()) if task._role else None
         action = short_action(task.action)
         if role not in STEP_ROLES and action != "target_facts":
             return

@@ -1,6 +1,6 @@
 # Copyright: pve-gpu-recover contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Options every module that reaches a target through module_utils/pve_target.py shares."""
+"""Options every module that reaches a target through plugins/module_utils/pve_target.py shares."""
 
 
 class ModuleDocFragment:

@@ -48,7 +48,7 @@ options:
 EXAMPLES = r"""
 - name: Show the lock a requirements list compiles to
   ansible.builtin.debug:
-    msg: "{{ lookup('uv_lock', ['torch==2.11.0+cu128', 'transformers'], python_version='3.11') }}"
+    msg: "{{ lookup('pve_gpu.recover.uv_lock', ['torch==2.11.0+cu128', 'transformers'], python_version='3.11') }}"
 """
 
 RETURN = r"""
@@ -103,7 +103,8 @@ def cache_key(requirements, options):
 class LookupModule(LookupBase):
     def run(self, terms, variables=None, **kwargs):
         self.set_options(var_options=variables, direct=kwargs)
-        # lookup('uv_lock', ['a', 'b']) passes the list as one term; lookup('uv_lock', 'a', 'b') as several.
+        # lookup('pve_gpu.recover.uv_lock', ['a', 'b']) passes the list as one term; lookup('pve_gpu.recover.uv_lock',
+        # 'a', 'b') as several.
         flat = [item for term in terms for item in (term if isinstance(term, list) else [term])]
         requirements = [str(item).strip() for item in flat if str(item).strip()]
         if not requirements:

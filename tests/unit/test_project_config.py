@@ -10,31 +10,21 @@ import yaml
 
 from tests.conftest import ROOT
 
-# ansible.cfg [defaults] key -> the environment variable that sets it, for every path the project adds.
-PATH_SETTINGS = {
-    "library": "ANSIBLE_LIBRARY",
-    "module_utils": "ANSIBLE_MODULE_UTILS",
-    "roles_path": "ANSIBLE_ROLES_PATH",
-    "doc_fragment_plugins": "ANSIBLE_DOC_FRAGMENT_PLUGINS",
-    "callback_plugins": "ANSIBLE_CALLBACK_PLUGINS",
-    "lookup_plugins": "ANSIBLE_LOOKUP_PLUGINS",
-    "action_plugins": "ANSIBLE_ACTION_PLUGINS",
-}
 
-
-def test_every_path_ansible_cfg_adds_is_set_for_molecule_too():
+def test_molecule_finds_the_collection_where_ansible_cfg_does():
+    """A scenario runs without the project's ansible.cfg: it must find the same collection (the checkout, through
+    collections/) and enable the same callback; no other plugin path may be set anywhere, or two copies could mix."""
     config = configparser.ConfigParser()
     config.read(ROOT / "ansible.cfg")
     defaults = config["defaults"]
     env = yaml.safe_load((ROOT / ".config" / "molecule" / "config.yml").read_text())["provisioner"]["env"]
-    set_in_cfg = [key for key in defaults if key.endswith(("_plugins", "_path")) or key in PATH_SETTINGS]
-    unknown = sorted(set(set_in_cfg) - set(PATH_SETTINGS) - {"inventory"})
-    assert unknown == [], f"ansible.cfg sets {unknown}: add them to PATH_SETTINGS and the molecule env"
-    for key in set_in_cfg:
-        if key == "inventory":
-            continue
-        assert env.get(PATH_SETTINGS[key]) == "${MOLECULE_PROJECT_DIRECTORY}/" + defaults[key], key
-    assert env["ANSIBLE_CALLBACKS_ENABLED"] == defaults["callbacks_enabled"]
+    assert defaults["collections_path"].split(":")[0] == "collections"
+    assert (ROOT / "collections" / "ansible_collections" / "pve_gpu" / "recover").resolve() == ROOT
+    assert env["ANSIBLE_COLLECTIONS_PATH"] == "${MOLECULE_PROJECT_DIRECTORY}/collections"
+    assert env["ANSIBLE_CALLBACKS_ENABLED"] == defaults["callbacks_enabled"] == "pve_gpu.recover.recover_report"
+    plugin_paths = ("library", "module_utils", "roles_path", "action_plugins", "callback_plugins", "lookup_plugins")
+    assert not [key for key in defaults if key in plugin_paths or key.endswith("_plugins")]
+    assert not [key for key in env if key in ("ANSIBLE_LIBRARY", "ANSIBLE_MODULE_UTILS", "ANSIBLE_ROLES_PATH")]
 
 
 def test_a_run_without_an_inventory_stops_and_names_one_never_the_lab():

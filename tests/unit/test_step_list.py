@@ -1,4 +1,4 @@
-"""The step registry (module_utils/pve_steps.py LOADERS) is the one list of steps: every other place that names
+"""The step registry (plugins/module_utils/pve_steps.py LOADERS) is the one list of steps: every other place that names
 the steps in order (the playbook, its included steps, the report callback, the drift runner, target_facts' docs,
 docs/design.md and the README's table) is checked against it here, so a step added or reordered in one place only
 fails this test instead of silently dropping out of a report or a drift summary."""
@@ -7,12 +7,13 @@ import importlib.util
 import re
 
 import yaml
-from ansible.module_utils import pve_steps
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
 
 from tests.conftest import ROOT
 
 STEPS = list(pve_steps.STEP_NAMES)
 ACTING = STEPS[1:]  # preflight is the fact pass itself
+NS = "pve_gpu.recover."
 
 
 def load_path(name, path):
@@ -34,12 +35,12 @@ def test_the_registry_starts_with_preflight_and_has_no_duplicates():
 
 
 def test_recover_yml_loads_every_steps_settings_in_order_and_passes_each_to_the_fact_pass():
-    play = yaml.safe_load((ROOT / "recover.yml").read_text())[0]
+    play = yaml.safe_load((ROOT / "playbooks" / "recover.yml").read_text())[0]
     imports = [task["ansible.builtin.import_role"] for task in play["tasks"] if "ansible.builtin.import_role" in task]
-    settings = [role["name"] for role in imports if role.get("tasks_from") == "settings"]
+    settings = [role["name"].removeprefix(NS) for role in imports if role.get("tasks_from") == "settings"]
     assert settings == ACTING
     preflight = next(
-        task for task in play["tasks"] if task.get("ansible.builtin.import_role", {}).get("name") == "preflight"
+        task for task in play["tasks"] if task.get("ansible.builtin.import_role", {}).get("name") == NS + "preflight"
     )
     passed = re.findall(r"'(\w+)': _(\w+)_spec", preflight["vars"]["preflight_steps"])
     assert [name for name, _ in passed] == ACTING
@@ -47,8 +48,8 @@ def test_recover_yml_loads_every_steps_settings_in_order_and_passes_each_to_the_
 
 
 def test_the_included_steps_run_every_acting_step_in_order():
-    block = yaml.safe_load((ROOT / "tasks" / "steps.yml").read_text())[0]["block"]
-    assert [task["ansible.builtin.import_role"]["name"] for task in block] == ACTING
+    block = yaml.safe_load((ROOT / "playbooks" / "tasks" / "steps.yml").read_text())[0]["block"]
+    assert [task["ansible.builtin.import_role"]["name"] for task in block] == [NS + name for name in ACTING]
     assert [task["tags"] for task in block] == [[name] for name in ACTING]
 
 
@@ -67,7 +68,7 @@ def test_the_report_callback_and_the_drift_runner_name_the_registrys_steps():
 
 
 def test_target_facts_documents_the_steps_in_order():
-    text = (ROOT / "library" / "target_facts.py").read_text()
+    text = (ROOT / "plugins" / "modules" / "target_facts.py").read_text()
     sentence = text[text.index("Known steps, in their order") :][:400]
     assert in_order(sentence, STEPS) == STEPS
 
@@ -83,3 +84,19 @@ def test_design_md_describes_every_step_in_order():
     steps = text[text.index("\n## Steps") : text.index("\n## Scheduled drift correction")]
     roles = re.findall(r"^\d\. \*\*[^*]+\*\* \([^)]*role `(\w+)`\)", steps, flags=re.MULTILINE)
     assert roles == STEPS
+
+
+def test_each_step_lives_in_one_package_named_by_it():
+    """A step's facts, its container-side probe (and acting script) sit in plugins/module_utils/steps/<step>/; the
+    registry loads exactly those facts modules, and no step module lies anywhere else."""
+    steps_dir = ROOT / "plugins" / "module_utils" / "steps"
+    assert sorted(p.name for p in steps_dir.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(STEPS)
+    for name in STEPS:
+        module = pve_steps.load_step(name)
+        assert module.__name__.endswith(f".steps.{name}.facts"), module.__name__
+        assert name == module.NAME
+        if module.PROBE is not None:
+            assert module.PROBE.__name__.endswith(f".steps.{name}.probe")
+    loose = [p.name for p in (ROOT / "plugins" / "module_utils").glob("pve_probe_*.py")]
+    loose += [p.name for p in (ROOT / "plugins" / "module_utils").glob("pve_script_*.py")]
+    assert loose == []

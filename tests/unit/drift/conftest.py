@@ -25,7 +25,7 @@ GPU0 = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 
 
 def step_facts(changes=(), problems=(), pending=None, **extra):
-    """One step's facts as evaluate_step returns them (module_utils/pve_steps.py)."""
+    """One step's facts as evaluate_step returns them (plugins/module_utils/pve_steps.py)."""
     return {
         "changes": list(changes),
         "problems": list(problems),

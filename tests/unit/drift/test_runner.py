@@ -705,8 +705,8 @@ def test_main_checks_corrects_the_drifting_targets_only_and_writes_summary_and_t
         assert call["playbook"] == str(project / "recover.yml")
         assert call["inventory"] == [str(inventory)]
         assert call["envvars"]["ANSIBLE_CONFIG"] == str(project / "ansible.cfg")
-        assert call["envvars"]["ANSIBLE_CALLBACK_PLUGINS"] == str(project / "plugins" / "callback")
-        assert "recover_report" in call["envvars"]["ANSIBLE_CALLBACKS_ENABLED"].split(",")
+        assert "ANSIBLE_CALLBACK_PLUGINS" not in call["envvars"]  # ansible-runner's own stays; ours is the collection's
+        assert "pve_gpu.recover.recover_report" in call["envvars"]["ANSIBLE_CALLBACKS_ENABLED"].split(",")
         assert 1 <= call["timeout"] <= 3000
     report_dirs = {call["envvars"]["PVE_GPU_RECOVER_REPORT_DIR"] for call in (check, correct)}
     assert len(report_dirs) == 2  # a fresh directory per run

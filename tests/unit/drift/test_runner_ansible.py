@@ -1,5 +1,6 @@
 """drift/runner.py with the real ansible-runner and ansible-playbook, on localhost: a throwaway project whose
-recover.yml has the real recover_report callback and stand-in step modules, never the project's recover.yml.
+recover.yml has the collection's real recover_report callback and stand-in step modules, never the project's
+recover.yml.
 Its roles hand recover_unattended to the fact pass and to the acting modules, as --correct's probe checks."""
 
 import json
@@ -18,7 +19,8 @@ FILES = {
         [defaults]
         roles_path = roles
         library = library
-        callbacks_enabled = recover_report
+        collections_path = {collections}
+        callbacks_enabled = pve_gpu.recover.recover_report
         inject_facts_as_vars = false
         gathering = explicit
         retry_files_enabled = false
@@ -153,14 +155,10 @@ def make_project(tmp_path):
     for name, text in FILES.items():
         path = project / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
+        path.write_text(textwrap.dedent(text).replace("{collections}", str(ROOT / "collections")))
     for step in ("training_code", "training_venv", "compile_cache"):
         shutil.copy(project / "library" / "gpu_processes.py", project / "library" / f"{step}.py")
-    (project / "plugins" / "callback").mkdir(parents=True)
-    shutil.copy(ROOT / "plugins" / "callback" / "recover_report.py", project / "plugins" / "callback")
-    # The callback's escaper (it loads the project's own, never a copy of the function).
-    (project / "module_utils").mkdir()
-    shutil.copy(ROOT / "module_utils" / "pve_text.py", project / "module_utils")
+    # The report callback is the collection's own (ansible.cfg's collections_path is this checkout's).
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
     hosts = {
         "ok200": dict(local, fake_facts=facts()),

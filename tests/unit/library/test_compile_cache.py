@@ -1,4 +1,4 @@
-"""library/compile_cache.py: the module on a CT through FakeRunner, and on a bare host with real directories.
+"""plugins/modules/compile_cache.py: the module on a CT through FakeRunner, and on a bare host with real directories.
 
 A CT target is replayed through FakeRunner: every ``pct exec`` argv (with the JSON payloads it carries) and the
 sources that travel on stdin are asserted; a converged target costs one call, a purge two. A bare host runs the
@@ -23,8 +23,10 @@ from pathlib import Path
 
 import compile_cache
 import pytest
-from ansible.module_utils import pve_cache, pve_ct_act, pve_ct_fs, pve_probe_compile_cache
-from ansible.module_utils import pve_script_compile_cache as script
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_fs
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script
 
 from tests.conftest import ROOT, unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
@@ -205,10 +207,10 @@ def test_ct_check_mode_reports_the_purge_and_the_real_run_does_it_in_one_more_pc
     # What travels on stdin: the shared module once, then the script's and the reader's sources, run in that order
     # in one process.
     given = json.loads(runner.stdin[1])
-    assert given["shared"] == {"pve_ct_act": inspect.getsource(pve_ct_act), "pve_ct_fs": inspect.getsource(pve_ct_fs)}
+    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in (pve_ct_act, pve_ct_fs)}
     assert given["sources"] == {
         "act": inspect.getsource(script),
-        "compile_cache": inspect.getsource(pve_probe_compile_cache),
+        "compile_cache": inspect.getsource(cache_probe),
     }
 
 
@@ -602,14 +604,14 @@ def test_the_probe_and_script_run_as_shipped_on_python_3_9(host, capsys):
     if not python.exists():
         unavailable("no python3.9 here")
     host.weeks_of_experiments()
-    spec = {name: host.params().get(name, default) for name, default in pve_cache.SPEC_DEFAULTS.items()}
-    read = pve_cache.probe_payload(spec, 30, gpus=True)
-    before = pve_cache.module_facts(spec, pve_probe_compile_cache.probe(read), "host gpu1")
-    act = pve_cache.act_payload(spec, before, pve_probe_compile_cache.probe(read), 60)
-    answers = run_probes_program(python, {"act": (script, act), "compile_cache": (pve_probe_compile_cache, read)})
+    spec = {name: host.params().get(name, default) for name, default in cache_facts.SPEC_DEFAULTS.items()}
+    read = cache_facts.probe_payload(spec, 30, gpus=True)
+    before = cache_facts.module_facts(spec, cache_probe.probe(read), "host gpu1")
+    act = cache_facts.act_payload(spec, before, cache_probe.probe(read), 60)
+    answers = run_probes_program(python, {"act": (script, act), "compile_cache": (cache_probe, read)})
     assert "error" not in answers["act"], answers["act"]
     assert "error" not in answers["act"]["answer"], answers["act"]["answer"]
-    after = pve_cache.module_facts(spec, answers["compile_cache"]["answer"], "host gpu1")
+    after = cache_facts.module_facts(spec, answers["compile_cache"]["answer"], "host gpu1")
     assert (after["changes"], [r["verdict"] for r in after["roots"]]) == ([], ["fresh", "fresh", "fresh"])
 
 
@@ -706,7 +708,7 @@ def test_a_real_torch_compile_warm_up_fills_and_stamps_the_cache_and_a_second_ru
     with capsys.disabled():
         print(
             f"\ntorch.compile first call on CPU ({os.cpu_count()} cores): cold {cold['first_call_s']} s in the warm-up"
-            f" (module run {module_seconds:.1f} s, cache {pve_cache.human_size(warm['size_after'])}), cold again "
+            f" (module run {module_seconds:.1f} s, cache {cache_facts.human_size(warm['size_after'])}), cold again "
             f"{cold_again['first_call_s']} s, warm {warm_again['first_call_s']} s",
             file=sys.stderr,
         )

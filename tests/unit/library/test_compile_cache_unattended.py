@@ -1,4 +1,5 @@
-"""library/compile_cache.py unattended on a CT through FakeRunner: a stale cache in use by a live process is left
+"""plugins/modules/compile_cache.py unattended on a CT through FakeRunner: a stale cache in use by a live process is
+left
 for a window (found by the module's read, or by the acting script just before the purge) and the task does not
 fail; attended it fails before anything is deleted, as before."""
 

@@ -10,7 +10,8 @@ from ansible.module_utils.testing import patch_module_args
 
 from tests.conftest import ROOT
 
-MODULES = sorted(p.stem for p in (ROOT / "library").glob("*.py"))
+MODULES = sorted(p.stem for p in (ROOT / "plugins" / "modules").glob("*.py"))
+assert MODULES, "no module found under plugins/modules"
 
 
 class SpecCaptured(Exception):
@@ -33,7 +34,7 @@ def argument_spec(name, monkeypatch):
 @pytest.mark.parametrize("name", MODULES)
 def test_ansible_doc_renders_and_matches_the_argument_spec(name, monkeypatch):
     done = subprocess.run(
-        [str(Path(sys.executable).with_name("ansible-doc")), "-M", "library", "--json", name],
+        [str(Path(sys.executable).with_name("ansible-doc")), "--json", f"pve_gpu.recover.{name}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -41,7 +42,7 @@ def test_ansible_doc_renders_and_matches_the_argument_spec(name, monkeypatch):
         env={"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "PATH": "/usr/bin:/bin"},
     )
     assert done.returncode == 0, done.stderr
-    doc = json.loads(done.stdout)[name]
+    doc = json.loads(done.stdout)[f"pve_gpu.recover.{name}"]
     for part in ("doc", "examples", "return"):
         assert doc[part], f"{name}: {part} is empty"
     options = doc["doc"]["options"]

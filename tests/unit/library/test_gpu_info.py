@@ -1,4 +1,4 @@
-"""library/gpu_info.py replayed through test_gpu_info.yaml, plus its pure helpers."""
+"""plugins/modules/gpu_info.py replayed through test_gpu_info.yaml, plus its pure helpers."""
 
 import socket
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import gpu_info
 import pytest
 import yaml
-from ansible.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import ProcessInfo
 
 from tests.fakes import FakeRunner, run_module
 

@@ -1,4 +1,5 @@
-"""library/gpu_info.py summarize(): the health words a person reads at a glance must not go missing (issue 8)."""
+"""plugins/modules/gpu_info.py summarize(): the health words a person reads at a glance must not go missing (issue
+8)."""
 
 import gpu_info
 import pytest

@@ -1,4 +1,4 @@
-"""library/gpu_processes.py: the plan and the escalation (pure), and the module replayed through the YAML cases
+"""plugins/modules/gpu_processes.py: the plan and the escalation (pure), and the module replayed through the YAML cases
 against a fake runner and a fake process table that dies the way each case says."""
 
 import signal
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import gpu_processes
 import pytest
 import yaml
-from ansible.module_utils import pve_gpu_cleanup
-from ansible.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
 
 from tests.fakes import FakeRunner, run_module
 
@@ -73,12 +73,12 @@ class FakeProcesses:
         }
 
     def patch(self, monkeypatch):
-        """Give pve_gpu_cleanup this process table and a clock that sleeping only moves (no real waits)."""
+        """Give gpu_facts this process table and a clock that sleeping only moves (no real waits)."""
         names = ("read_process", "device_holders", "still_there", "signal_process", "read_unit_members", "read_stat")
         for name in (*names, "children_of"):
-            monkeypatch.setattr(pve_gpu_cleanup, name, getattr(self, name))
+            monkeypatch.setattr(gpu_facts, name, getattr(self, name))
         clock = FakeClock()
-        monkeypatch.setattr(pve_gpu_cleanup, "time", SimpleNamespace(monotonic=clock, sleep=clock.sleep))
+        monkeypatch.setattr(gpu_facts, "time", SimpleNamespace(monotonic=clock, sleep=clock.sleep))
 
 
 @pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
@@ -112,7 +112,7 @@ def test_collect_merges_nvml_and_device_holders_and_skips_other_gpus_and_the_dea
         {"pid": 2, "used_memory_mib": 10, "gpu_uuid": "GPU-z"},  # not the target's GPU
         {"pid": 3, "used_memory_mib": 10, "gpu_uuid": "GPU-a"},  # gone before it could be read
     ]
-    holders = pve_gpu_cleanup.collect_holders(apps, gpus, {1: info(1), 2: info(2), 3: None}, [(info(4), [(195, 0)])])
+    holders = gpu_facts.collect_holders(apps, gpus, {1: info(1), 2: info(2), 3: None}, [(info(4), [(195, 0)])])
     assert {pid: (h["gpus"], sorted(h["found_by"])) for pid, h in holders.items()} == {
         1: ({0: 100, 1: 50}, ["nvml"]),
         4: ({}, ["device"]),
@@ -143,7 +143,7 @@ def test_escalation_waits_only_as_long_as_needed():
             alive.discard(process.pid)
 
     entries = [{"info": info(1)}, {"info": info(2)}]
-    killed, survivors = pve_gpu_cleanup.end_processes(
+    killed, survivors = gpu_facts.end_processes(
         entries,
         grace=1.0,
         kill_timeout=1.0,
@@ -163,7 +163,7 @@ def test_escalation_waits_only_as_long_as_needed():
 def test_memory_wait_stops_at_the_first_free_poll():
     clock = FakeClock()
     answers = [[{"uuid": "GPU-a", "memory_used_mib": 500}], [{"uuid": "GPU-a", "memory_used_mib": 0}]]
-    rows, polls, free = pve_gpu_cleanup.wait_for_memory(
+    rows, polls, free = gpu_facts.wait_for_memory(
         lambda: answers.pop(0), {"GPU-a"}, threshold=0, timeout=30, poll_interval=0.02, clock=clock, sleep=clock.sleep
     )
     assert (polls, free, rows[0]["memory_used_mib"]) == (2, True, 0)
@@ -173,7 +173,7 @@ def test_memory_wait_stops_at_the_first_free_poll():
 def test_memory_wait_gives_up_at_the_timeout():
     clock = FakeClock()
     busy = [{"uuid": "GPU-a", "memory_used_mib": 500}]
-    _, polls, free = pve_gpu_cleanup.wait_for_memory(
+    _, polls, free = gpu_facts.wait_for_memory(
         lambda: busy, {"GPU-a"}, threshold=100, timeout=1, poll_interval=0.25, clock=clock, sleep=clock.sleep
     )
     assert (polls, free) == (5, False)
@@ -181,8 +181,8 @@ def test_memory_wait_gives_up_at_the_timeout():
 
 def test_threshold_and_other_gpus():
     rows = [{"uuid": "GPU-a", "memory_used_mib": 5}, {"uuid": "GPU-z", "memory_used_mib": 9000}]
-    assert pve_gpu_cleanup.busy_gpus(rows, {"GPU-a"}, 5) == []
-    assert pve_gpu_cleanup.busy_gpus(rows, {"GPU-a"}, 4) == [rows[0]]
+    assert gpu_facts.busy_gpus(rows, {"GPU-a"}, 5) == []
+    assert gpu_facts.busy_gpus(rows, {"GPU-a"}, 4) == [rows[0]]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""library/gpu_processes.py in unattended mode: the guard re-read by the module itself (its own pid-file read in
+"""plugins/modules/gpu_processes.py in unattended mode: the guard re-read by the module itself (its own pid-file read in
 the target), guarded holders and their launchers never signalled, stray ones ended, the memory wait and the settle
 watch that know the guarded job stays; attended, the guard changes nothing. Replayed through FakeRunner and the
 fake process table of test_gpu_processes.py."""
@@ -9,7 +9,9 @@ import socket
 import gpu_processes
 import pytest
 import target_facts
-from ansible.module_utils import pve_gpu_cleanup, pve_preflight, pve_steps
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
 
 from tests.fakes import FakeRunner, run_module
 from tests.unit.library.test_gpu_processes import FakeProcesses
@@ -208,7 +210,7 @@ def test_a_guard_of_the_wrong_shape_fails_before_any_call(guard, message, monkey
     assert result["msg"].endswith("; fix the gpu_processes_* variable of that name")
 
 
-# -- through the fact pass (library/target_facts.py) ----------------------------------------------------------
+# -- through the fact pass (plugins/modules/target_facts.py) ----------------------------------------------------------
 def test_the_fact_pass_reads_the_pid_files_in_its_one_pct_exec_and_keeps_no_lock_for_window_work(
     tmp_path, monkeypatch, capsys
 ):
@@ -232,5 +234,5 @@ def test_the_fact_pass_reads_the_pid_files_in_its_one_pct_exec_and_keeps_no_lock
 
 
 def test_a_step_whose_facts_could_not_be_read_has_no_window_work():
-    assert pve_steps.failed_step(pve_gpu_cleanup, "CT 200 on pve1", "boom")["needs_window"] == []
-    assert "needs_window" not in pve_steps.failed_step(pve_preflight, "CT 200 on pve1", "boom")
+    assert pve_steps.failed_step(gpu_facts, "CT 200 on pve1", "boom")["needs_window"] == []
+    assert "needs_window" not in pve_steps.failed_step(preflight_facts, "CT 200 on pve1", "boom")

@@ -1,4 +1,5 @@
-"""library/target_facts.py: the fact pass replayed through test_target_facts.yaml, its lock rules and its steps."""
+"""plugins/modules/target_facts.py: the fact pass replayed through test_target_facts.yaml, its lock rules and its
+steps."""
 
 import json
 import socket
@@ -8,8 +9,10 @@ from pathlib import Path
 import pytest
 import target_facts
 import yaml
-from ansible.module_utils import pve_gpu_cleanup, pve_lock, pve_preflight
-from ansible.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
 
 from tests.conftest import FIXTURES
 from tests.fakes import FakeRunner, run_module
@@ -50,9 +53,9 @@ def runner_for(case):
 def node_version(monkeypatch, path):
     text = path.read_text() if path else None
     monkeypatch.setattr(
-        pve_preflight,
+        preflight_facts,
         "read_node_driver_version",
-        lambda _p: pve_preflight.parse_kernel_driver_version(text) if text else None,
+        lambda _p: preflight_facts.parse_kernel_driver_version(text) if text else None,
     )
 
 
@@ -113,8 +116,8 @@ class NodeProcesses:
 
     def __init__(self, monkeypatch, holders):
         self.holders = holders
-        monkeypatch.setattr(pve_gpu_cleanup, "read_process", self.holders.get)
-        monkeypatch.setattr(pve_gpu_cleanup, "device_holders", lambda owner: [])
+        monkeypatch.setattr(gpu_facts, "read_process", self.holders.get)
+        monkeypatch.setattr(gpu_facts, "device_holders", lambda owner: [])
 
 
 TRAIN = ProcessInfo(
@@ -342,16 +345,16 @@ def test_the_pass_imports_only_the_steps_it_reads():
     from tests.conftest import ROOT  # noqa: PLC0415
 
     script = (
-        "import sys, ansible.module_utils as mu;"
-        f"mu.__path__.append({str(ROOT / 'module_utils')!r});"
-        "from ansible.module_utils import pve_steps;"
+        f"import sys; sys.path.insert(0, {str(ROOT / 'collections')!r});"
+        "from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps;"
         "pve_steps.validate_specs({'gpu_processes': {}});"
-        "print(sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.startswith('ansible.module_utils.pve_')))"
+        "prefix = 'ansible_collections.pve_gpu.recover.plugins.module_utils.';"
+        "print(sorted(m[len(prefix):] for m in sys.modules if m.startswith(prefix)))"
     )
     loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    assert "pve_gpu_cleanup" in loaded and "pve_preflight" in loaded
-    for off in ("pve_cache", "pve_code", "pve_venv", "pve_probe_compile_cache", "pve_script_training_venv"):
-        assert f"'{off}'" not in loaded, loaded
+    assert "'steps.gpu_processes.facts'" in loaded and "'steps.preflight.facts'" in loaded, loaded
+    for off in ("compile_cache", "training_code", "training_venv", "verify"):
+        assert f"steps.{off}." not in loaded, loaded
 
 
 def test_fail_on_problems_false_returns_the_facts_without_failing(tmp_path, monkeypatch, capsys):

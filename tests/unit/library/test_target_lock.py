@@ -1,12 +1,12 @@
-"""library/target_lock.py: the plan (pure) and the module on a real lock directory."""
+"""plugins/modules/target_lock.py: the plan (pure) and the module on a real lock directory."""
 
 import json
 import os
 
 import pytest
 import target_lock
-from ansible.module_utils import pve_lock
 from ansible.module_utils.testing import patch_module_args
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock
 
 from tests.fakes import assert_documented
 

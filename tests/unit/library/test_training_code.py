@@ -1,4 +1,5 @@
-"""library/training_code.py, its probe part and its reset script (module_utils/pve_script_training_code.py).
+"""plugins/modules/training_code.py, its probe part and its reset script
+(plugins/module_utils/steps/training_code/script.py).
 
 Two layers: the module replayed on a CT target through FakeRunner (every ``pct exec`` argv and stdin asserted: one
 for a converged repository, two for a reset: read, then reset + read again); and the module on a bare host, where
@@ -22,8 +23,9 @@ from pathlib import Path
 import pytest
 import training_code
 import yaml
-from ansible.module_utils import pve_ct_act, pve_ct_git, pve_probe_training_code
-from ansible.module_utils import pve_script_training_code as script
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import script
 
 from tests.conftest import ROOT, unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
@@ -162,8 +164,8 @@ def test_ct_check_mode_reports_the_reset_and_the_real_run_does_it_in_one_more_pc
     # What travels on stdin: the shared git module once, then the reset script's and the reader's sources, run in
     # that order in one process.
     given = json.loads(runner.stdin[1])
-    assert given["shared"] == {"pve_ct_act": inspect.getsource(pve_ct_act), "pve_ct_git": inspect.getsource(pve_ct_git)}
-    sources = {"reset": inspect.getsource(script), "training_code": inspect.getsource(pve_probe_training_code)}
+    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in (pve_ct_act, pve_ct_git)}
+    sources = {"reset": inspect.getsource(script), "training_code": inspect.getsource(code_probe)}
     assert given["sources"] == sources
 
 
@@ -748,10 +750,7 @@ def test_the_parts_run_as_shipped_on_python_3_9(lab):
         },
         "training_code": {"path": str(lab.repo), "commit": lab.pinned, "git": "git", "timeout": 60},
     }
-    parts = {
-        name: (module, payloads[name])
-        for name, module in (("reset", script), ("training_code", pve_probe_training_code))
-    }
+    parts = {name: (module, payloads[name]) for name, module in (("reset", script), ("training_code", code_probe))}
     answers = run_probes_program(python, parts)
     assert answers["reset"]["answer"]["head"] == lab.pinned, answers
     assert answers["reset"]["answer"]["backup"]["dir"] == str(lab.backups / STAMP)

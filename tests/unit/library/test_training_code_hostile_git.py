@@ -12,7 +12,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from ansible.module_utils import pve_script_training_code as script
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import script
 
 from tests.unit.library.test_training_code import MODEL_V1, git, snapshot
 from tests.unit.library.test_training_code_untrusted import give_to_nobody

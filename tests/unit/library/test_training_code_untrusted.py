@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import training_code
 import yaml
-from ansible.module_utils import pve_ct_git
-from ansible.module_utils import pve_script_training_code as script
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import script
 
 from tests.conftest import ROOT
 from tests.unit.library.test_training_code import MODEL_V1, PATCHED, STAMPS, Lab, git, snapshot
@@ -325,11 +325,11 @@ def test_the_role_declares_retention_and_unattended_and_passes_them_on():
     assert options["training_code_unattended"]["type"] == "bool"
     assert "'unattended': training_code_unattended | bool" in role_file("vars/main.yml")["_training_code_spec"]
     (acting,) = role_file("tasks/main.yml")
-    assert acting["training_code"]["unattended"] == "{{ training_code_unattended }}"
-    assert acting["training_code"]["backup_keep"] == (
+    assert acting["pve_gpu.recover.training_code"]["unattended"] == "{{ training_code_unattended }}"
+    assert acting["pve_gpu.recover.training_code"]["backup_keep"] == (
         "{{ training_code_backup_keep if training_code_backup_keep is not none else omit }}"
     )
-    assert set(acting["training_code"]) <= set(training_code.ARGUMENT_SPEC)
+    assert set(acting["pve_gpu.recover.training_code"]) <= set(training_code.ARGUMENT_SPEC)
 
 
 def test_a_failure_naming_a_path_the_target_chose_is_one_printable_line():

@@ -1,4 +1,4 @@
-"""library/training_venv.py and its build script (module_utils/pve_script_training_venv.py).
+"""plugins/modules/training_venv.py and its build script (plugins/module_utils/steps/training_venv/script.py).
 
 Three layers: the pure parts (plans, failure kinds, the payload, the reader the check uses); the module replayed
 on a CT target through FakeRunner, every ``pct exec`` argv and stdin asserted; and the module on a bare host,
@@ -28,10 +28,12 @@ from pathlib import Path
 import pytest
 import training_venv
 import yaml
-from ansible.module_utils import pve_ct_act, pve_ct_venv, pve_probe_training_venv, pve_venv
-from ansible.module_utils import pve_script_training_venv as script
-from ansible.module_utils.pve_target import PROBES_MAIN, Target, probes_input
-from ansible.module_utils.pve_venv import VenvError
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import PROBES_MAIN, Target, probes_input
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import script
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.facts import VenvError
 
 from tests.conftest import ROOT, unavailable
 from tests.fakes import FakeRunner, not_shippable, run_module, run_probes_program
@@ -161,9 +163,9 @@ def test_differences_compare_exact_strings_and_ignore_only_the_named_tooling():
 )
 def test_the_scripts_reader_reads_versions_as_the_fact_pass_does(records, build, pins):
     answer = {"distributions": [{"name": n, "version": v} for n, v in records], "torch_version_py": {"version": build}}
-    assert script.installed_versions(records, build, pins) == pve_venv.installed_versions(answer, pins)
-    assert script.freeze_text(script.installed_versions(records, build, pins)) == pve_venv.freeze_lines(
-        pve_venv.installed_versions(answer, pins)
+    assert script.installed_versions(records, build, pins) == venv_facts.installed_versions(answer, pins)
+    assert script.freeze_text(script.installed_versions(records, build, pins)) == venv_facts.freeze_lines(
+        venv_facts.installed_versions(answer, pins)
     )
 
 
@@ -271,9 +273,7 @@ def venv_answer(distributions, torch_build, exists=True):
             {"name": n, "version": v, "installer": "uv", "direct_url": False} for n, v in distributions.items()
         ],
         "broken": [],
-        "torch_version_py": pve_probe_training_venv.parse_torch_version_py(
-            VERSION_PY.format(version=torch_build, cuda="12.8")
-        )
+        "torch_version_py": venv_probe.parse_torch_version_py(VERSION_PY.format(version=torch_build, cuda="12.8"))
         if torch_build
         else None,
         "errors": [],
@@ -378,11 +378,8 @@ def test_ct_check_mode_reports_the_rebuild_and_the_real_run_does_it_in_one_more_
     # What travels on stdin: the shared modules once each, then the build script's and the reader's sources, run in
     # that order in one process.
     given = json.loads(runner.stdin[1])
-    assert given["shared"] == {
-        "pve_ct_act": inspect.getsource(pve_ct_act),
-        "pve_ct_venv": inspect.getsource(pve_ct_venv),
-    }
-    sources = {"build": inspect.getsource(script), "training_venv": inspect.getsource(pve_probe_training_venv)}
+    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in (pve_ct_act, pve_ct_venv)}
+    sources = {"build": inspect.getsource(script), "training_venv": inspect.getsource(venv_probe)}
     assert given["sources"] == sources
 
 
@@ -661,7 +658,7 @@ def snapshot(root):
 
 
 def probe(path):
-    return pve_probe_training_venv.probe({"path": str(path), "timeout": 30})
+    return venv_probe.probe({"path": str(path), "timeout": 30})
 
 
 def test_a_missing_venv_is_built_as_a_version_behind_a_symlink(host, capsys):
@@ -727,7 +724,7 @@ def test_a_polluted_version_is_rebuilt_and_the_old_one_stays_where_it_is_and_wor
     assert works(host.path, "idna") == str(host.path)
     # The script's reader (the check before the swap) and the fact pass's reader agree on a real polluted venv.
     read = script.read_venv(str(old))
-    assert script.installed_versions(read["records"], read["torch_build"], GOOD) == pve_venv.installed_versions(
+    assert script.installed_versions(read["records"], read["torch_build"], GOOD) == venv_facts.installed_versions(
         probe(old), GOOD
     )
 
@@ -1056,7 +1053,7 @@ def test_bare_host_unattended_a_real_job_running_from_the_venv_keeps_it(host, ca
 def test_bare_host_the_script_removes_the_new_version_when_a_job_started_during_the_build(host, capsys, monkeypatch):
     host.run(capsys, GOOD)
     current = host.version(STAMPS[0])
-    monkeypatch.setattr(pve_venv, "processes_running_from", lambda owner, roots, **_: ([], []))
+    monkeypatch.setattr(venv_facts, "processes_running_from", lambda owner, roots, **_: ([], []))
     # What the script finds just before the swap: a job that started from the current venv during the build.
     monkeypatch.setattr(script, "processes_using", lambda directories, proc="/proc": {d: [4242] for d in directories})
     result = host.run(capsys, SMALLER, unattended=True)

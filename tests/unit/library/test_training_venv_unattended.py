@@ -1,4 +1,4 @@
-"""library/training_venv.py unattended: a venv that needs a rebuild is never swapped under a live process.
+"""plugins/modules/training_venv.py unattended: a venv that needs a rebuild is never swapped under a live process.
 
 On a CT through FakeRunner (who runs from the venv is read on the node: faked here), and the build script's own
 look just before the swap. test_training_venv.py runs the same on a bare host with real venvs and a real job."""
@@ -8,8 +8,8 @@ import socket
 
 import pytest
 import training_venv
-from ansible.module_utils import pve_venv
-from ansible.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 
 from tests.fakes import FakeRunner, run_module
 from tests.unit.library.test_training_venv import (
@@ -47,7 +47,7 @@ def job_on_the_node(monkeypatch, on_pve1):
         asked.append((owner, roots))
         return [(JOB, "argv0", f"{CT_PATH}/bin/python")], []
 
-    monkeypatch.setattr(pve_venv, "processes_running_from", scan)
+    monkeypatch.setattr(venv_facts, "processes_running_from", scan)
     return asked
 
 
@@ -111,7 +111,7 @@ def test_ct_check_mode_counts_the_processes_the_gpu_step_ends_first_as_gone(job_
 
 @pytest.mark.usefixtures("on_pve1")
 def test_ct_unattended_nobody_on_the_venv_it_is_rebuilt_and_the_script_looks_again_before_the_swap(monkeypatch, capsys):
-    monkeypatch.setattr(pve_venv, "processes_running_from", lambda owner, roots, **_: ([], []))
+    monkeypatch.setattr(venv_facts, "processes_running_from", lambda owner, roots, **_: ([], []))
     runner = FakeRunner(read_call(POLLUTED), unattended_build_call(BUILT, IN_SPEC))
     result = run_module(training_venv, UNATTENDED, runner, monkeypatch, capsys)
     assert (result["changed"], result["current"], result["needs_window"]) == (True, BUILT["current"], [])
@@ -119,7 +119,7 @@ def test_ct_unattended_nobody_on_the_venv_it_is_rebuilt_and_the_script_looks_aga
 
 @pytest.mark.usefixtures("on_pve1")
 def test_ct_a_job_the_script_finds_just_before_the_swap_leaves_the_venv_as_it_was(monkeypatch, capsys):
-    monkeypatch.setattr(pve_venv, "processes_running_from", lambda owner, roots, **_: ([], []))
+    monkeypatch.setattr(venv_facts, "processes_running_from", lambda owner, roots, **_: ([], []))
     refused = {
         "needs_window": {"path": f"{CT_PATH}.20261120T081500Z", "users": [{"pid": 77, "name": "python3"}]},
         "cleaned": [],

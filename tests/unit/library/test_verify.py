@@ -1,4 +1,4 @@
-"""library/verify.py: the acting module end to end, and the verify role's files against the step's SPEC.
+"""plugins/modules/verify.py: the acting module end to end, and the verify role's files against the step's SPEC.
 
 On a CT the module is replayed through FakeRunner: its two ``pct exec`` calls (nvidia-smi, then the venv's python
 with the torch script on stdin) are asserted argv by argv. On a bare host the torch script really runs, in a venv
@@ -20,10 +20,13 @@ import pytest
 import target_facts
 import verify
 import yaml
-from ansible.module_utils import pve_preflight, pve_probe_verify, pve_steps, pve_target, pve_verify
 from ansible.module_utils.common import warnings as ansible_warnings
-from ansible.module_utils.nvidia_smi import query_gpu_argv
 from ansible.module_utils.testing import patch_module_args
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps, pve_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import query_gpu_argv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts as verify_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
 
 from tests.conftest import FIXTURES, ROOT
 from tests.fakes import FakeRunner, run_module
@@ -89,10 +92,10 @@ def test_the_known_good_state_passes_in_two_pct_execs_and_changes_nothing(check_
     )
     assert torch["python"] == "/opt/venvs/train/bin/python"
     assert len(result["gpus"]) == 8 and result["gpus"][0]["name"] == "NVIDIA H200"
-    assert result["expected"]["health"] == pve_verify.HEALTH_DEFAULTS
+    assert result["expected"]["health"] == verify_facts.HEALTH_DEFAULTS
     assert "warnings" not in result
     # nvidia-smi first (the memory it reads is the jobs', not the script's), no stdin; then the script on stdin.
-    assert runner.stdin == [None, inspect.getsource(pve_probe_verify)]
+    assert runner.stdin == [None, inspect.getsource(verify_probe)]
 
 
 @pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
@@ -324,15 +327,15 @@ def load(path):
 def test_every_setting_has_a_role_variable_with_the_same_default_and_an_argument_spec():
     defaults = load("defaults/main.yml")
     options = load("meta/argument_specs.yml")["argument_specs"]["main"]["options"]
-    for name, rules in pve_verify.SPEC.items():
-        want = pve_verify.SPEC_DEFAULTS[name]
+    for name, rules in verify_facts.SPEC.items():
+        want = verify_facts.SPEC_DEFAULTS[name]
         assert defaults[f"verify_{name}"] == want, name
         assert options[f"verify_{name}"]["type"] == rules["type"], name
         assert options[f"verify_{name}"].get("default") == want, name
         assert options[f"verify_{name}"].get("choices") == rules.get("choices"), name
     health = options["verify_health"]["options"]
-    assert {k: v["default"] for k, v in health.items()} == pve_verify.HEALTH_DEFAULTS
-    assert all(v["choices"] == list(pve_verify.LEVELS) for v in health.values())
+    assert {k: v["default"] for k, v in health.items()} == verify_facts.HEALTH_DEFAULTS
+    assert all(v["choices"] == list(verify_facts.LEVELS) for v in health.values())
     for name in ("torch_timeout", "timeout"):
         assert (
             defaults[f"verify_{name}"] == verify.ARGUMENT_SPEC[name]["default"] == options[f"verify_{name}"]["default"]
@@ -343,11 +346,11 @@ def test_every_setting_has_a_role_variable_with_the_same_default_and_an_argument
 
 def test_the_fact_pass_spec_and_the_acting_task_pass_every_setting():
     spec_text = load("vars/main.yml")["_verify_spec"]
-    assert sorted(re.findall(r"'(\w+)': verify_(\w+)", spec_text)) == sorted((n, n) for n in pve_verify.SPEC)
+    assert sorted(re.findall(r"'(\w+)': verify_(\w+)", spec_text)) == sorted((n, n) for n in verify_facts.SPEC)
     assert "if verify_enabled | bool else none" in spec_text
     tasks = load("tasks/main.yml")
-    (acting,) = [t for t in tasks if "verify" in t]
-    assert set(acting["verify"]) == set(verify.ARGUMENT_SPEC)
+    (acting,) = [t for t in tasks if "pve_gpu.recover.verify" in t]
+    assert set(acting["pve_gpu.recover.verify"]) == set(verify.ARGUMENT_SPEC)
     assert acting["when"] == ["verify_enabled | bool", "ansible_facts.pve_gpu_recover.verify.pending | default(true)"]
     assert acting["changed_when"] is False
     assert acting["delegate_to"] == "{{ pve_node | default(inventory_hostname) }}"
@@ -361,7 +364,7 @@ FACTS_DOC = yaml.safe_load((ROOT / "tests/unit/library/test_target_facts.yaml").
 @pytest.fixture
 def registered(monkeypatch):
     assert pve_steps.STEP_NAMES[-1] == "verify"
-    monkeypatch.setattr(pve_preflight, "read_node_driver_version", lambda _path: "580.159.04")
+    monkeypatch.setattr(preflight_facts, "read_node_driver_version", lambda _path: "580.159.04")
 
 
 def fact_pass(tmp_path, monkeypatch, capsys, smi_stdout, verify_settings, *, check_mode=False):
@@ -374,7 +377,7 @@ def fact_pass(tmp_path, monkeypatch, capsys, smi_stdout, verify_settings, *, che
         "exists": True,
         "python": True,
         "site_packages": "/opt/venvs/train/lib/python3.11/site-packages",
-        "torch_version_py": pve_probe_verify.parse_torch_version_py(version_py.replace("'13.0'", "'12.8'")),
+        "torch_version_py": verify_probe.parse_torch_version_py(version_py.replace("'13.0'", "'12.8'")),
     }
     out = json.dumps({"preflight": {"answer": healthy}, "verify": {"answer": verify_answer}})
     runner = FakeRunner(([*FACTS_DOC["probe_argv"], json.dumps(payloads)], (0, out, "")))

@@ -6,9 +6,10 @@ answer whose counts are not counts or whose lists hold something else is a named
 """
 
 import pytest
-from ansible.module_utils import pve_cache, pve_steps
-from ansible.module_utils.pve_cache import CacheError
-from ansible.module_utils.pve_target import probe_name
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.facts import CacheError
 
 from tests.unit.module_utils.test_pve_cache import CU128, LABEL, MB, answer_of, context, facts_of, root_of, spec_for
 
@@ -37,7 +38,7 @@ def test_stamp_values_that_are_no_strings_are_named_by_their_type_and_long_ones_
         root["reason"]
         == "stamped for torch <dict>, now 2.11.0+cu128; triton <int>, now 3.3.0; GPUs <list>, now NVIDIA H200"
     )
-    described = pve_cache.describe(pve_cache.normalized(stamp))
+    described = cache_facts.describe(cache_facts.normalized(stamp))
     assert described == f"torch <dict> (CUDA {'9' * 100}...), triton <int>, <list>"
 
 
@@ -74,7 +75,7 @@ def test_a_forged_walk_is_a_named_problem_not_a_traceback(walk, wrong):
         facts_of(answer)
     assert str(raised.value) == message
     with pytest.raises(CacheError):
-        pve_cache.module_facts(spec_for(answer), answer, LABEL)
+        cache_facts.module_facts(spec_for(answer), answer, LABEL)
 
 
 @pytest.mark.parametrize(
@@ -96,7 +97,7 @@ def test_in_the_fact_pass_a_forged_answer_is_the_steps_problem():
     answer = answer_of(root_of("/tmp/a", size=MB, size_bytes="12abc"))
     specs = {"compile_cache": spec_for(answer)}
     ctx = context()
-    answers = {probe_name(pve_cache.PROBE): {"answer": answer}}
+    answers = {probe_name(cache_facts.PROBE): {"answer": answer}}
     facts = pve_steps.evaluate_steps(specs, None, answers, ctx)["compile_cache"]
     assert facts["pending"] is False
     assert "not in the expected shape: root /tmp/a: walk size_bytes is '12abc', not a count" in facts["problems"][0]

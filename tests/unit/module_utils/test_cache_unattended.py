@@ -1,11 +1,11 @@
 """Unattended, a stale compile cache in use by a live process is left for a window instead of failing the run:
-the facts (pve_cache) and the acting script against real directories and a real process."""
+the facts (cache_facts) and the acting script against real directories and a real process."""
 
 import os
 import subprocess
 
-from ansible.module_utils import pve_cache
-from ansible.module_utils import pve_script_compile_cache as script
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script
 
 from tests.unit.module_utils.test_pve_cache import (
     CU128,
@@ -52,8 +52,8 @@ def test_unattended_the_other_roots_are_still_handled_and_no_warm_up_runs():
     assert found["needs_window"] == [WINDOW]
     assert [c.split(" (")[0] for c in found["changes"]] == ["stamp /root/.triton/cache"]
     assert (found["pending"], found["warmup"]["planned"]) == (True, False)
-    spec = dict(pve_cache.SPEC_DEFAULTS, unattended=True)
-    payload = pve_cache.act_payload(spec, found, answer_of(STALE_ROOT, UNSTAMPED), 60)
+    spec = dict(cache_facts.SPEC_DEFAULTS, unattended=True)
+    payload = cache_facts.act_payload(spec, found, answer_of(STALE_ROOT, UNSTAMPED), 60)
     assert [r["action"] for r in payload["roots"]] == [None, "stamp"]
     assert payload["unattended"] is True
 
@@ -87,7 +87,7 @@ def test_the_script_unattended_leaves_a_root_in_use_and_purges_the_others(tmp_pa
     payload = {
         "roots": [{"path": str(p), "real_path": os.path.realpath(p), "action": "purge"} for p in (busy, idle)],
         "fingerprint": CU128,
-        "stamp_name": pve_cache.STAMP_NAME,
+        "stamp_name": cache_facts.STAMP_NAME,
         "homes": HOMES,
         "uid": 0,
         "warmup": {"argv": ["false"]},  # would fail the act if it ran
@@ -104,8 +104,8 @@ def test_the_script_unattended_leaves_a_root_in_use_and_purges_the_others(tmp_pa
         {"path": str(busy), "real_path": str(busy), "users": [{"pid": sleeper.pid, "name": "sleep", "how": ["cwd"]}]}
     ]
     assert (busy / "graph").read_text() == "g"  # neither purged nor stamped
-    assert not (busy / pve_cache.STAMP_NAME).exists()
+    assert not (busy / cache_facts.STAMP_NAME).exists()
     assert not (idle / "graph").exists()
-    assert (idle / pve_cache.STAMP_NAME).exists()
+    assert (idle / cache_facts.STAMP_NAME).exists()
     assert done["warmup"] is None  # the warm-up (`false`) never ran: the caches it would fill are in use
     assert [r["action"] for r in done["roots"]] == [None, "purge"]

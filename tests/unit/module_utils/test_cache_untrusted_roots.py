@@ -16,8 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from ansible.module_utils import pve_cache, pve_ct_fs, pve_probe_compile_cache
-from ansible.module_utils import pve_script_compile_cache as script
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script
 
 from tests.conftest import unavailable
 from tests.fakes import run_probes_program
@@ -56,10 +58,10 @@ def judge_and_act(tmp_path, roots, user="root", before_act=None):
     fake_venv(tmp_path / "venv")
     spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(r) for r in roots], user=user)
     answer = probe_of(tmp_path, spec["roots"], user=user)
-    facts = pve_cache.module_facts(spec, answer, LABEL, venv_pending=True)
+    facts = cache_facts.module_facts(spec, answer, LABEL, venv_pending=True)
     if before_act:
         before_act()
-    return facts, script.probe(pve_cache.act_payload(spec, facts, answer, 30))
+    return facts, script.probe(cache_facts.act_payload(spec, facts, answer, 30))
 
 
 def purge_payload(root, uid=0):
@@ -174,7 +176,7 @@ def probe_then_act(python, root, payload, prefix=()):
     info = os.stat(root)
     act = purge_payload(root)
     act["roots"][0]["id"] = [info.st_dev, info.st_ino]
-    parts = {"compile_cache": (pve_probe_compile_cache, payload), "act": (script, act)}
+    parts = {"compile_cache": (cache_probe, payload), "act": (script, act)}
     answers = run_probes_program(python, parts, prefix)
     return answers["compile_cache"]["answer"], answers["act"]["answer"]
 
@@ -189,10 +191,10 @@ def test_a_bind_mount_inside_a_root_is_never_entered_and_its_source_survives(tmp
     spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root)])
     mount = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
     wrapper = ("unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", source, root / "data")
-    answer, done = probe_then_act(sys.executable, root, pve_cache.probe_payload(spec, 30), wrapper)
+    answer, done = probe_then_act(sys.executable, root, cache_facts.probe_payload(spec, 30), wrapper)
     assert (source / "step-90000.pt").read_text() == "weeks of training"
     assert answer["roots"][0]["walk"]["mounts"] == [str(root / "data")]
-    facts = pve_cache.module_facts(spec, answer, LABEL, venv_pending=True)
+    facts = cache_facts.module_facts(spec, answer, LABEL, venv_pending=True)
     assert facts["changes"][0].endswith(f"; left alone, another mount: {root}/data)")
     assert "error" not in done, done
     assert done["roots"][0]["purged"]["mounts_left"] == [str(root / "data")]
@@ -283,7 +285,7 @@ def test_the_probe_and_script_open_roots_this_way_on_python_3_9(tmp_path):
     root = stale_cache(tmp_path / "inductor")
     fake_venv(tmp_path / "venv")
     spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root)])
-    answer, done = probe_then_act(python, root, pve_cache.probe_payload(spec, 30))
+    answer, done = probe_then_act(python, root, cache_facts.probe_payload(spec, 30))
     assert answer["roots"][0]["unsafe"] is None
     assert answer["roots"][0]["id"] == [os.stat(root).st_dev, os.stat(root).st_ino]
     assert done["roots"][0]["purged"]["files"] == 1
@@ -335,7 +337,7 @@ def test_a_converged_target_with_a_squatted_root_has_nothing_to_do(tmp_path):
     judge_and_act(tmp_path, [squatted, mine])  # mine is now fresh
     spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(squatted), str(mine)])
     for unattended in (False, True):
-        facts = pve_cache.module_facts(dict(spec, unattended=unattended), probe_of(tmp_path, spec["roots"]), LABEL)
+        facts = cache_facts.module_facts(dict(spec, unattended=unattended), probe_of(tmp_path, spec["roots"]), LABEL)
         assert [r["verdict"] for r in facts["roots"]] == ["refused", "fresh"]
         assert (facts["pending"], facts["changes"], facts["problems"]) == (False, [], [])
         assert facts["diff"]["before"] == facts["diff"]["after"]
@@ -347,7 +349,7 @@ def test_no_warm_up_runs_while_a_root_is_refused(tmp_path):
     sticky, squatted, mine = squatted_and_mine(tmp_path)
     fake_venv(tmp_path / "venv")
     spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(squatted), str(mine)], warmup=["true"])
-    facts = pve_cache.module_facts(spec, probe_of(tmp_path, spec["roots"]), LABEL, venv_pending=True)
+    facts = cache_facts.module_facts(spec, probe_of(tmp_path, spec["roots"]), LABEL, venv_pending=True)
     assert facts["warmup"]["planned"] is False
     assert facts["warnings"] == [squat_line(squatted, sticky, warmup=True)[1]]
     assert facts["pending"] is True  # mine is still purged
@@ -357,7 +359,7 @@ def test_a_root_refused_by_its_setting_still_stops_the_run(tmp_path):
     _, _, mine = squatted_and_mine(tmp_path)
     fake_venv(tmp_path / "venv")
     spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(mine), str(mine / "fx")])
-    facts = pve_cache.module_facts(spec, probe_of(tmp_path, spec["roots"]), LABEL, venv_pending=True)
+    facts = cache_facts.module_facts(spec, probe_of(tmp_path, spec["roots"]), LABEL, venv_pending=True)
     assert facts["refused"] == [
         {"path": str(mine / "fx"), "reason": f"it lies inside the root {mine}; give only that one", "problem": True}
     ]

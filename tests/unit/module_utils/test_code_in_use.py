@@ -1,9 +1,9 @@
 """Unattended, the training code is never reset under a live job: which processes of the target use the repository
-(pve_code.processes_in_repository on a fake node /proc), and the code step's window rule (pve_code)."""
+(code_facts.processes_in_repository on a fake node /proc), and the code step's window rule (code_facts)."""
 
 import os
 
-from ansible.module_utils import pve_code
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import facts as code_facts
 
 from tests.unit.module_utils.test_gpu_jobs import fake_proc
 from tests.unit.module_utils.test_pve_code import CONTEXT, OTHER, SPEC, answer
@@ -32,7 +32,7 @@ def test_a_process_uses_the_repository_by_its_cwd_an_open_file_or_a_path_in_its_
     process(root, 518, argv=["python3", f"{REPO}/train.py"], cwd="/root")
     process(root, 519, argv=["python3", "/srv/train2/train.py"], cwd="/srv/train2")  # another directory
     process(root, 777, argv=["python3", "train.py"], cwd=REPO, cgroup="/lxc/201/ns/.lxc")  # another CT's
-    users, unreadable = pve_code.processes_in_repository("ct:200", [REPO], proc_root=str(root))
+    users, unreadable = code_facts.processes_in_repository("ct:200", [REPO], proc_root=str(root))
     assert [(info.pid, how, path) for info, how, path in users] == [
         (516, "cwd", f"{REPO}/runs"),
         (517, "open", f"{REPO}/logs/train.log"),
@@ -42,7 +42,7 @@ def test_a_process_uses_the_repository_by_its_cwd_an_open_file_or_a_path_in_its_
 
 
 def test_unattended_a_reset_under_a_live_job_needs_a_window_and_nothing_is_pending():
-    facts = pve_code.evaluate_step(UNATTENDED, answer(**DIRTY), {"users": [JOB]}, CONTEXT)
+    facts = code_facts.evaluate_step(UNATTENDED, answer(**DIRTY), {"users": [JOB]}, CONTEXT)
     assert (facts["pending"], facts["changes"], facts["in_use"]) == (False, [], [JOB])
     assert facts["diff"]["before"] == facts["diff"]["after"]
     assert facts["needs_window"] == [
@@ -59,29 +59,29 @@ def test_attended_or_with_nobody_using_it_or_the_job_ended_first_the_reset_is_pe
         (UNATTENDED, {}),
         (UNATTENDED, {"users": [JOB], "ending": [41]}),  # the GPU step ends it before this step
     ):
-        facts = pve_code.evaluate_step(spec, answer(**DIRTY), node, CONTEXT)
+        facts = code_facts.evaluate_step(spec, answer(**DIRTY), node, CONTEXT)
         assert (facts["pending"], facts["needs_window"]) == (True, []), (spec, node)
 
 
 def test_what_the_target_chose_is_printable_in_the_sentence():
     job = dict(JOB, name="py\x1b[2J", command="python3 x\nCT 200: all good", file=f"{REPO}/\u202eevil")
-    (sentence,) = pve_code.evaluate_step(UNATTENDED, answer(**DIRTY), {"users": [job]}, CONTEXT)["needs_window"]
+    (sentence,) = code_facts.evaluate_step(UNATTENDED, answer(**DIRTY), {"users": [job]}, CONTEXT)["needs_window"]
     assert "\n" not in sentence and "\x1b" not in sentence and "\u202e" not in sentence
     assert "py\\x1b[2J" in sentence and "\\u202eevil" in sentence
 
 
 def test_the_node_is_read_only_unattended_with_a_reset_due(monkeypatch):
     calls = []
-    monkeypatch.setattr(pve_code, "processes_in_repository", lambda *a, **k: calls.append(a) or ([], []))
+    monkeypatch.setattr(code_facts, "processes_in_repository", lambda *a, **k: calls.append(a) or ([], []))
     target = {"target": {"label": "CT 200 on pve1", "vmid": 200, "node": "pve1"}}
-    assert pve_code.read_node(SPEC, None, answer(**DIRTY), target) == {}  # attended
-    assert pve_code.read_node(UNATTENDED, None, answer(head=SPEC["commit"]), target) == {}  # converged
-    assert pve_code.read_node(UNATTENDED, None, None, target) == {}  # the probe part failed
+    assert code_facts.read_node(SPEC, None, answer(**DIRTY), target) == {}  # attended
+    assert code_facts.read_node(UNATTENDED, None, answer(head=SPEC["commit"]), target) == {}  # converged
+    assert code_facts.read_node(UNATTENDED, None, None, target) == {}  # the probe part failed
     assert calls == []
-    assert pve_code.read_node(UNATTENDED, None, answer(**DIRTY), target) == {"users": []}
+    assert code_facts.read_node(UNATTENDED, None, answer(**DIRTY), target) == {"users": []}
     assert calls == [("ct:200", [REPO], "/proc")]
 
 
 def test_a_branch_name_cannot_forge_a_line_of_the_changes():
-    facts = pve_code.evaluate_step(SPEC, answer(branch="main\nCT 200: in spec\u202e"), {}, CONTEXT)
+    facts = code_facts.evaluate_step(SPEC, answer(branch="main\nCT 200: in spec\u202e"), {}, CONTEXT)
     assert facts["changes"] == ['check out 4f3c2a1b0e9d (HEAD is 9e8d7c6b5a4f on "main\\nCT 200: in spec\\u202e")']

@@ -7,10 +7,11 @@ import os
 import re
 
 import pytest
-from ansible.module_utils import pve_gpu_cleanup as cleanup
-from ansible.module_utils import pve_probe_gpu_processes, pve_steps
-from ansible.module_utils import pve_process as pp
-from ansible.module_utils.pve_target import probe_name
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as cleanup
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import probe as gpu_probe
 
 from tests.unit.module_utils.test_gpu_jobs import fake_proc
 
@@ -271,9 +272,9 @@ def test_the_fact_pass_reads_pid_files_in_its_one_probe_only_when_the_guard_name
     guarded = pve_steps.validate_specs(
         {"gpu_processes": {"guard": [{"pid_file": "/run/a.pid"}, {"pid_file": "/run/a.pid"}]}}
     )
-    part = pve_steps.probe_parts(guarded, 60)[probe_name(pve_probe_gpu_processes)]
-    assert part == (pve_probe_gpu_processes, {"pid_files": ["/run/a.pid"]})
-    assert probe_name(pve_probe_gpu_processes) == cleanup.NAME
+    part = pve_steps.probe_parts(guarded, 60)[probe_name(gpu_probe)]
+    assert part == (gpu_probe, {"pid_files": ["/run/a.pid"]})
+    assert probe_name(gpu_probe) == cleanup.NAME
 
 
 @pytest.mark.parametrize(
@@ -289,14 +290,12 @@ def test_the_fact_pass_reads_pid_files_in_its_one_probe_only_when_the_guard_name
 )
 def test_a_pid_file_holds_one_pid_or_it_is_named_unreadable(tmp_path, content, expected):
     (tmp_path / "train.pid").write_bytes(content)
-    assert pve_probe_gpu_processes.read_pid_file(str(tmp_path / "train.pid")) == expected
+    assert gpu_probe.read_pid_file(str(tmp_path / "train.pid")) == expected
 
 
 def test_a_missing_pid_file_a_directory_and_a_fifo_never_block(tmp_path):
     os.mkfifo(tmp_path / "fifo")  # nobody writes it: a blocking open would hang the whole fact pass
-    answer = pve_probe_gpu_processes.probe(
-        {"pid_files": [str(tmp_path / "none"), str(tmp_path), str(tmp_path / "fifo")]}
-    )
+    answer = gpu_probe.probe({"pid_files": [str(tmp_path / "none"), str(tmp_path), str(tmp_path / "fifo")]})
     assert answer == {
         "pid_files": {
             str(tmp_path / "none"): {"state": "missing", "pid": None, "reason": None},

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from ansible.module_utils import pve_gpu_cleanup as cleanup
-from ansible.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as cleanup
 
 SESSION = "/lxc/200/ns/user.slice/user-0.slice/session-3.scope"
 
@@ -29,7 +29,7 @@ def fake_proc(root, pid, *, ppid, comm, argv, nspid=None, cgroup=SESSION, start=
 
 @pytest.fixture
 def proc(tmp_path, monkeypatch):
-    """A fake node /proc under tmp_path (and its cgroup tree), read by pve_gpu_cleanup instead of the real one."""
+    """A fake node /proc under tmp_path (and its cgroup tree), read by gpu_facts instead of the real one."""
     root = tmp_path / "proc"
     cgroups = tmp_path / "cgroup"
     monkeypatch.setattr(cleanup, "read_process", functools.partial(pp.read_process, proc_root=str(root)))

@@ -20,8 +20,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from ansible.module_utils import pve_gpu_cleanup as cleanup
-from ansible.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as cleanup
 
 UUID = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 INIT = 3.0  # seconds from a worker's start to its first "GPU allocation"
@@ -213,7 +213,7 @@ import json, sys
 from types import SimpleNamespace
 sys.path.insert(0, sys.argv[1])
 import conftest  # noqa: F401  (module_utils as ansible.module_utils)
-from ansible.module_utils import pve_gpu_cleanup as cleanup
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as cleanup
 from unit.module_utils import test_gpu_restarts as here
 smi = here.FakeSmi(sys.argv[2])
 cleanup.NvidiaSmi = smi

@@ -11,8 +11,10 @@ import subprocess
 import time
 
 import pytest
-from ansible.module_utils import pve_gpu_cleanup, pve_lock, pve_preflight
-from ansible.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
 
 
 # -- signal_process: the pid-reuse check -------------------------------------------------------------------------
@@ -29,14 +31,14 @@ def test_a_pid_now_naming_another_process_is_never_signalled(sleeper):
     planned = pp.read_process(sleeper.pid)
     # What the step planned was another process that had this pid: it started at another time.
     reused = dataclasses.replace(planned, start_time=planned.start_time - 1)
-    pve_gpu_cleanup.signal_process(reused, signal.SIGKILL)
+    gpu_facts.signal_process(reused, signal.SIGKILL)
     time.sleep(0.2)
     assert sleeper.poll() is None, "a process that only shares the pid was killed"
     assert pp.still_there(planned)
 
 
 def test_the_planned_process_itself_is_signalled(sleeper):
-    pve_gpu_cleanup.signal_process(pp.read_process(sleeper.pid), signal.SIGTERM)
+    gpu_facts.signal_process(pp.read_process(sleeper.pid), signal.SIGTERM)
     assert sleeper.wait(timeout=5) == -signal.SIGTERM
 
 
@@ -44,7 +46,7 @@ def test_a_pid_that_is_gone_is_not_signalled_and_raises_nothing(sleeper):
     planned = pp.read_process(sleeper.pid)
     sleeper.kill()
     sleeper.wait(timeout=5)
-    pve_gpu_cleanup.signal_process(planned, signal.SIGKILL)  # no ProcessLookupError, no other process hit
+    gpu_facts.signal_process(planned, signal.SIGKILL)  # no ProcessLookupError, no other process hit
 
 
 # -- the lock's ttl boundary ---------------------------------------------------------------------------------------
@@ -77,7 +79,7 @@ def disk_check(free_bytes, min_free_gib=20):
         "gpu_uuids": [],
         "space": {"free_bytes": free_bytes, "existing": "/opt"},
     }
-    checks = pve_preflight.evaluate(
+    checks = preflight_facts.evaluate(
         "CT 200 on pve1",
         "pve1",
         facts,
@@ -91,17 +93,17 @@ def disk_check(free_bytes, min_free_gib=20):
 
 
 def test_exactly_min_free_gib_is_enough():
-    check = disk_check(20 * pve_preflight.GIB)
+    check = disk_check(20 * preflight_facts.GIB)
     assert check["ok"] is True
     assert check["detail"].endswith("enough for a new venv")
 
 
 def test_one_byte_less_than_min_free_gib_is_not():
-    check = disk_check(20 * pve_preflight.GIB - 1)
+    check = disk_check(20 * preflight_facts.GIB - 1)
     assert check["ok"] is False
     assert check["detail"].endswith("a new venv needs 20 GiB: free space there or lower preflight_min_free_gib")
 
 
 def test_a_fractional_minimum_has_the_same_boundary():
-    assert disk_check(int(2.5 * pve_preflight.GIB), min_free_gib=2.5)["ok"] is True
-    assert disk_check(int(2.5 * pve_preflight.GIB) - 1, min_free_gib=2.5)["ok"] is False
+    assert disk_check(int(2.5 * preflight_facts.GIB), min_free_gib=2.5)["ok"] is True
+    assert disk_check(int(2.5 * preflight_facts.GIB) - 1, min_free_gib=2.5)["ok"] is False

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import target_facts
 import yaml
-from ansible.module_utils import pve_code, pve_gpu_cleanup, pve_preflight, pve_steps
-from ansible.module_utils.pve_target import Target
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import facts as code_facts
 
 from tests.fakes import FakeRunner, run_module
 
@@ -19,10 +22,10 @@ ANCHORS = yaml.safe_load((ROOT / "tests/unit/library/test_target_facts.yaml").re
 
 def test_a_wedged_node_read_is_a_named_problem_and_the_lock_is_released(tmp_path, monkeypatch):
     monkeypatch.setattr(pve_steps, "node_read_budget", lambda timeout: 0.5, raising=False)  # absent before issue 25
-    monkeypatch.setattr(pve_preflight, "read_node_driver_version", lambda path: "580.159.04")
+    monkeypatch.setattr(preflight_facts, "read_node_driver_version", lambda path: "580.159.04")
     stuck = threading.Event()
     # gpu_processes' node reads as a /proc read of a process with a file on a hung mount sees them: never back.
-    monkeypatch.setattr(pve_gpu_cleanup, "read_node", lambda *args: stuck.wait())
+    monkeypatch.setattr(gpu_facts, "read_node", lambda *args: stuck.wait())
     argv = [*ANCHORS["probe_argv"], json.dumps({"preflight": ANCHORS["payload"]})]
     runner = FakeRunner((argv, (0, json.dumps({"preflight": {"answer": ANCHORS["healthy"]}}), "")))
     specs = pve_steps.validate_specs({"preflight": {"expected_gpu_count": 2}, "gpu_processes": {}})
@@ -53,7 +56,7 @@ def test_a_wedged_node_read_is_a_named_problem_and_the_lock_is_released(tmp_path
 
 
 def test_low_disk_is_a_warning_of_the_pass_before_it_is_a_failure(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(pve_preflight, "read_node_driver_version", lambda path: "580.159.04")
+    monkeypatch.setattr(preflight_facts, "read_node_driver_version", lambda path: "580.159.04")
     answer = dict(ANCHORS["healthy"], space={"path": "/opt", "existing": "/", "free_bytes": 30 * 1024**3})
     argv = [*ANCHORS["probe_argv"], json.dumps({"preflight": ANCHORS["payload"]})]
     runner = FakeRunner((argv, (0, json.dumps({"preflight": {"answer": answer}}), "")))
@@ -73,15 +76,15 @@ def test_a_pending_step_beside_another_steps_problem_leaves_no_lock(tmp_path, mo
     # The run stops at the fact pass's assert when any step has a problem, so no later task would release the
     # lock: the pass must release it itself even though another step has work (issue 20 item 7: a keep rule of
     # `bool(pending)` alone passed every test before this one).
-    monkeypatch.setattr(pve_preflight, "read_node_driver_version", lambda path: "580.159.04")
-    monkeypatch.setattr(pve_gpu_cleanup, "read_node", lambda *args: {})
+    monkeypatch.setattr(preflight_facts, "read_node_driver_version", lambda path: "580.159.04")
+    monkeypatch.setattr(gpu_facts, "read_node", lambda *args: {})
     work = {"changes": ["end pid 4242 (python3)"], "problems": [], "diff": {"before": "", "after": ""}}
-    monkeypatch.setattr(pve_gpu_cleanup, "evaluate_step", lambda *args: dict(work, pending=True))
+    monkeypatch.setattr(gpu_facts, "evaluate_step", lambda *args: dict(work, pending=True))
     # The code step reads nothing in this pass and finds a problem (say, its repository is missing).
-    monkeypatch.setattr(pve_code, "probe_payload", lambda *args: None)
-    monkeypatch.setattr(pve_code, "read_node", lambda *args, **kwargs: {})
+    monkeypatch.setattr(code_facts, "probe_payload", lambda *args: None)
+    monkeypatch.setattr(code_facts, "read_node", lambda *args, **kwargs: {})
     problem = {"changes": [], "problems": ["CT 200: /srv/train is not a git repository"], "diff": {}}
-    monkeypatch.setattr(pve_code, "evaluate_step", lambda *args: dict(problem, pending=False))
+    monkeypatch.setattr(code_facts, "evaluate_step", lambda *args: dict(problem, pending=False))
     argv = [*ANCHORS["probe_argv"], json.dumps({"preflight": ANCHORS["payload"]})]
     runner = FakeRunner((argv, (0, json.dumps({"preflight": {"answer": ANCHORS["healthy"]}}), "")))
     specs = pve_steps.validate_specs(

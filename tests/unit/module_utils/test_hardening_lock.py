@@ -11,8 +11,8 @@ import threading
 import time
 
 import pytest
-from ansible.module_utils import pve_lock
-from ansible.module_utils.pve_lock import LockError, change_lock
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_lock import LockError, change_lock
 
 
 def take(lock_dir, run_id="run-1", **kwargs):

@@ -2,7 +2,7 @@
 
 import os
 
-from ansible.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
 
 
 def fake_proc(tmp_path, links):

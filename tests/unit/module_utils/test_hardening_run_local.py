@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from ansible.module_utils import pve_target
-from ansible.module_utils.pve_target import CommandResult, run_local
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import CommandResult, run_local
 
 # A child that leaves its session (setsid) and keeps stdout/stderr open for 30 s; its pid goes to argv[1].
 DETACHED = """

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import target_lock
-from ansible.module_utils import pve_lock
-from ansible.module_utils.pve_lock import LockError, change_lock
 from ansible.module_utils.testing import patch_module_args
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_lock import LockError, change_lock
 
 from tests.conftest import ROOT
 
@@ -70,9 +70,8 @@ def test_another_owner_under_the_same_run_id_is_another_run(tmp_path):
 # this machine): it takes the lock, says so, and works on until its stdin closes.
 MODULE = """
 import sys
-import ansible.module_utils
-ansible.module_utils.__path__.append(sys.argv[1])
-from ansible.module_utils.pve_lock import change_lock
+sys.path.insert(0, sys.argv[1])
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_lock import change_lock
 change_lock("present", lock_dir=sys.argv[2], vmid=200, run_id="run-1", owner="alice@ctl",
             controller=sys.argv[3], controller_pid=int(sys.argv[4]))
 print("taken", flush=True)
@@ -83,7 +82,7 @@ sys.stdin.read()
 def test_no_takeover_while_the_previous_runs_node_side_module_still_runs(tmp_path):
     here = socket.gethostname()
     module = subprocess.Popen(
-        [sys.executable, "-c", MODULE, str(ROOT / "module_utils"), str(tmp_path), here, str(dead_pid())],
+        [sys.executable, "-c", MODULE, str(ROOT / "collections"), str(tmp_path), here, str(dead_pid())],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -130,7 +129,7 @@ def test_target_lock_releases_only_the_very_run_that_took_it(tmp_path, capsys):
 
 
 def test_the_start_time_is_the_one_the_node_side_process_reads_use():
-    from ansible.module_utils import pve_process  # noqa: PLC0415 (only this test needs it)
+    from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process  # noqa: PLC0415 (only this test needs it)
 
     assert pve_lock.process_start(os.getpid()) == pve_process.read_stat(os.getpid())[2]
     assert pve_lock.process_start(dead_pid()) is None

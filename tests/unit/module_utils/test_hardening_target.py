@@ -9,8 +9,9 @@ import threading
 import time
 
 import pytest
-from ansible.module_utils import pve_probe_preflight, pve_target
-from ansible.module_utils.pve_target import Target, TargetError
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target, TargetError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import probe as preflight_probe
 
 MAX_ARG_STRLEN = 128 * 1024  # Linux: 32 pages, the most one argv string may hold
 
@@ -178,9 +179,9 @@ class UnkillablePopen(subprocess.Popen):
 
 
 def test_the_preflight_probe_never_waits_without_a_deadline_for_a_command_stuck_after_sigkill(monkeypatch):
-    monkeypatch.setattr(pve_probe_preflight.subprocess, "Popen", UnkillablePopen)
+    monkeypatch.setattr(preflight_probe.subprocess, "Popen", UnkillablePopen)
     done = {}
-    worker = threading.Thread(target=lambda: done.update(pve_probe_preflight._run(["sleep", "30"], 1)), daemon=True)
+    worker = threading.Thread(target=lambda: done.update(preflight_probe._run(["sleep", "30"], 1)), daemon=True)
     worker.start()
     worker.join(10)
     assert not worker.is_alive(), "the probe waited without a deadline for a child that outlived SIGKILL"
@@ -192,7 +193,7 @@ def test_the_preflight_probe_never_waits_without_a_deadline_for_a_command_stuck_
 def test_the_preflight_probe_kills_the_whole_group_of_a_command_past_its_deadline(tmp_path):
     marker = tmp_path / "child.pid"
     started = time.monotonic()
-    done = pve_probe_preflight._run(["sh", "-c", f"sleep 30 & echo $! > {marker}; wait"], 1)
+    done = preflight_probe._run(["sh", "-c", f"sleep 30 & echo $! > {marker}; wait"], 1)
     assert time.monotonic() - started < 5
     assert done["timed_out"] is True
     child = int(marker.read_text())

@@ -1,8 +1,8 @@
 """The one nvidia-smi parser, against the real H200 captures in tests/fixtures/h200 (byte for byte copies)."""
 
 import pytest
-from ansible.module_utils import nvidia_smi as smi
-from ansible.module_utils.pve_target import CommandResult
+from ansible_collections.pve_gpu.recover.plugins.module_utils import nvidia_smi as smi
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import CommandResult
 
 from tests.conftest import FIXTURES
 

@@ -1,4 +1,5 @@
-"""module_utils/pve_cache.py, its probe part and its acting script: fingerprints, verdicts, the safety rules.
+"""plugins/module_utils/steps/compile_cache/facts.py, its probe part and its acting script: fingerprints, verdicts,
+the safety rules.
 
 The pure layer (fingerprint comparison, verdicts, refusals, the fact pass's choice of the expected fingerprint,
 changes and diff) is fed hand-made probe answers. The probe part and the script run against real directories in
@@ -14,17 +15,19 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from ansible.module_utils import pve_cache, pve_probe_compile_cache, pve_probe_training_venv
-from ansible.module_utils import pve_script_compile_cache as script
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
-from ansible.module_utils.pve_cache import CacheError
-from ansible.module_utils.pve_target import probe_name
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.facts import CacheError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
 
 from tests.conftest import unavailable
 from tests.fakes import not_shippable, run_probes_program
 
 LABEL = "CT 200 on pve1"
-SPEC = dict(pve_cache.SPEC_DEFAULTS)
+SPEC = dict(cache_facts.SPEC_DEFAULTS)
 H200 = ["NVIDIA H200"]
 CU128 = {"torch": "2.11.0+cu128", "variant": "cu128", "cuda": "12.8", "triton": "3.3.0", "gpus": H200}
 CU130 = {"torch": "2.11.0+cu130", "variant": "cu130", "cuda": "13.0", "triton": "3.3.0", "gpus": H200}
@@ -67,9 +70,7 @@ def answer_of(*roots, torch="2.11.0+cu128", cuda="'12.8'", triton="3.3.0", users
             "path": "/opt/venvs/train",
             "exists": True,
             "site_packages": "/opt/venvs/train/lib/python3.11/site-packages",
-            "torch_version_py": pve_probe_compile_cache.parse_torch_version_py(
-                VERSION_PY.format(version=torch, cuda=cuda)
-            )
+            "torch_version_py": cache_probe.parse_torch_version_py(VERSION_PY.format(version=torch, cuda=cuda))
             if torch
             else None,
             "triton": {"name": "triton", "version": triton} if triton else None,
@@ -101,7 +102,7 @@ def context(**steps):
 
 
 def facts_of(answer, ctx=None, **spec):
-    return pve_cache.evaluate_step(spec_for(answer, **spec), answer, {}, ctx or context())
+    return cache_facts.evaluate_step(spec_for(answer, **spec), answer, {}, ctx or context())
 
 
 STALE = root_of("/tmp/torchinductor_root", stamp=CU130, size=152 * MB)
@@ -113,25 +114,25 @@ MISSING = root_of("/srv/cache/missing", exists=False)
 # -- fingerprints ----------------------------------------------------------------------------------------------
 def test_a_fingerprint_sorts_the_gpu_models_once_each():
     gpus = ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H200"]
-    assert pve_cache.make_fingerprint("2.11.0+cu128", "12.8", "3.3.0", gpus) == {
+    assert cache_facts.make_fingerprint("2.11.0+cu128", "12.8", "3.3.0", gpus) == {
         "torch": "2.11.0+cu128",
         "variant": "cu128",
         "cuda": "12.8",
         "triton": "3.3.0",
         "gpus": ["NVIDIA H100 80GB HBM3", "NVIDIA H200"],
     }
-    assert pve_cache.make_fingerprint("2.13.0+cpu", None, None, [])["variant"] == "cpu"
+    assert cache_facts.make_fingerprint("2.13.0+cpu", None, None, [])["variant"] == "cpu"
 
 
 def test_fingerprints_are_described_and_compared_by_what_differs():
-    assert pve_cache.describe(CU128) == "torch 2.11.0+cu128 (CUDA 12.8), triton 3.3.0, NVIDIA H200"
-    cpu = pve_cache.make_fingerprint("2.13.0+cpu", None, None, [])
-    assert pve_cache.describe(cpu) == "torch 2.13.0+cpu (no CUDA), no triton, no GPU"
-    assert pve_cache.differences(CU130, CU128) == "stamped for torch 2.11.0+cu130, now 2.11.0+cu128"
-    assert pve_cache.differences(dict(CU128, triton="3.2.0"), CU128) == "stamped for triton 3.2.0, now 3.3.0"
-    assert pve_cache.differences(dict(CU128, cuda="12.6"), CU128) == "stamped for CUDA 12.6, now 12.8"
+    assert cache_facts.describe(CU128) == "torch 2.11.0+cu128 (CUDA 12.8), triton 3.3.0, NVIDIA H200"
+    cpu = cache_facts.make_fingerprint("2.13.0+cpu", None, None, [])
+    assert cache_facts.describe(cpu) == "torch 2.13.0+cpu (no CUDA), no triton, no GPU"
+    assert cache_facts.differences(CU130, CU128) == "stamped for torch 2.11.0+cu130, now 2.11.0+cu128"
+    assert cache_facts.differences(dict(CU128, triton="3.2.0"), CU128) == "stamped for triton 3.2.0, now 3.3.0"
+    assert cache_facts.differences(dict(CU128, cuda="12.6"), CU128) == "stamped for CUDA 12.6, now 12.8"
     assert (
-        pve_cache.differences(dict(CU128, gpus=["NVIDIA H100 80GB HBM3"]), CU128)
+        cache_facts.differences(dict(CU128, gpus=["NVIDIA H100 80GB HBM3"]), CU128)
         == "stamped for GPUs NVIDIA H100 80GB HBM3, now NVIDIA H200"
     )
 
@@ -152,7 +153,7 @@ def test_a_stamp_compares_exactly_local_tag_included_and_ignores_gpu_order():
     [(0, "0 bytes"), (1, "1 byte"), (999, "999 bytes"), (1500, "1.5 kB"), (152 * MB, "152 MB"), (3 * 10**9, "3.0 GB")],
 )
 def test_sizes_are_shown_in_decimal_units(size, shown):
-    assert pve_cache.human_size(size) == shown
+    assert cache_facts.human_size(size) == shown
 
 
 # -- verdicts, changes, diff -----------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def test_the_warm_up_runs_after_a_purge_or_when_every_root_is_cold(roots, planne
 
 def test_the_warm_up_environment_is_the_users_single_threaded_inductor_in_the_first_root():
     spec = dict(SPEC, warmup_env={"CUDA_VISIBLE_DEVICES": 0, "HOME": "/scratch", "TRACE": True})
-    assert pve_cache.warmup_environment(spec, "/root", "/tmp/torchinductor_root") == {
+    assert cache_facts.warmup_environment(spec, "/root", "/tmp/torchinductor_root") == {
         "PATH": "/opt/venvs/train/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": "/scratch",
         "USER": "root",
@@ -341,7 +342,7 @@ def test_the_warm_up_environment_is_the_users_single_threaded_inductor_in_the_fi
     ],
 )
 def test_the_refusal_rules(path, reason):
-    assert pve_cache.refusal(path, HOMES) == reason  # pve_ct_fs.refusal: the node, the probe and the script apply it
+    assert cache_facts.refusal(path, HOMES) == reason  # pve_ct_fs.refusal: the node, the probe and the script apply it
 
 
 def test_a_symlinked_root_is_judged_by_where_it_resolves_too():
@@ -456,11 +457,11 @@ def test_a_process_scan_cut_short_blocks_a_purge():
 )
 def test_an_answer_that_is_not_the_probes_is_a_clear_error(answer, message):
     with pytest.raises(CacheError, match=re.escape(message)):
-        pve_cache.evaluate_step(dict(SPEC, roots=["/tmp/torchinductor_root"]), answer, {}, context())
+        cache_facts.evaluate_step(dict(SPEC, roots=["/tmp/torchinductor_root"]), answer, {}, context())
 
 
 def test_the_spec_validates_with_ansible_and_fills_defaults():
-    result = ArgumentSpecValidator(pve_cache.SPEC).validate({})
+    result = ArgumentSpecValidator(cache_facts.SPEC).validate({})
     assert result.error_messages == []
     assert result.validated_parameters == {
         "user": "root",
@@ -472,7 +473,7 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
         "warmup_env": {},
         "unattended": False,
     }
-    assert pve_cache.check_spec(result.validated_parameters) == ""
+    assert cache_facts.check_spec(result.validated_parameters) == ""
 
 
 @pytest.mark.parametrize(
@@ -495,13 +496,13 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
     ],
 )
 def test_check_spec_names_settings_that_cannot_work(changed, message):
-    assert pve_cache.check_spec(dict(SPEC, **changed)).startswith(message)
+    assert cache_facts.check_spec(dict(SPEC, **changed)).startswith(message)
 
 
 def test_the_step_plugs_into_the_registry():
-    assert pve_cache.NAME == "compile_cache"
-    assert probe_name(pve_cache.PROBE) == pve_cache.NAME
-    assert pve_cache.probe_payload(SPEC, 30) == {
+    assert cache_facts.NAME == "compile_cache"
+    assert probe_name(cache_facts.PROBE) == cache_facts.NAME
+    assert cache_facts.probe_payload(SPEC, 30) == {
         "user": "root",
         "venv": "/opt/venvs/train",
         "roots": ["/tmp/torchinductor_{user}", "{home}/.triton/cache"],
@@ -509,25 +510,25 @@ def test_the_step_plugs_into_the_registry():
         "timeout": 30,
         "nvidia_smi_argv": None,  # the fact pass has the GPU models from preflight
     }
-    assert pve_cache.probe_payload(SPEC, 30, gpus=True)["nvidia_smi_argv"] == [
+    assert cache_facts.probe_payload(SPEC, 30, gpus=True)["nvidia_smi_argv"] == [
         "nvidia-smi",
         "--query-gpu=name",
         "--format=csv",
     ]
-    assert pve_cache.read_node(SPEC, None, {}, context()) == {}
+    assert cache_facts.read_node(SPEC, None, {}, context()) == {}
     facts = facts_of(answer_of(STALE, UNSTAMPED))
     assert {"changes", "problems", "diff", "pending", "roots", "expected", "refused"} <= set(facts)
 
 
-@pytest.mark.parametrize("module", [pve_probe_compile_cache, script])
+@pytest.mark.parametrize("module", [cache_probe, script])
 def test_the_shipped_parts_import_only_the_standard_library_and_what_they_ship(module):
     assert not_shippable(module) == set()
 
 
 def test_version_py_is_read_as_the_training_venv_probe_reads_it():
     for text in (VERSION_PY.format(version="2.11.0+cu130", cuda="'13.0'"), "__version__ = '2.13.0+cpu'\ncuda = None\n"):
-        ours = pve_probe_compile_cache.parse_torch_version_py(text)
-        theirs = pve_probe_training_venv.parse_torch_version_py(text)
+        ours = cache_probe.parse_torch_version_py(text)
+        theirs = venv_probe.parse_torch_version_py(text)
         assert {k: ours[k] for k in ("version", "cuda", "git_version")} == {
             k: theirs[k] for k in ("version", "cuda", "git_version")
         }
@@ -551,8 +552,8 @@ def write_stamp(root, fingerprint):
 
 
 def probe_of(tmp_path, roots, **spec):
-    payload = pve_cache.probe_payload(dict(SPEC, venv=str(tmp_path / "venv"), roots=roots, **spec), 30)
-    return pve_probe_compile_cache.probe(payload)
+    payload = cache_facts.probe_payload(dict(SPEC, venv=str(tmp_path / "venv"), roots=roots, **spec), 30)
+    return cache_probe.probe(payload)
 
 
 def test_the_probe_reads_the_venv_from_its_files(tmp_path):
@@ -566,20 +567,20 @@ def test_the_probe_reads_the_venv_from_its_files(tmp_path):
     record = nightly / "lib" / "python3.11" / "site-packages" / "pytorch_triton-3.4.0+git1b0418a9.dist-info"
     record.mkdir()
     (record / "METADATA").write_text("Name: pytorch-triton\nVersion: 3.4.0+git1b0418a9\n\n")
-    assert pve_probe_compile_cache.read_venv(str(nightly))["triton"] == {
+    assert cache_probe.read_venv(str(nightly))["triton"] == {
         "name": "pytorch-triton",
         "version": "3.4.0+git1b0418a9",
     }
-    assert pve_probe_compile_cache.read_venv(str(tmp_path / "none"))["exists"] is False
+    assert cache_probe.read_venv(str(tmp_path / "none"))["exists"] is False
 
 
 def test_the_probe_expands_the_templates_for_the_user():
-    answer = pve_probe_compile_cache.probe(pve_cache.probe_payload(dict(SPEC, venv="/nonexistent/venv"), 30))
+    answer = cache_probe.probe(cache_facts.probe_payload(dict(SPEC, venv="/nonexistent/venv"), 30))
     home = answer["user"]["home"]
     assert [r["path"] for r in answer["roots"]] == ["/tmp/torchinductor_root", f"{home}/.triton/cache"]
     assert answer["homes"][home] == ["root"] or "root" in answer["homes"][home]
-    assert pve_probe_compile_cache.expand("{home}/.triton/cache", "bob", None) is None
-    assert pve_cache.clean("//.triton//cache/") == "/.triton/cache"
+    assert cache_probe.expand("{home}/.triton/cache", "bob", None) is None
+    assert cache_facts.clean("//.triton//cache/") == "/.triton/cache"
 
 
 def test_the_probe_walks_by_lstat_names_links_out_and_reads_stamps_without_following(tmp_path):
@@ -618,7 +619,7 @@ def test_the_probe_resolves_a_symlinked_root(tmp_path):
     assert (link["is_link"], link["real_path"], link["is_dir"]) == (True, str(tmp_path / "real"), True)
     assert (slash["real_path"], slash["walk"]) == ("/", slash["walk"])
     assert dangling["exists"] is False
-    facts = pve_cache.module_facts(dict(SPEC, roots=[r["template"] for r in answer["roots"]]), answer, LABEL)
+    facts = cache_facts.module_facts(dict(SPEC, roots=[r["template"] for r in answer["roots"]]), answer, LABEL)
     assert facts["roots"][1]["reason"] == "it resolves through a symlink to /, and is the filesystem root /"
 
 
@@ -650,8 +651,8 @@ def test_the_probe_runs_as_the_fact_pass_ships_it_on_python_3_9(tmp_path):
     root = tmp_path / "inductor"
     root.mkdir()
     write_stamp(root, CU130)
-    payload = pve_cache.probe_payload(dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root)]), 30)
-    answer = run_probes_program(python, {"compile_cache": (pve_probe_compile_cache, payload)})["compile_cache"]
+    payload = cache_facts.probe_payload(dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root)]), 30)
+    answer = run_probes_program(python, {"compile_cache": (cache_probe, payload)})["compile_cache"]
     assert "error" not in answer, answer
     assert answer["answer"]["roots"][0]["stamp"]["fingerprint"] == CU130
 
@@ -720,7 +721,7 @@ def test_a_purge_cut_short_leaves_a_marker_that_is_never_adopted(tmp_path, monke
     assert (done["error"], done["message"]) == ("os_error", "Input/output error (a/f)")
     answer = probe_of(tmp_path, [str(root)])
     assert answer["roots"][0]["stamp"]["reason"] == "a purge of it was interrupted"
-    assert pve_cache.module_facts(dict(SPEC, roots=[str(root)]), answer, LABEL)["roots"][0]["verdict"] == "stale"
+    assert cache_facts.module_facts(dict(SPEC, roots=[str(root)]), answer, LABEL)["roots"][0]["verdict"] == "stale"
 
 
 def test_a_directory_mounted_inside_a_root_is_left_alone(tmp_path):
@@ -808,14 +809,14 @@ def test_a_stamp_is_written_atomically_and_owned_like_its_directory(tmp_path):
 
 def test_the_step_fits_the_registry():
     # The registry's own validation and probe-part assembly, with the step's check_spec.
-    from ansible.module_utils import pve_steps  # noqa: PLC0415
+    from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps  # noqa: PLC0415
 
-    assert pve_steps.load_step("compile_cache") is pve_cache
+    assert pve_steps.load_step("compile_cache") is cache_facts
     specs = pve_steps.validate_specs({"compile_cache": {"roots": ["/tmp/torchinductor_{user}"], "warmup": ["true"]}})
     assert specs["compile_cache"] == dict(SPEC, roots=["/tmp/torchinductor_{user}"], warmup=["true"])
     assert pve_steps.probe_parts(specs, 60)["compile_cache"] == (
-        pve_probe_compile_cache,
-        pve_cache.probe_payload(specs["compile_cache"], 60),
+        cache_probe,
+        cache_facts.probe_payload(specs["compile_cache"], 60),
     )
     with pytest.raises(pve_steps.StepSpecError, match=re.escape("settings of step compile_cache: the root '/x/{uid}'")):
         pve_steps.validate_specs({"compile_cache": {"roots": ["/x/{uid}"]}})

@@ -1,4 +1,5 @@
-"""module_utils/pve_code.py: the porcelain parser, the settings check and the facts of the training code step.
+"""plugins/module_utils/steps/training_code/facts.py: the porcelain parser, the settings check and the facts of the
+training code step.
 
 Everything here is pure: status text as ``git status --porcelain=v1 -z --untracked-files=all`` writes it (renames
 with their original path in the next field, names with spaces and newlines unquoted) and probe answers in, facts
@@ -6,10 +7,12 @@ out. The probe part and the reset script against real repositories are in tests/
 """
 
 import pytest
-from ansible.module_utils import pve_code, pve_ct_git, pve_probe_training_code
-from ansible.module_utils import pve_script_training_code as script
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
-from ansible.module_utils.pve_code import CodeError
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import facts as code_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import script
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code.facts import CodeError
 
 from tests.fakes import not_shippable
 
@@ -17,7 +20,7 @@ LABEL = "CT 200 on pve1"
 CONTEXT = {"target": {"label": LABEL, "node": "pve1", "vmid": 200}, "check_mode": True, "steps": {}}
 PINNED = "4f3c2a1b0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b"
 OTHER = "9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d"
-SPEC = dict(pve_code.SPEC_DEFAULTS, commit=PINNED)
+SPEC = dict(code_facts.SPEC_DEFAULTS, commit=PINNED)
 # A tree after a week of experiments: a monkey-patch in the model file, a staged change, a staged rename with
 # spaces, a file both staged and edited again, untracked notes (one with a newline in its name).
 STATUS = (
@@ -53,12 +56,12 @@ def answer(**changed):
 
 
 def evaluate(spec=None, **changed):
-    return pve_code.evaluate_step(spec or SPEC, answer(**changed), {}, CONTEXT)
+    return code_facts.evaluate_step(spec or SPEC, answer(**changed), {}, CONTEXT)
 
 
 # -- the porcelain ---------------------------------------------------------------------------------------------
 def test_porcelain_z_is_split_at_nul_only_with_renames_taking_their_original_path():
-    assert pve_code.parse_status(STATUS) == [
+    assert code_facts.parse_status(STATUS) == [
         {"code": " M", "path": "model.py", "orig": None},
         {"code": "M ", "path": "data.py", "orig": None},
         {"code": "R ", "path": "loaders/new loader.py", "orig": "loaders/old loader.py"},
@@ -66,12 +69,12 @@ def test_porcelain_z_is_split_at_nul_only_with_renames_taking_their_original_pat
         {"code": "??", "path": "notes.txt", "orig": None},
         {"code": "??", "path": "runs/notes\nv2.txt", "orig": None},
     ]
-    assert pve_code.parse_status("") == []
+    assert code_facts.parse_status("") == []
 
 
 def test_a_copy_and_a_rename_in_the_work_tree_column_take_their_original_path_too():
     text = "C  b.py\0a.py\0 R c.py\0d.py\0A  e f.py\0"
-    assert [(e["code"], e["path"], e["orig"]) for e in pve_code.parse_status(text)] == [
+    assert [(e["code"], e["path"], e["orig"]) for e in code_facts.parse_status(text)] == [
         ("C ", "b.py", "a.py"),
         (" R", "c.py", "d.py"),
         ("A ", "e f.py", None),
@@ -88,11 +91,11 @@ def test_a_copy_and_a_rename_in_the_work_tree_column_take_their_original_path_to
 )
 def test_status_text_git_never_writes_is_refused(text, message):
     with pytest.raises(CodeError, match=message):
-        pve_code.parse_status(text)
+        code_facts.parse_status(text)
 
 
 def test_dirty_paths_are_listed_per_state_a_rename_as_old_to_new():
-    assert pve_code.dirty_of(pve_code.parse_status(STATUS)) == {
+    assert code_facts.dirty_of(code_facts.parse_status(STATUS)) == {
         "staged": ["data.py", "loaders/old loader.py -> loaders/new loader.py", "train.py"],
         "unstaged": ["model.py", "train.py"],
         "untracked": ["notes.txt", "runs/notes\nv2.txt"],
@@ -100,7 +103,7 @@ def test_dirty_paths_are_listed_per_state_a_rename_as_old_to_new():
 
 
 def test_status_lines_read_like_porcelain_and_a_newline_cannot_forge_a_line():
-    assert pve_code.status_lines(pve_code.parse_status(STATUS)) == [
+    assert code_facts.status_lines(code_facts.parse_status(STATUS)) == [
         " M model.py",
         "M  data.py",
         "R  loaders/old loader.py -> loaders/new loader.py",
@@ -108,13 +111,13 @@ def test_status_lines_read_like_porcelain_and_a_newline_cannot_forge_a_line():
         "?? notes.txt",
         '?? "runs/notes\\nv2.txt"',
     ]
-    assert pve_code.quote('say "hi"\\') == '"say \\"hi\\"\\\\"'
-    assert pve_code.quote("päth with space") == "päth with space"
+    assert code_facts.quote('say "hi"\\') == '"say \\"hi\\"\\\\"'
+    assert code_facts.quote("päth with space") == "päth with space"
 
 
 def test_the_container_side_splits_status_like_the_parser():
     # The probe and the script split it with pve_ct_git in the target; it must agree with the node's parser.
-    parsed = [(e["code"], e["path"], e["orig"]) for e in pve_code.parse_status(STATUS)]
+    parsed = [(e["code"], e["path"], e["orig"]) for e in code_facts.parse_status(STATUS)]
     assert pve_ct_git.status_entries(STATUS.encode()) == parsed
 
 
@@ -123,12 +126,12 @@ def test_the_container_side_splits_status_like_the_parser():
     [(2, 1, "2 changed and 1 untracked files"), (1, 0, "1 changed file"), (0, 1, "1 untracked file")],
 )
 def test_counts_read_as_a_phrase(changed, untracked, phrase):
-    assert pve_code.count_phrase(changed, untracked) == phrase
+    assert code_facts.count_phrase(changed, untracked) == phrase
 
 
 # -- settings --------------------------------------------------------------------------------------------------
 def test_the_spec_validates_with_its_defaults():
-    result = ArgumentSpecValidator(pve_code.SPEC).validate({"commit": PINNED})
+    result = ArgumentSpecValidator(code_facts.SPEC).validate({"commit": PINNED})
     assert result.error_messages == []
     assert result.validated_parameters == {
         "path": "/srv/train",
@@ -160,13 +163,13 @@ def test_the_spec_validates_with_its_defaults():
     ],
 )
 def test_settings_that_cannot_work_are_named(changed, message):
-    found = pve_code.check_spec(dict(SPEC, **changed))
+    found = code_facts.check_spec(dict(SPEC, **changed))
     assert found.startswith(message)
     assert bool(found) == bool(message)
 
 
 def test_the_probe_payload_names_the_commit_in_lower_case():
-    assert pve_code.probe_payload(dict(SPEC, commit=PINNED.upper()), 30) == {
+    assert code_facts.probe_payload(dict(SPEC, commit=PINNED.upper()), 30) == {
         "path": "/srv/train",
         "commit": PINNED,
         "git": "git",
@@ -335,20 +338,20 @@ def test_without_a_repository_the_diff_before_is_empty():
 def test_an_answer_of_the_wrong_shape_is_refused(broken, message):
     found = broken if isinstance(broken, list) else answer(**broken)
     with pytest.raises(CodeError, match=message):
-        pve_code.evaluate_step(SPEC, found, {}, CONTEXT)
+        code_facts.evaluate_step(SPEC, found, {}, CONTEXT)
 
 
 def test_a_missing_key_is_refused_too():
     found = answer()
     del found["commit_present"]
     with pytest.raises(CodeError, match="answered no 'commit_present'"):
-        pve_code.evaluate_step(SPEC, found, {}, CONTEXT)
+        code_facts.evaluate_step(SPEC, found, {}, CONTEXT)
 
 
 def test_nothing_on_the_node():
-    assert pve_code.read_node(SPEC, None, answer(), CONTEXT) == {}
+    assert code_facts.read_node(SPEC, None, answer(), CONTEXT) == {}
 
 
-@pytest.mark.parametrize("module", [pve_probe_training_code, script])
+@pytest.mark.parametrize("module", [code_probe, script])
 def test_the_parts_that_travel_import_only_the_standard_library_and_what_they_ship(module):
     assert not_shippable(module) == set()

@@ -6,8 +6,8 @@ import sys
 import time
 
 import pytest
-from ansible.module_utils import pve_process as pp
-from ansible.module_utils.pve_gpu_cleanup import DEFAULT_LAUNCHERS
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import DEFAULT_LAUNCHERS
 
 from tests.conftest import FIXTURES
 

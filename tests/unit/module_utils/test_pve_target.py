@@ -8,14 +8,12 @@ import types
 from pathlib import Path
 
 import pytest
-from ansible.module_utils import (
-    pve_cache,
-    pve_probe_compile_cache,
-    pve_probe_preflight,
-    pve_probe_training_code,
-    pve_target,
-)
-from ansible.module_utils.pve_target import Target, TargetError
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs, pve_ct_git, pve_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target, TargetError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import probe as preflight_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
 
 from tests.fakes import FakeRunner
 from tests.unit.module_utils.test_pve_cache import CU130, SPEC, fake_venv, write_stamp
@@ -189,7 +187,7 @@ def test_probe_in_a_container_is_one_pct_exec_with_sources_and_payloads_on_stdin
         calls.append((argv, stdin))
         return pve_target.CommandResult(argv=argv, rc=0, stdout='{"preflight": {"answer": {"ok": 1}}}', stderr="")
 
-    assert ct(runner).run_probe(pve_probe_preflight, {"a": 1}) == {"ok": 1}
+    assert ct(runner).run_probe(preflight_probe, {"a": 1}) == {"ok": 1}
     [(argv, stdin)] = calls
     # The argv is fixed, whatever the payload: the data travels on stdin (issue 25 item 8).
     assert argv == [*CT_PREFIX, "python3", "-I", "-c", pve_target.PROBES_MAIN]
@@ -203,7 +201,7 @@ def test_probe_failure_says_which_probe_and_why():
         ([*CT_PREFIX, "python3", "-I", "-", '{"preflight": {}}'], (1, "", "Traceback\nKeyError: 'x'\n"))
     )
     with pytest.raises(TargetError, match=r"the preflight probe failed \(exit 1\): KeyError: 'x'"):
-        ct(runner).run_probe(pve_probe_preflight, {})
+        ct(runner).run_probe(preflight_probe, {})
 
 
 @pytest.mark.parametrize(
@@ -214,7 +212,7 @@ def test_probe_failure_says_which_probe_and_why():
 def test_a_probe_answer_of_the_wrong_shape_is_a_clear_error(stdout):
     runner = FakeRunner(([*CT_PREFIX, "python3", "-I", "-", '{"preflight": {}}'], (0, stdout, "")))
     with pytest.raises(TargetError, match=r"CT 200 on pve1: the preflight probe") as error:
-        ct(runner).run_probe(pve_probe_preflight, {})
+        ct(runner).run_probe(preflight_probe, {})
     assert error.value.kind == "probe"
 
 
@@ -255,8 +253,8 @@ def test_parts_with_shared_modules_answer_in_a_ct_exactly_as_on_a_bare_host(tmp_
     spec = dict(SPEC, venv=str(tmp_path / "venv"), roots=[str(root), str(tmp_path / "link")])
     (tmp_path / "link").symlink_to(root)
     parts = {
-        "compile_cache": (pve_probe_compile_cache, pve_cache.probe_payload(spec, 30)),
-        "training_code": (pve_probe_training_code, {"path": str(tmp_path / "code"), "commit": "ab" * 20}),
+        "compile_cache": (cache_probe, cache_facts.probe_payload(spec, 30)),
+        "training_code": (code_probe, {"path": str(tmp_path / "code"), "commit": "ab" * 20}),
     }
     calls = []
 
@@ -267,7 +265,7 @@ def test_parts_with_shared_modules_answer_in_a_ct_exactly_as_on_a_bare_host(tmp_
     in_ct = ct(one_pct_exec).run_probes(parts)
     on_host = Target(runner=FakeRunner()).run_probes(parts)
     assert len(calls) == 1
-    assert list(json.loads(calls[0])["shared"]) == ["pve_ct_fs", "pve_ct_git"]
+    assert list(json.loads(calls[0])["shared"]) == [pve_ct_fs.__name__, pve_ct_git.__name__]
     for name in parts:
         assert "error" not in in_ct[name], in_ct[name]
         assert dict(in_ct[name]["answer"], pid=None) == dict(on_host[name]["answer"], pid=None)  # pid: its own
@@ -296,6 +294,23 @@ def test_a_part_never_imports_an_ansible_found_where_it_runs():
     assert answers["greedy"]["error"].startswith("ImportError: cannot import name 'basic'"), answers
 
 
+def test_a_part_never_imports_a_module_of_ours_that_was_not_shipped_with_it():
+    # A CT may hold a copy of this collection (an older one): a part gets only the modules its SHARED names.
+    part = types.ModuleType("pve_probe_greedy")
+    source = (
+        "def probe(payload):\n"
+        "    from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock\n"
+        "    return 1\n"
+    )
+    original = pve_target.inspect.getsource
+    pve_target.inspect.getsource = lambda module: source
+    try:
+        answers = ct(run_in_real_python).run_probes({"greedy": (part, {})})
+    finally:
+        pve_target.inspect.getsource = original
+    assert answers["greedy"]["error"].startswith("ImportError: cannot import name 'pve_lock'"), answers
+
+
 def test_probe_on_a_bare_host_runs_in_process(tmp_path):
     payload = {
         "device_globs": [str(tmp_path / "nvidia*")],
@@ -304,7 +319,7 @@ def test_probe_on_a_bare_host_runs_in_process(tmp_path):
         "nvidia_smi_argv": ["true"],
         "space_path": str(tmp_path / "new" / "dir"),
     }
-    answer = Target(runner=FakeRunner()).run_probe(pve_probe_preflight, payload)
+    answer = Target(runner=FakeRunner()).run_probe(preflight_probe, payload)
     assert answer["devices"] == []
     assert answer["kernel_version_text"] is None
     assert answer["nvidia_smi"]["rc"] == 0

@@ -1,7 +1,7 @@
-"""module_utils/pve_text.py: text a container chose is shown on one line, every control character escaped."""
+"""plugins/module_utils/pve_text.py: text a container chose is shown on one line, every control character escaped."""
 
 import pytest
-from ansible.module_utils.pve_text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
 
 
 @pytest.mark.parametrize(

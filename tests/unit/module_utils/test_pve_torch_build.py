@@ -1,10 +1,11 @@
-"""module_utils/pve_torch_build.py: what a torch version says about its build; and what the fact pass imports."""
+"""plugins/module_utils/pve_torch_build.py: what a torch version says about its build; and what the fact pass
+imports."""
 
 import subprocess
 import sys
 
 import pytest
-from ansible.module_utils import pve_torch_build
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_torch_build
 
 from tests.conftest import ROOT
 
@@ -38,18 +39,22 @@ def test_the_verify_step_imports_none_of_the_other_steps_modules():
     """The node compiles every module the fact pass imports, every run: verify alone must not pull in the venv,
     compile-cache or GPU steps' modules (a converged run with those steps off pays for none of them)."""
     program = (
-        "import sys, ansible.module_utils as u; u.__path__.append(sys.argv[1]);"
-        "from ansible.module_utils import pve_verify;"
-        "print(sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.startswith('ansible.module_utils.pve_')))"
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts;"
+        "prefix = 'ansible_collections.pve_gpu.recover.plugins.module_utils.';"
+        "print(' '.join(sorted(m[len(prefix):] for m in sys.modules if m.startswith(prefix) and m.count('.') > 4)))"
     )
     done = subprocess.run(
-        [sys.executable, "-c", program, str(ROOT / "module_utils")], capture_output=True, text=True, check=True
+        [sys.executable, "-c", program, str(ROOT / "collections")], capture_output=True, text=True, check=True
     )
     # pve_ct_venv: the venv-safety check its probe part ships into the target (SHARED), a few dozen lines.
     assert done.stdout.split() == [
-        "['pve_ct_venv',",
-        "'pve_errors',",
-        "'pve_probe_verify',",
-        "'pve_torch_build',",
-        "'pve_verify']",
+        "nvidia_smi",
+        "pve_ct_venv",
+        "pve_errors",
+        "pve_torch_build",
+        "steps",
+        "steps.verify",
+        "steps.verify.facts",
+        "steps.verify.probe",
     ]

@@ -1,4 +1,5 @@
-"""module_utils/pve_venv.py and its probe part: the lock, the venv's versions, the drift, read from real venvs.
+"""plugins/module_utils/steps/training_venv/facts.py and its probe part: the lock, the venv's versions, the drift,
+read from real venvs.
 
 The pure functions are fed the fixtures of tests/fixtures/venv. The probe part runs against real venvs built
 in tmp_path with uv: tiny packages from PyPI (skipped when PyPI cannot be reached), hand-made torch wheels
@@ -19,10 +20,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from ansible.module_utils import pve_probe_training_venv, pve_venv
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
-from ansible.module_utils.pve_target import probe_name
-from ansible.module_utils.pve_venv import VenvError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.facts import VenvError
 
 from tests.conftest import FIXTURES, ROOT, unavailable
 from tests.fakes import run_probes_program
@@ -32,9 +34,9 @@ LOCK = (VENV_FIXTURES / "lock_cu128.txt").read_text()
 VERSION_PY_CU130 = (VENV_FIXTURES / "version_py_cu130.txt").read_text()
 VERSION_PY_CU128 = VERSION_PY_CU130.replace("cu130", "cu128").replace("'13.0'", "'12.8'")
 CONTEXT = {"target": {"label": "CT 200 on pve1", "node": "pve1", "vmid": 200}, "check_mode": True, "steps": {}}
-SPEC = dict(pve_venv.SPEC_DEFAULTS, lock=LOCK)
+SPEC = dict(venv_facts.SPEC_DEFAULTS, lock=LOCK)
 PATH = SPEC["path"]
-LOCKED = pve_venv.parse_lock(LOCK)["distributions"]
+LOCKED = venv_facts.parse_lock(LOCK)["distributions"]
 TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
 UV = shutil.which("uv", path=str(ROOT / ".venv" / "bin")) or shutil.which("uv")
 UV_ENV = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_NO_CONFIG="1", UV_NO_PROGRESS="1")
@@ -58,7 +60,7 @@ def answer_of(distributions, version_py=VERSION_PY_CU128, **changed):
         "site_packages": f"{PATH}/lib/python3.11/site-packages",
         "distributions": distributions,
         "broken": [],
-        "torch_version_py": pve_probe_training_venv.parse_torch_version_py(version_py) if version_py else None,
+        "torch_version_py": venv_probe.parse_torch_version_py(version_py) if version_py else None,
         "errors": [],
         **changed,
     }
@@ -81,18 +83,18 @@ ABSENT = dict(answer_of([], None), exists=False, directory=False, python=None, p
     ],
 )
 def test_names_are_compared_in_pep_503_form(name, canonical):
-    assert pve_venv.canonical_name(name) == canonical
+    assert venv_facts.canonical_name(name) == canonical
 
 
 def test_freeze_lines_are_sorted_with_one_line_per_record():
     versions = {"torch": "2.11.0+cu128", "six": "1.17.0", "numpy": "2.3.3, 2.3.4"}
-    assert pve_venv.freeze_lines(versions) == "numpy==2.3.3\nnumpy==2.3.4\nsix==1.17.0\ntorch==2.11.0+cu128\n"
-    assert pve_venv.freeze_lines({}) == ""
+    assert venv_facts.freeze_lines(versions) == "numpy==2.3.3\nnumpy==2.3.4\nsix==1.17.0\ntorch==2.11.0+cu128\n"
+    assert venv_facts.freeze_lines({}) == ""
 
 
 # -- the lock --------------------------------------------------------------------------------------------------
 def test_a_uv_lock_gives_its_pins_indexes_torch_index_and_python():
-    lock = pve_venv.parse_lock(LOCK)
+    lock = venv_facts.parse_lock(LOCK)
     assert len(lock["distributions"]) == 26
     assert lock["distributions"]["torch"] == "2.11.0+cu128"
     assert lock["distributions"]["nvidia-cudnn-cu12"] == "9.10.2.21"
@@ -106,7 +108,7 @@ def test_a_uv_lock_gives_its_pins_indexes_torch_index_and_python():
 
 
 def test_index_options_in_every_spelling_and_inline_comments_markers_extras():
-    lock = pve_venv.parse_lock(
+    lock = venv_facts.parse_lock(
         "-i https://mirror.example/simple\n"
         "--extra-index-url=https://download.pytorch.org/whl/cu128/\n"
         "--find-links /srv/wheels\n"
@@ -123,8 +125,8 @@ def test_index_options_in_every_spelling_and_inline_comments_markers_extras():
 
 
 def test_a_lock_without_an_index_for_torch_names_none():
-    assert pve_venv.parse_lock("torch==2.11.0+cu128\n")["torch_index"] is None
-    assert pve_venv.parse_lock("six==1.17.0\n")["torch_index"] is None
+    assert venv_facts.parse_lock("torch==2.11.0+cu128\n")["torch_index"] is None
+    assert venv_facts.parse_lock("six==1.17.0\n")["torch_index"] is None
 
 
 @pytest.mark.parametrize(
@@ -144,42 +146,42 @@ def test_a_lock_without_an_index_for_torch_names_none():
 )
 def test_a_lock_that_is_not_exact_pins_is_refused_naming_the_line(text, message):
     with pytest.raises(VenvError, match=message) as raised:
-        pve_venv.parse_lock(text)
+        venv_facts.parse_lock(text)
     assert raised.value.kind == "lock"
     assert "uv pip compile --generate-hashes" in str(raised.value) or "python-platform" in str(raised.value)
 
 
 def test_a_continued_pin_ends_at_a_comment_line_and_its_line_number_is_its_first():
-    lock = pve_venv.parse_lock("idna==3.10 \\\n# a comment\nsix==1.17.0\n")
+    lock = venv_facts.parse_lock("idna==3.10 \\\n# a comment\nsix==1.17.0\n")
     assert lock["distributions"] == {"idna": "3.10", "six": "1.17.0"}
     with pytest.raises(VenvError, match="line 3: `six>=1` is not"):
-        pve_venv.parse_lock("idna==3.10 \\\n# a comment\nsix>=1\n")
+        venv_facts.parse_lock("idna==3.10 \\\n# a comment\nsix>=1\n")
     with pytest.raises(VenvError, match=re.escape("line 2: `torch~=2.11 --hash=sha256:aa` is not")):
-        pve_venv.parse_lock("idna==3.10\ntorch~=2.11 \\\n    --hash=sha256:aa\n")
+        venv_facts.parse_lock("idna==3.10\ntorch~=2.11 \\\n    --hash=sha256:aa\n")
 
 
 # -- installed versions ----------------------------------------------------------------------------------------
 def test_pypi_torch_says_its_build_only_in_version_py():
     answer = answer_of([{"name": "torch", "version": "2.11.0"}], VERSION_PY_CU130)
-    assert pve_venv.installed_versions(answer) == {"torch": "2.11.0+cu130"}
-    assert pve_venv.installed_versions(answer, LOCKED) == {"torch": "2.11.0+cu130"}
+    assert venv_facts.installed_versions(answer) == {"torch": "2.11.0+cu130"}
+    assert venv_facts.installed_versions(answer, LOCKED) == {"torch": "2.11.0+cu130"}
 
 
 def test_an_index_wheel_says_its_build_in_both():
     answer = answer_of([{"name": "torch", "version": "2.11.0+cu128"}], VERSION_PY_CU128)
-    assert pve_venv.installed_versions(answer) == {"torch": "2.11.0+cu128"}
+    assert venv_facts.installed_versions(answer) == {"torch": "2.11.0+cu128"}
 
 
 def test_a_lock_that_pins_pypi_torch_plain_is_met_by_pypi_torch():
     # Else a venv rebuilt from that very lock would differ from it forever.
     answer = answer_of([{"name": "torch", "version": "2.11.0"}], VERSION_PY_CU130)
-    assert pve_venv.installed_versions(answer, {"torch": "2.11.0"}) == {"torch": "2.11.0"}
+    assert venv_facts.installed_versions(answer, {"torch": "2.11.0"}) == {"torch": "2.11.0"}
 
 
 def test_a_version_py_of_another_release_does_not_replace_the_metadata():
     answer = answer_of([{"name": "torch", "version": "2.10.0"}], VERSION_PY_CU130)
-    assert pve_venv.installed_versions(answer) == {"torch": "2.10.0"}
-    assert "METADATA says 2.10.0 but torch/version.py says 2.11.0+cu130" in pve_venv.torch_inconsistency(answer)
+    assert venv_facts.installed_versions(answer) == {"torch": "2.10.0"}
+    assert "METADATA says 2.10.0 but torch/version.py says 2.11.0+cu130" in venv_facts.torch_inconsistency(answer)
 
 
 def test_names_are_canonical_and_a_name_with_two_records_keeps_both_versions():
@@ -192,7 +194,7 @@ def test_names_are_canonical_and_a_name_with_two_records_keeps_both_versions():
         ],
         None,
     )
-    assert pve_venv.installed_versions(answer) == {
+    assert venv_facts.installed_versions(answer) == {
         "jinja2": "3.1.6",
         "typing-extensions": "4.16.0",
         "numpy": "2.3.3, 2.3.4",
@@ -216,13 +218,13 @@ def test_names_are_canonical_and_a_name_with_two_records_keeps_both_versions():
     ],
 )
 def test_torch_files_and_metadata_must_describe_one_build(distributions, version_py, why):
-    assert pve_venv.torch_inconsistency(answer_of(distributions, version_py)) == why
+    assert venv_facts.torch_inconsistency(answer_of(distributions, version_py)) == why
 
 
 # -- compare ---------------------------------------------------------------------------------------------------
 def test_versions_are_compared_exactly_local_tag_included():
     # PEP 440 says 2.11.0 matches 2.11.0+cu130; the build is what this step checks, so they differ.
-    assert pve_venv.compare({"torch": "2.11.0"}, {"torch": "2.11.0+cu130"}) == {
+    assert venv_facts.compare({"torch": "2.11.0"}, {"torch": "2.11.0+cu130"}) == {
         "missing": [],
         "extra": [],
         "wrong": [{"name": "torch", "locked": "2.11.0", "installed": "2.11.0+cu130"}],
@@ -232,7 +234,7 @@ def test_versions_are_compared_exactly_local_tag_included():
 def test_compare_sorts_missing_extra_and_wrong_by_name():
     locked = {"torch": "2.11.0+cu128", "six": "1.17.0", "idna": "3.10", "numpy": "2.3.4"}
     installed = {"torch": "2.11.0+cu130", "sglang": "0.5.4", "numpy": "2.3.3", "flashinfer-python": "0.4.1"}
-    assert pve_venv.compare(locked, installed, "ignore") == {
+    assert venv_facts.compare(locked, installed, "ignore") == {
         "missing": [{"name": "idna", "locked": "3.10"}, {"name": "six", "locked": "1.17.0"}],
         "extra": [{"name": "flashinfer-python", "installed": "0.4.1"}, {"name": "sglang", "installed": "0.5.4"}],
         "wrong": [
@@ -244,14 +246,14 @@ def test_compare_sorts_missing_extra_and_wrong_by_name():
 
 def test_tooling_is_ignored_unless_locked_or_the_policy_is_exact():
     installed = {"six": "1.17.0", "pip": "25.2", "setuptools": "66.1.1", "wheel": "0.45.1"}
-    assert pve_venv.compare({"six": "1.17.0"}, installed, "ignore")["extra"] == []
-    assert [e["name"] for e in pve_venv.compare({"six": "1.17.0"}, installed, "exact")["extra"]] == [
+    assert venv_facts.compare({"six": "1.17.0"}, installed, "ignore")["extra"] == []
+    assert [e["name"] for e in venv_facts.compare({"six": "1.17.0"}, installed, "exact")["extra"]] == [
         "pip",
         "setuptools",
         "wheel",
     ]
     # A lock that pins one (torch needs setuptools on 3.12) gets it compared like any other.
-    wrong = pve_venv.compare({"six": "1.17.0", "setuptools": "80.9.0"}, installed, "ignore")["wrong"]
+    wrong = venv_facts.compare({"six": "1.17.0", "setuptools": "80.9.0"}, installed, "ignore")["wrong"]
     assert wrong == [{"name": "setuptools", "locked": "80.9.0", "installed": "66.1.1"}]
 
 
@@ -265,12 +267,12 @@ def test_tooling_is_ignored_unless_locked_or_the_policy_is_exact():
     ],
 )
 def test_a_wrong_version_names_both_builds_when_they_differ(installed, locked, line):
-    assert pve_venv.describe_wrong({"name": "torch", "installed": installed, "locked": locked}) == line
+    assert venv_facts.describe_wrong({"name": "torch", "installed": installed, "locked": locked}) == line
 
 
 # -- evaluate_step ---------------------------------------------------------------------------------------------
 def test_a_venv_that_is_the_lock_has_no_changes_and_equal_diff_sides():
-    facts = pve_venv.evaluate_step(SPEC, IN_SPEC, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, IN_SPEC, {}, CONTEXT)
     assert (facts["changes"], facts["problems"], facts["pending"]) == ([], [], False)
     assert (facts["missing"], facts["extra"], facts["wrong"], facts["broken"]) == ([], [], [], [])
     assert facts["diff"]["before"] == facts["diff"]["after"]
@@ -291,7 +293,7 @@ def test_a_venv_that_is_the_lock_has_no_changes_and_equal_diff_sides():
 
 
 def test_the_facts_have_the_documented_keys():
-    facts = pve_venv.evaluate_step(SPEC, IN_SPEC, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, IN_SPEC, {}, CONTEXT)
     assert sorted(facts) == sorted(
         [
             "path",
@@ -322,7 +324,7 @@ def test_the_facts_have_the_documented_keys():
 
 
 def test_a_polluted_venv_names_every_difference():
-    facts = pve_venv.evaluate_step(SPEC, POLLUTED, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, POLLUTED, {}, CONTEXT)
     assert facts["changes"] == [
         "numpy 2.3.3 -> 2.3.4",
         "torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)",
@@ -358,25 +360,25 @@ def test_a_polluted_venv_names_every_difference():
     assert "jinja2==3.1.6" in before
     assert not [line for line in before if line.startswith("pip==")]
     assert before == sorted(before)
-    assert facts["diff"]["after"] == pve_venv.freeze_lines(LOCKED)
+    assert facts["diff"]["after"] == venv_facts.freeze_lines(LOCKED)
 
 
 def test_the_tooling_policy_exact_counts_pip_of_a_polluted_venv():
-    facts = pve_venv.evaluate_step(dict(SPEC, tooling="exact"), POLLUTED, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, tooling="exact"), POLLUTED, {}, CONTEXT)
     assert "remove pip 25.2 (not in the lock)" in facts["changes"]
     assert "pip==25.2" in facts["diff"]["before"].splitlines()
 
 
 def test_a_missing_venv_is_created_from_the_whole_lock():
-    facts = pve_venv.evaluate_step(SPEC, ABSENT, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, ABSENT, {}, CONTEXT)
     assert facts["changes"] == [f"create venv at {PATH} (python 3.11, 26 distributions from the lock)"]
     assert (facts["pending"], facts["exists"], facts["installed"], facts["torch"]) == (True, False, {}, None)
     assert len(facts["missing"]) == 26
-    assert facts["diff"] == {"before": "", "after": pve_venv.freeze_lines(LOCKED)}
+    assert facts["diff"] == {"before": "", "after": venv_facts.freeze_lines(LOCKED)}
 
 
 def test_a_directory_that_is_not_a_venv_is_replaced():
-    facts = pve_venv.evaluate_step(dict(SPEC, python=None), dict(ABSENT, directory=True), {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, python=None), dict(ABSENT, directory=True), {}, CONTEXT)
     assert facts["changes"] == [
         f"replace {PATH}, a directory without pyvenv.cfg (moved aside), by a venv: python 3.11, 26 distributions "
         "from the lock"
@@ -385,7 +387,7 @@ def test_a_directory_that_is_not_a_venv_is_replaced():
 
 def test_a_venv_of_another_python_minor_is_rebuilt():
     answer = dict(IN_SPEC, python="3.12")
-    facts = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, answer, {}, CONTEXT)
     assert facts["changes"] == [f"rebuild venv at {PATH}: python 3.12, expected 3.11"]
     assert (facts["pending"], facts["expected_python"]) == (True, "3.11")
 
@@ -393,14 +395,14 @@ def test_a_venv_of_another_python_minor_is_rebuilt():
 def test_python_comes_from_the_spec_before_the_lock_and_is_unchecked_without_either():
     lock_without_header = "six==1.17.0\n"
     answer = answer_of([{"name": "six", "version": "1.17.0"}], None, python="3.12")
-    assert pve_venv.evaluate_step(dict(SPEC, lock=lock_without_header), answer, {}, CONTEXT)["changes"] == []
-    facts = pve_venv.evaluate_step(dict(SPEC, lock=lock_without_header, python="3.11"), answer, {}, CONTEXT)
+    assert venv_facts.evaluate_step(dict(SPEC, lock=lock_without_header), answer, {}, CONTEXT)["changes"] == []
+    facts = venv_facts.evaluate_step(dict(SPEC, lock=lock_without_header, python="3.11"), answer, {}, CONTEXT)
     assert facts["changes"] == [f"rebuild venv at {PATH}: python 3.12, expected 3.11"]
 
 
 def test_a_venv_whose_interpreter_is_gone_is_rebuilt():
     answer = dict(IN_SPEC, interpreter={"path": "/root/.pyenv/versions/3.11.7/bin/python3.11", "exists": False})
-    facts = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, answer, {}, CONTEXT)
     assert facts["changes"] == [
         f"rebuild venv at {PATH}: its interpreter /root/.pyenv/versions/3.11.7/bin/python3.11 is gone"
     ]
@@ -412,7 +414,7 @@ def test_broken_records_duplicates_and_mixed_torch_files_are_drift():
         IN_SPEC, distributions=distributions, broken=[{"record": "six-1.17.0.dist-info", "reason": "no METADATA"}]
     )
     answer["torch_version_py"] = dict(answer["torch_version_py"], version="2.10.0+cu128")
-    facts = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, answer, {}, CONTEXT)
     assert facts["changes"] == [
         f"rebuild venv at {PATH}: six-1.17.0.dist-info is broken (no METADATA)",
         f"rebuild venv at {PATH}: numpy is installed 2 times (2.3.4, 2.3.3)",
@@ -425,7 +427,7 @@ def test_broken_records_duplicates_and_mixed_torch_files_are_drift():
 
 def test_what_the_probe_could_not_read_is_a_problem_and_nothing_is_pending():
     answer = dict(POLLUTED, errors=["stopped after 60 s having read 10 of 300 records in /opt/venvs/train/..."])
-    facts = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, answer, {}, CONTEXT)
     assert facts["problems"] == [
         "CT 200 on pve1: the training venv probe could not read everything: stopped after 60 s having read 10 of "
         "300 records in /opt/venvs/train/..."
@@ -447,13 +449,13 @@ def test_what_the_probe_could_not_read_is_a_problem_and_nothing_is_pending():
 )
 def test_an_answer_that_is_not_the_probes_is_a_clear_error(answer, message):
     with pytest.raises(VenvError, match=re.escape(message)) as raised:
-        pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+        venv_facts.evaluate_step(SPEC, answer, {}, CONTEXT)
     assert raised.value.kind == "probe"
 
 
 # -- the spec and the fact-pass interface ----------------------------------------------------------------------
 def test_the_spec_validates_with_ansible_and_fills_defaults():
-    result = ArgumentSpecValidator(pve_venv.SPEC).validate({"lock": LOCK})
+    result = ArgumentSpecValidator(venv_facts.SPEC).validate({"lock": LOCK})
     assert result.error_messages == []
     assert result.validated_parameters == {
         "path": "/opt/venvs/train",
@@ -464,8 +466,10 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
         "keep": None,
         "unattended_keep": 3,
     }
-    assert ArgumentSpecValidator(pve_venv.SPEC).validate({}).error_messages == ["missing required arguments: lock"]
-    assert "tooling" in ArgumentSpecValidator(pve_venv.SPEC).validate({"lock": LOCK, "tooling": "x"}).error_messages[0]
+    assert ArgumentSpecValidator(venv_facts.SPEC).validate({}).error_messages == ["missing required arguments: lock"]
+    assert (
+        "tooling" in ArgumentSpecValidator(venv_facts.SPEC).validate({"lock": LOCK, "tooling": "x"}).error_messages[0]
+    )
 
 
 @pytest.mark.parametrize(
@@ -479,20 +483,20 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
     ],
 )
 def test_check_spec_names_settings_that_cannot_work(changed, message):
-    assert pve_venv.check_spec(dict(SPEC, **changed)).startswith(message)
-    assert bool(pve_venv.check_spec(dict(SPEC, **changed))) == bool(message)
+    assert venv_facts.check_spec(dict(SPEC, **changed)).startswith(message)
+    assert bool(venv_facts.check_spec(dict(SPEC, **changed))) == bool(message)
 
 
 def test_the_step_plugs_into_the_registry():
-    assert pve_venv.NAME == "training_venv"
-    assert probe_name(pve_venv.PROBE) == pve_venv.NAME
-    assert pve_venv.probe_payload(SPEC, 30) == {"path": "/opt/venvs/train", "timeout": 30}
-    assert pve_venv.read_node(SPEC, None, IN_SPEC, CONTEXT) == {}
+    assert venv_facts.NAME == "training_venv"
+    assert probe_name(venv_facts.PROBE) == venv_facts.NAME
+    assert venv_facts.probe_payload(SPEC, 30) == {"path": "/opt/venvs/train", "timeout": 30}
+    assert venv_facts.read_node(SPEC, None, IN_SPEC, CONTEXT) == {}
 
 
 # -- the probe part's parsers ----------------------------------------------------------------------------------
 def test_version_py_is_parsed_without_exec():
-    assert pve_probe_training_venv.parse_torch_version_py(VERSION_PY_CU130) == {
+    assert venv_probe.parse_torch_version_py(VERSION_PY_CU130) == {
         "version": "2.11.0+cu130",
         "cuda": "13.0",
         "git_version": "70d99e998b4955e0049d13a9ba1d3e2e1ac7a3e6",
@@ -502,7 +506,7 @@ def test_version_py_is_parsed_without_exec():
         "debug": False,
     }
     older = "__version__ = \"2.5.1+cu124\"\ndebug = False\ncuda = '12.4'\ngit_version = 'a8d6afb'\nhip = None\n"
-    assert pve_probe_training_venv.parse_torch_version_py(older) == {
+    assert venv_probe.parse_torch_version_py(older) == {
         "version": "2.5.1+cu124",
         "cuda": "12.4",
         "git_version": "a8d6afb",
@@ -511,7 +515,7 @@ def test_version_py_is_parsed_without_exec():
         "xpu": None,
         "debug": False,
     }
-    assert pve_probe_training_venv.parse_torch_version_py("import os\nos.system('reboot')\n")["version"] is None
+    assert venv_probe.parse_torch_version_py("import os\nos.system('reboot')\n")["version"] is None
 
 
 # -- the probe part against real venvs -------------------------------------------------------------------------
@@ -533,7 +537,7 @@ def site_packages(venv):
 
 
 def probe(venv, timeout=60):
-    return pve_probe_training_venv.probe({"path": str(venv), "timeout": timeout})
+    return venv_probe.probe({"path": str(venv), "timeout": timeout})
 
 
 def record_line(name, data):
@@ -617,7 +621,7 @@ def test_a_uv_venv_with_packages_from_pypi(tmp_path):
         ("six", "1.17.0", "uv", False),
     ]
     assert (answer["torch_version_py"], answer["broken"], answer["errors"]) == (None, [], [])
-    facts = pve_venv.evaluate_step(
+    facts = venv_facts.evaluate_step(
         dict(SPEC, lock="idna==3.10\nsix==1.17.0\n", python=answer["python"]), answer, {}, CONTEXT
     )
     assert (facts["changes"], facts["pending"]) == ([], False)
@@ -696,11 +700,11 @@ def test_a_torch_wheel_installed_by_uv_is_read_from_its_files(tmp_path, metadata
         ("torch", metadata_version, "uv")
     ]
     assert answer["torch_version_py"]["version"] == exact
-    installed = pve_venv.installed_versions(answer)
+    installed = venv_facts.installed_versions(answer)
     assert installed == {"torch": exact}
-    assert pve_venv.variant(installed["torch"]) == variant
+    assert venv_facts.variant(installed["torch"]) == variant
     python = answer["python"]
-    facts = pve_venv.evaluate_step(dict(SPEC, lock="torch==2.11.0+cu128\n", python=python), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, lock="torch==2.11.0+cu128\n", python=python), answer, {}, CONTEXT)
     expected = (
         [] if variant == "cu128" else ["torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)"]
     )
@@ -725,8 +729,8 @@ def test_the_probe_runs_as_the_fact_pass_ships_it_on_old_pythons(tmp_path, minor
     if python is None:
         unavailable(f"no python{minor} here")
     venv = fake_torch_venv(tmp_path, "2.11.0", VERSION_PY_CU130)
-    payload = pve_venv.probe_payload(dict(SPEC, path=str(venv)), 30)
-    answer = run_probes_program(python, {pve_venv.NAME: (pve_probe_training_venv, payload)})[pve_venv.NAME]["answer"]
+    payload = venv_facts.probe_payload(dict(SPEC, path=str(venv)), 30)
+    answer = run_probes_program(python, {venv_facts.NAME: (venv_probe, payload)})[venv_facts.NAME]["answer"]
     assert answer == json.loads(json.dumps(probe(venv)))
     assert answer["torch_version_py"]["version"] == "2.11.0+cu130"
 
@@ -754,9 +758,9 @@ def test_the_real_cpu_torch_wheel_is_read_as_its_build(cpu_torch_venv):
     assert answer["torch_version_py"]["version"] == "2.13.0+cpu"
     assert answer["torch_version_py"]["cuda"] is None
     assert len(answer["torch_version_py"]["git_version"]) == 40
-    facts = pve_venv.evaluate_step(dict(SPEC, lock="torch==2.13.0+cpu\n", python="3.11"), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, lock="torch==2.13.0+cpu\n", python="3.11"), answer, {}, CONTEXT)
     assert (facts["changes"], facts["torch"]["variant"]) == ([], "cpu")
-    facts = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, answer, {}, CONTEXT)
     assert "torch 2.13.0+cpu -> 2.11.0+cu128 (build variant cpu, expected cu128)" in facts["changes"]
 
 
@@ -775,7 +779,7 @@ def install_wheels(tmp_path, venv, *wheels):
 
 def facts_of(venv, lock):
     answer = probe(venv)
-    return pve_venv.evaluate_step(dict(SPEC, lock=lock, python=answer["python"]), answer, {}, CONTEXT)
+    return venv_facts.evaluate_step(dict(SPEC, lock=lock, python=answer["python"]), answer, {}, CONTEXT)
 
 
 CLEAN = ("six", "1.17.0", {"six.py": "x = 1\n"})
@@ -861,7 +865,7 @@ def test_setuptools_seeded_by_python_venv_may_keep_its_pth_while_tooling_is_igno
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
     answer = probe(venv)
     assert answer["unowned"] == []
-    facts = pve_venv.evaluate_step(dict(SPEC, lock="six==1.17.0\n", python=answer["python"]), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, lock="six==1.17.0\n", python=answer["python"]), answer, {}, CONTEXT)
     assert facts["changes"] == ["install six 1.17.0 (missing)"]
 
 
@@ -894,7 +898,7 @@ def test_a_record_lists_quoted_and_absolute_paths_and_paths_outside_site_package
         "six.py,,\n",
         "\n",
     ]
-    tops = pve_probe_training_venv.record_tops("".join(lines), "/opt/venvs/train/lib/python3.11/site-packages")
+    tops = venv_probe.record_tops("".join(lines), "/opt/venvs/train/lib/python3.11/site-packages")
     assert tops == {"torch", "odd,name", "abs.py", "six.py"}
 
 
@@ -922,22 +926,22 @@ VERSIONS = [f"{PATH}.2026120{day}T101500Z" for day in range(1, 6)]
     [(None, False, None), (None, True, 3), (5, True, 5), (2, False, 2)],
 )
 def test_keep_is_all_when_attended_and_three_when_unattended_unless_set(keep, unattended, expected):
-    assert pve_venv.effective_keep(dict(SPEC, keep=keep, unattended=unattended)) == expected
+    assert venv_facts.effective_keep(dict(SPEC, keep=keep, unattended=unattended)) == expected
 
 
 def test_plan_prune_counts_the_current_one_and_removes_the_oldest():
-    assert pve_venv.plan_prune(VERSIONS, VERSIONS[-1], 3) == VERSIONS[:2]
-    assert pve_venv.plan_prune(VERSIONS, f"{PATH}.<new>", 3) == VERSIONS[:3]  # a rebuild's version counts
-    assert pve_venv.plan_prune(VERSIONS, VERSIONS[1], 1) == [VERSIONS[0], *VERSIONS[2:]]
-    assert pve_venv.plan_prune(VERSIONS, VERSIONS[-1], None) == []
-    assert pve_venv.plan_prune(VERSIONS[:2], VERSIONS[1], 3) == []
+    assert venv_facts.plan_prune(VERSIONS, VERSIONS[-1], 3) == VERSIONS[:2]
+    assert venv_facts.plan_prune(VERSIONS, f"{PATH}.<new>", 3) == VERSIONS[:3]  # a rebuild's version counts
+    assert venv_facts.plan_prune(VERSIONS, VERSIONS[1], 1) == [VERSIONS[0], *VERSIONS[2:]]
+    assert venv_facts.plan_prune(VERSIONS, VERSIONS[-1], None) == []
+    assert venv_facts.plan_prune(VERSIONS[:2], VERSIONS[1], 3) == []
 
 
 def test_an_in_spec_venv_with_old_versions_beyond_keep_is_pending_unattended_only():
     answer = dict(IN_SPEC, versions=VERSIONS, real_path=VERSIONS[-1])
-    attended = pve_venv.evaluate_step(SPEC, answer, {}, CONTEXT)
+    attended = venv_facts.evaluate_step(SPEC, answer, {}, CONTEXT)
     assert (attended["changes"], attended["pending"], attended["prune"]) == ([], False, [])
-    facts = pve_venv.evaluate_step(dict(SPEC, unattended=True), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, unattended=True), answer, {}, CONTEXT)
     assert facts["changes"] == [
         f"remove old venv version {VERSIONS[0]} (keep 3: the current one and the 2 newest old ones stay)",
         f"remove old venv version {VERSIONS[1]} (keep 3: the current one and the 2 newest old ones stay)",
@@ -950,17 +954,17 @@ def test_a_version_a_process_uses_is_kept_unless_the_gpu_step_ends_that_process(
     answer = dict(IN_SPEC, versions=VERSIONS, real_path=VERSIONS[-1])
     job = {"pid": 516, "ns_pid": 41, "name": "bash", "command": "bash", "how": "cwd", "file": VERSIONS[0]}
     node = {"version_users": {VERSIONS[0]: [job]}}
-    facts = pve_venv.evaluate_step(dict(SPEC, unattended=True), answer, node, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, unattended=True), answer, node, CONTEXT)
     assert facts["prune"] == [VERSIONS[1]]
     assert facts["prune_kept"] == [{"path": VERSIONS[0], "pids": [516], "reason": "in use"}]
-    ending = pve_venv.evaluate_step(dict(SPEC, unattended=True), answer, dict(node, ending=[41]), CONTEXT)
+    ending = venv_facts.evaluate_step(dict(SPEC, unattended=True), answer, dict(node, ending=[41]), CONTEXT)
     assert ending["prune"] == VERSIONS[:2]
 
 
 def test_a_converged_venv_within_keep_costs_no_node_read(monkeypatch):
-    monkeypatch.setattr(pve_venv, "processes_running_from", lambda *a, **k: pytest.fail("read the node"))
+    monkeypatch.setattr(venv_facts, "processes_running_from", lambda *a, **k: pytest.fail("read the node"))
     answer = dict(IN_SPEC, versions=VERSIONS[-3:], real_path=VERSIONS[-1])
-    assert pve_venv.read_node(dict(SPEC, unattended=True), None, answer, CONTEXT) == {}
+    assert venv_facts.read_node(dict(SPEC, unattended=True), None, answer, CONTEXT) == {}
 
 
 def test_the_probe_lists_finished_versions_only(tmp_path):

@@ -1,4 +1,5 @@
-"""module_utils/pve_verify.py and its probe (module_utils/pve_probe_verify.py): the verify step's pure logic.
+"""plugins/module_utils/steps/verify/facts.py and its probe (plugins/module_utils/steps/verify/probe.py): the verify
+step's pure logic.
 
 nvidia-smi outputs are the real H200 capture (tests/fixtures/h200/nvsmi_query_gpu_project.csv) with single cells
 replaced, fed through preflight's own evaluation, so verify reads exactly the facts the fact pass hands it. Torch
@@ -15,11 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from ansible.module_utils import pve_preflight, pve_probe_verify, pve_steps, pve_verify
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
-from ansible.module_utils.nvidia_smi import GPU_FIELDS
-from ansible.module_utils.pve_target import probe_name
-from ansible.module_utils.pve_verify import VerifyError
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
+from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import GPU_FIELDS
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts as verify_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.facts import VerifyError
 
 from tests.conftest import FIXTURES, unavailable
 from tests.fakes import run_probes_program
@@ -31,7 +35,7 @@ FIELDS = [field for field, _, _ in GPU_FIELDS]
 REAL_UUID = "GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff9"
 TORCH_REAL = json.loads((FIXTURES / "h200" / "torch_facts.json").read_text())
 VERIFY = FIXTURES / "verify"
-KNOWN_GOOD = dict(pve_verify.SPEC_DEFAULTS, torch_version="2.11.0+cu128", cuda_version="12.8")
+KNOWN_GOOD = dict(verify_facts.SPEC_DEFAULTS, torch_version="2.11.0+cu128", cuda_version="12.8")
 VERSION_PY_CU130 = (FIXTURES / "venv" / "version_py_cu130.txt").read_text()
 VERSION_PY_CU128 = VERSION_PY_CU130.replace("cu130", "cu128").replace("'13.0'", "'12.8'")
 
@@ -58,7 +62,7 @@ def eight(changed=None, **cells):
     return smi(*(row(i, **(cells if changed in (None, i) else {})) for i in range(8)))
 
 
-def preflight_facts(stdout, nodes=8):
+def preflight_of(stdout, nodes=8):
     """Preflight's facts for a CT whose nvidia-smi printed ``stdout`` and which has ``nodes`` /dev/nvidiaN."""
     devices = [{"path": f"/dev/nvidia{i}", "char": True} for i in range(nodes)]
     devices += [{"path": p, "char": True} for p in ("/dev/nvidiactl", "/dev/nvidia-uvm")]
@@ -72,8 +76,8 @@ def preflight_facts(stdout, nodes=8):
         "space": {"path": "/opt", "existing": "/opt", "free_bytes": 100 * 1024**3},
     }
     context = {"target": {"label": LABEL, "vmid": 200, "node": "pve1"}, "check_mode": False, "steps": {}}
-    spec = dict(pve_preflight.SPEC_DEFAULTS, expected_gpu_count=nodes)
-    facts = pve_preflight.evaluate_step(spec, answer, {"driver_version": "580.159.04"}, context)
+    spec = dict(preflight_facts.SPEC_DEFAULTS, expected_gpu_count=nodes)
+    facts = preflight_facts.evaluate_step(spec, answer, {"driver_version": "580.159.04"}, context)
     assert facts["problems"] == [], facts["problems"]
     return facts
 
@@ -82,12 +86,12 @@ def context(preflight=None, *, check_mode=False, **steps):
     return {
         "target": {"label": LABEL, "vmid": 200, "node": "pve1"},
         "check_mode": check_mode,
-        "steps": {"preflight": preflight or preflight_facts(eight()), **steps},
+        "steps": {"preflight": preflight or preflight_of(eight()), **steps},
     }
 
 
 def venv_answer(version_py=VERSION_PY_CU128, exists=True):
-    parsed = pve_probe_verify.parse_torch_version_py(version_py) if version_py else None
+    parsed = verify_probe.parse_torch_version_py(version_py) if version_py else None
     return {
         "venv": "/opt/venvs/train",
         "exists": exists,
@@ -98,8 +102,8 @@ def venv_answer(version_py=VERSION_PY_CU128, exists=True):
 
 
 def evaluate(spec=None, answer=None, ctx=None, **changed):
-    spec = dict(spec or pve_verify.SPEC_DEFAULTS, **changed)
-    return pve_verify.evaluate_step(spec, answer or venv_answer(), {}, ctx or context())
+    spec = dict(spec or verify_facts.SPEC_DEFAULTS, **changed)
+    return verify_facts.evaluate_step(spec, answer or venv_answer(), {}, ctx or context())
 
 
 def check(facts_or_checks, name):
@@ -140,7 +144,7 @@ def test_eight_healthy_h200s_and_the_known_good_venv_pass_every_check_quietly():
 
 
 def test_the_real_capture_is_healthy_as_it_was_printed():
-    facts = evaluate(ctx=context(preflight_facts(CAPTURE, nodes=1)))
+    facts = evaluate(ctx=context(preflight_of(CAPTURE, nodes=1)))
     assert facts["problems"] == facts["warnings"] == []
     assert check(facts, "gpu_count")["detail"] == "CT 200 on pve1: nvidia-smi sees 1 GPU"
 
@@ -203,10 +207,10 @@ HEALTH_CASES = [
     ("name", "cells", "detail"), HEALTH_CASES, ids=[f"{c[0]}-{next(iter(c[1]))}" for c in HEALTH_CASES]
 )
 def test_each_health_check_fires_naming_the_gpu_at_its_default_level(name, cells, detail):
-    facts = evaluate(ctx=context(preflight_facts(eight(5, **cells))))
+    facts = evaluate(ctx=context(preflight_of(eight(5, **cells))))
     found = check(facts, name)
     assert (found["ok"], found["detail"]) == (False, detail)
-    level = pve_verify.HEALTH_DEFAULTS[name]
+    level = verify_facts.HEALTH_DEFAULTS[name]
     assert found["severity"] == level
     assert (facts["problems"] if level == "fail" else facts["warnings"]) == [detail]
     assert (facts["warnings"] if level == "fail" else facts["problems"]) == []
@@ -217,7 +221,7 @@ def test_each_health_check_fires_naming_the_gpu_at_its_default_level(name, cells
 @pytest.mark.parametrize("level", ["fail", "warn", "ignore"])
 def test_a_health_level_decides_problem_warning_or_nothing(level):
     stdout = eight(2, **{"ecc.errors.uncorrected.volatile.total": "1"})
-    facts = evaluate(ctx=context(preflight_facts(stdout)), health={"ecc": level})
+    facts = evaluate(ctx=context(preflight_of(stdout)), health={"ecc": level})
     names = [c["name"] for c in facts["checks"]]
     if level == "ignore":
         assert "ecc" not in names
@@ -226,15 +230,15 @@ def test_a_health_level_decides_problem_warning_or_nothing(level):
     detail = check(facts, "ecc")["detail"]
     assert (detail in facts["problems"], detail in facts["warnings"]) == (level == "fail", level == "warn")
     # The other checks keep their defaults.
-    assert facts["health"] == dict(pve_verify.HEALTH_DEFAULTS, ecc=level)
+    assert facts["health"] == dict(verify_facts.HEALTH_DEFAULTS, ecc=level)
 
 
 def test_an_idle_gpu_below_its_pcie_generation_is_only_a_finding_when_asked():
     stdout = eight(**{"pcie.link.gen.current": "1"})  # every GPU idles at gen 1
-    quiet = evaluate(ctx=context(preflight_facts(stdout)))
+    quiet = evaluate(ctx=context(preflight_of(stdout)))
     assert "pcie_gen" not in [c["name"] for c in quiet["checks"]]
     assert quiet["problems"] == quiet["warnings"] == []
-    asked = evaluate(ctx=context(preflight_facts(stdout)), health={"pcie_gen": "warn"})
+    asked = evaluate(ctx=context(preflight_of(stdout)), health={"pcie_gen": "warn"})
     found = check(asked, "pcie_gen")
     assert found["found"][0] == "GPU 0 (GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff0): gen 1 of gen 5"
     assert len(found["found"]) == 8
@@ -249,7 +253,7 @@ def test_a_healthy_gpu_at_its_maximum_link_is_quiet_even_when_gen_is_checked():
 
 def test_a_value_that_makes_a_check_impossible_names_the_gpu_and_the_marker():
     stdout = eight(3, **{"ecc.errors.uncorrected.volatile.total": "[GPU requires reset]"})
-    facts = evaluate(ctx=context(preflight_facts(stdout)))
+    facts = evaluate(ctx=context(preflight_of(stdout)))
     found = check(facts, "ecc")
     assert found["ok"] is False
     assert found["found"] == ["GPU 3 (GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff3): '[GPU requires reset]'"]
@@ -262,7 +266,7 @@ def test_a_value_that_makes_a_check_impossible_names_the_gpu_and_the_marker():
 
 def test_not_available_is_a_finding_where_every_driver_reports_the_field():
     stdout = eight(1, **{"ecc.errors.uncorrected.volatile.total": "[N/A]", "persistence_mode": "[N/A]"})
-    facts = evaluate(ctx=context(preflight_facts(stdout)))
+    facts = evaluate(ctx=context(preflight_of(stdout)))
     assert check(facts, "ecc")["found"] == [
         "GPU 1 (GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff1): not reported ([N/A] or [Not Supported])"
     ]
@@ -273,28 +277,28 @@ def test_not_available_is_a_finding_where_every_driver_reports_the_field():
 def test_fields_an_older_driver_does_not_know_are_skipped_when_absent():
     # preflight's fallback query drops gpu_recovery_action and remapped_rows.failure: their None means "not asked".
     stdout = eight(**{"gpu_recovery_action": "[N/A]", "remapped_rows.failure": "[N/A]"})
-    facts = evaluate(ctx=context(preflight_facts(stdout)))
+    facts = evaluate(ctx=context(preflight_of(stdout)))
     assert check(facts, "recovery_action")["ok"] is True
     assert check(facts, "remapped_rows")["ok"] is True
 
 
 def test_every_failing_gpu_is_named_in_one_sentence_and_advice_is_not_repeated():
     stdout = smi(*(row(i, **({"remapped_rows.pending": "Yes"} if i in (1, 6) else {})) for i in range(8)))
-    detail = check(evaluate(ctx=context(preflight_facts(stdout))), "remapped_rows")["detail"]
+    detail = check(evaluate(ctx=context(preflight_of(stdout))), "remapped_rows")["detail"]
     assert "GPU 1 (GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff1): a row remap is pending; GPU 6 (" in detail
     assert detail.count("a pending remap is applied by a GPU reset") == 1
 
 
 def test_an_unknown_recovery_action_is_quoted_not_pasted():
     stdout = eight(0, gpu_recovery_action="Reboot; rm -rf /")
-    detail = check(evaluate(ctx=context(preflight_facts(stdout))), "recovery_action")["detail"]
+    detail = check(evaluate(ctx=context(preflight_of(stdout))), "recovery_action")["detail"]
     assert "GPU 0 (GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff0): 'Reboot; rm -rf /'" in detail
     assert "see NVIDIA's GPU recovery documentation for that action" in detail
 
 
 # -- count, model, memory, driver ---------------------------------------------------------------------------------
 def test_fewer_gpus_than_device_nodes_is_a_problem():
-    facts = evaluate(ctx=context(preflight_facts(smi(*(row(i) for i in range(7))))))
+    facts = evaluate(ctx=context(preflight_of(smi(*(row(i) for i in range(7))))))
     assert facts["problems"] == [
         "CT 200 on pve1: nvidia-smi sees 7 GPUs, expected 8 (the target's /dev/nvidiaN nodes); a GPU fell off the bus "
         "or is not passed through to the target (nvidia-smi -L and dmesg | grep -i xid on the node)"
@@ -310,7 +314,7 @@ def test_gpu_count_of_the_spec_wins_over_the_device_nodes():
 
 def test_another_gpu_model_is_a_problem_and_its_name_is_quoted_when_odd():
     stdout = smi(*(row(i, name="NVIDIA A100-SXM4-80GB" if i == 2 else "NVIDIA H200") for i in range(8)))
-    facts = evaluate(ctx=context(preflight_facts(stdout)))
+    facts = evaluate(ctx=context(preflight_of(stdout)))
     assert facts["problems"] == [
         "CT 200 on pve1: GPU 2 (GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff2) is NVIDIA A100-SXM4-80GB, expected NVIDIA "
         "H200; another GPU model is passed through to the target (check its /dev/nvidiaN entries) or "
@@ -319,19 +323,19 @@ def test_another_gpu_model_is_a_problem_and_its_name_is_quoted_when_odd():
     odd = smi(*(row(i, name="H200 $(reboot)" if i == 0 else "NVIDIA H200") for i in range(8)))
     assert (
         "GPU 0 (GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff0) is 'H200 $(reboot)',"
-        in (evaluate(ctx=context(preflight_facts(odd)))["problems"][0])
+        in (evaluate(ctx=context(preflight_of(odd)))["problems"][0])
     )
     assert "gpu_name" not in [c["name"] for c in evaluate(gpu_name="")["checks"]]
 
 
 def test_memory_in_use_is_a_problem_when_no_step_of_this_run_frees_it():
     stdout = eight(4, **{"memory.used": "20480 MiB", "memory.free": "122676 MiB"})
-    facts = evaluate(ctx=context(preflight_facts(stdout)))
+    facts = evaluate(ctx=context(preflight_of(stdout)))
     assert facts["problems"] == [
         "CT 200 on pve1: GPU 4 (GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff4) uses 20480 MiB, expected at most 0 MiB; a "
         "process still holds it: the gpu_processes step ends it (turn it on), or raise verify_max_memory_used_mib"
     ]
-    assert evaluate(ctx=context(preflight_facts(stdout)), max_memory_used_mib=20480)["problems"] == []
+    assert evaluate(ctx=context(preflight_of(stdout)), max_memory_used_mib=20480)["problems"] == []
 
 
 @pytest.mark.parametrize(
@@ -343,7 +347,7 @@ def test_memory_in_use_is_a_problem_when_no_step_of_this_run_frees_it():
 )
 def test_memory_the_gpu_step_frees_or_already_names_is_deferred(gpu_step, why):
     stdout = eight(4, **{"memory.used": "20480 MiB"})
-    facts = evaluate(ctx=context(preflight_facts(stdout), gpu_processes=gpu_step))
+    facts = evaluate(ctx=context(preflight_of(stdout), gpu_processes=gpu_step))
     memory = check(facts, "memory")
     assert memory["ok"] is None and why in memory["detail"]
     assert (facts["problems"], facts["deferred"]) == ([], ["memory"])
@@ -354,20 +358,20 @@ def test_memory_the_gpu_step_frees_or_already_names_is_deferred(gpu_step, why):
 def test_memory_of_the_gpus_the_guarded_job_keeps_is_left_out_and_the_others_are_asserted():
     window = {"pending": False, "problems": [], "needs_window": ["pid 23639 (train-job) ... left running"]}
     stdout = eight(4, **{"memory.used": "20480 MiB"})
-    facts = evaluate(ctx=context(preflight_facts(stdout), gpu_processes=dict(window, kept_gpus=[4])))
+    facts = evaluate(ctx=context(preflight_of(stdout), gpu_processes=dict(window, kept_gpus=[4])))
     memory = check(facts, "memory")
     assert memory["ok"] is True and memory["detail"].endswith(
         "every GPU uses at most 0 MiB except GPU 4, which the guarded training job keeps until a window"
     )
     assert facts["problems"] == []
-    facts = evaluate(ctx=context(preflight_facts(stdout), gpu_processes=dict(window, kept_gpus=[3])))
+    facts = evaluate(ctx=context(preflight_of(stdout), gpu_processes=dict(window, kept_gpus=[3])))
     assert check(facts, "memory")["ok"] is False
     assert "GPU 4 (" in facts["problems"][0] and "uses 20480 MiB" in facts["problems"][0]
 
 
 def test_memory_that_cannot_be_read_is_a_finding():
     stdout = eight(6, **{"memory.used": "[GPU requires reset]"})
-    detail = evaluate(ctx=context(preflight_facts(stdout)))["problems"][0]
+    detail = evaluate(ctx=context(preflight_of(stdout)))["problems"][0]
     assert "GPU 6 (GPU-993fc641-cebc-abe5-5c7f-fa80fed8aff6) reports memory.used as '[GPU requires reset]'" in detail
 
 
@@ -505,19 +509,19 @@ def test_pending_rules(import_torch, other_pending, check_mode, pending):
 
 
 def test_a_problem_leaves_nothing_pending():
-    ctx = context(preflight_facts(eight(0, gpu_recovery_action="Reboot")))
+    ctx = context(preflight_of(eight(0, gpu_recovery_action="Reboot")))
     assert evaluate(import_torch="always", ctx=ctx)["pending"] is False
 
 
 # -- settings --------------------------------------------------------------------------------------------------
 def test_the_spec_validates_with_ansible_and_fills_health_defaults():
-    result = ArgumentSpecValidator(pve_verify.SPEC).validate({"health": {"pcie_gen": "warn"}, "gpu_count": "8"})
+    result = ArgumentSpecValidator(verify_facts.SPEC).validate({"health": {"pcie_gen": "warn"}, "gpu_count": "8"})
     assert result.error_messages == []
     params = result.validated_parameters
-    assert params["health"] == dict(pve_verify.HEALTH_DEFAULTS, pcie_gen="warn")
+    assert params["health"] == dict(verify_facts.HEALTH_DEFAULTS, pcie_gen="warn")
     assert (params["gpu_count"], params["import_torch"], params["gpu_name"]) == (8, "changed", "NVIDIA H200")
-    assert params == dict(pve_verify.SPEC_DEFAULTS, gpu_count=8, health=params["health"])
-    wrong = ArgumentSpecValidator(pve_verify.SPEC).validate({"health": {"ecc": "maybe", "fans": "fail"}})
+    assert params == dict(verify_facts.SPEC_DEFAULTS, gpu_count=8, health=params["health"])
+    wrong = ArgumentSpecValidator(verify_facts.SPEC).validate({"health": {"ecc": "maybe", "fans": "fail"}})
     assert any("ecc must be one of: fail, warn, ignore" in m for m in wrong.error_messages)
     assert any("health.fans" in m for m in wrong.error_messages)
 
@@ -541,21 +545,21 @@ def test_the_spec_validates_with_ansible_and_fills_health_defaults():
     ],
 )
 def test_check_spec_names_settings_that_cannot_work(changed, message):
-    said = pve_verify.check_spec(dict(pve_verify.SPEC_DEFAULTS, **changed))
+    said = verify_facts.check_spec(dict(verify_facts.SPEC_DEFAULTS, **changed))
     assert said.startswith(message) and bool(said) == bool(message)
 
 
 # -- the registry: verify is the LAST step -----------------------------------------------------------------------
 def test_the_step_is_the_registrys_last_entry():
-    assert pve_steps.STEP_NAMES[-1] == pve_verify.NAME
-    assert pve_steps.load_step("verify") is pve_verify
-    assert probe_name(pve_verify.PROBE) == pve_verify.NAME
-    assert pve_verify.NAME not in pve_steps.RESERVED
+    assert pve_steps.STEP_NAMES[-1] == verify_facts.NAME
+    assert pve_steps.load_step("verify") is verify_facts
+    assert probe_name(verify_facts.PROBE) == verify_facts.NAME
+    assert verify_facts.NAME not in pve_steps.RESERVED
     specs = pve_steps.validate_specs({"verify": {"torch_version": "2.11.0+cu128", "health": {"pcie_gen": "warn"}}})
     assert list(specs) == ["preflight", "verify"]
     assert specs["verify"]["health"]["pcie_gen"] == "warn"
     parts = pve_steps.probe_parts(specs, 60)
-    assert parts["verify"] == (pve_probe_verify, {"venv": "/opt/venvs/train"})
+    assert parts["verify"] == (verify_probe, {"venv": "/opt/venvs/train"})
     with pytest.raises(pve_steps.StepSpecError, match="settings of step verify: cuda_version is 'cu128'"):
         pve_steps.validate_specs({"verify": {"cuda_version": "cu128"}})
 
@@ -576,9 +580,9 @@ class GpuStep:
 
 def test_evaluated_last_it_sees_every_step_before_it_and_a_malformed_part_is_a_problem(monkeypatch):
     monkeypatch.setitem(pve_steps.LOADERS, "gpu_processes", lambda: GpuStep)
-    monkeypatch.setattr(pve_preflight, "read_node_driver_version", lambda _path: "580.159.04")
+    monkeypatch.setattr(preflight_facts, "read_node_driver_version", lambda _path: "580.159.04")
     specs = {
-        "preflight": dict(pve_preflight.SPEC_DEFAULTS, expected_gpu_count=8),
+        "preflight": dict(preflight_facts.SPEC_DEFAULTS, expected_gpu_count=8),
         "gpu_processes": {},
         "verify": dict(KNOWN_GOOD),
     }
@@ -623,7 +627,7 @@ def make_venv_dir(root, minors=("3.11",), version_py=VERSION_PY_CU128, cfg_minor
 
 def test_the_probe_reads_torch_version_py_as_text(tmp_path):
     venv = make_venv_dir(tmp_path / "train", version_py=VERSION_PY_CU130)
-    assert pve_probe_verify.probe({"venv": str(venv)}) == {
+    assert verify_probe.probe({"venv": str(venv)}) == {
         "venv": str(venv),
         "exists": True,
         "python": True,
@@ -639,14 +643,14 @@ def test_the_probe_reads_torch_version_py_as_text(tmp_path):
 
 def test_the_probe_takes_the_site_packages_of_the_venvs_python(tmp_path):
     venv = make_venv_dir(tmp_path / "train", minors=("3.10", "3.11"))
-    answer = pve_probe_verify.probe({"venv": str(venv)})
+    answer = verify_probe.probe({"venv": str(venv)})
     assert answer["torch_version_py"]["version"] == "2.11.1+cu128"  # lib/python3.11, as pyvenv.cfg says
     unnamed = make_venv_dir(tmp_path / "two", minors=("3.10", "3.11"), cfg_minor=None)
-    assert pve_probe_verify.probe({"venv": str(unnamed)})["site_packages"] is None  # which one? neither
+    assert verify_probe.probe({"venv": str(unnamed)})["site_packages"] is None  # which one? neither
 
 
 def test_the_probe_answers_for_a_missing_venv_and_a_venv_without_torch(tmp_path):
-    assert pve_probe_verify.probe({"venv": str(tmp_path / "none")}) == {
+    assert verify_probe.probe({"venv": str(tmp_path / "none")}) == {
         "venv": str(tmp_path / "none"),
         "exists": False,
         "python": False,
@@ -655,12 +659,12 @@ def test_the_probe_answers_for_a_missing_venv_and_a_venv_without_torch(tmp_path)
         "unsafe": None,
     }
     empty = make_venv_dir(tmp_path / "train", version_py=None)
-    assert pve_probe_verify.probe({"venv": str(empty)})["torch_version_py"] is None
+    assert verify_probe.probe({"venv": str(empty)})["torch_version_py"] is None
 
 
 def test_version_py_is_read_never_executed():
     text = "__version__ = open('/etc/hostname').read()\ncuda = '12.8'\n"
-    assert pve_probe_verify.parse_torch_version_py(text) == {"version": None, "cuda": "12.8", "git_version": None}
+    assert verify_probe.parse_torch_version_py(text) == {"version": None, "cuda": "12.8", "git_version": None}
 
 
 @pytest.mark.parametrize(
@@ -677,7 +681,7 @@ def test_version_py_is_read_never_executed():
 )
 def test_a_probe_answer_that_is_not_the_probes_is_a_clear_error(answer, message):
     with pytest.raises(VerifyError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
-        pve_verify.evaluate_step(KNOWN_GOOD, answer, {}, context())
+        verify_facts.evaluate_step(KNOWN_GOOD, answer, {}, context())
 
 
 def other_python(minor):
@@ -696,10 +700,10 @@ def test_the_probe_part_runs_as_the_fact_pass_ships_it(tmp_path, minor):
     if python is None:
         unavailable(f"no python{minor} here")
     venv = make_venv_dir(tmp_path / "train")
-    payload = pve_verify.probe_payload(KNOWN_GOOD | {"venv": str(venv)})
-    answer = run_probes_program(python, {"verify": (pve_probe_verify, payload)})["verify"]["answer"]
-    assert answer == pve_probe_verify.probe({"venv": str(venv)})
-    assert pve_verify.evaluate_step(dict(KNOWN_GOOD, venv=str(venv)), answer, {}, context())["problems"] == []
+    payload = verify_facts.probe_payload(KNOWN_GOOD | {"venv": str(venv)})
+    answer = run_probes_program(python, {"verify": (verify_probe, payload)})["verify"]["answer"]
+    assert answer == verify_probe.probe({"venv": str(venv)})
+    assert verify_facts.evaluate_step(dict(KNOWN_GOOD, venv=str(venv)), answer, {}, context())["problems"] == []
 
 
 # -- the torch script: run by a real python, against a stub torch ------------------------------------------------
@@ -751,13 +755,13 @@ def stub_venv(root, python=sys.executable, torch=True):
 def run_script(venv, **env):
     done = subprocess.run(
         [str(venv / "bin" / "python"), "-I", "-"],
-        input=inspect.getsource(pve_probe_verify),
+        input=inspect.getsource(verify_probe),
         capture_output=True,
         text=True,
         check=False,
         env={"PATH": "/usr/bin:/bin", "STUB_CUDA": "12.8", **env},
     )
-    return done, pve_verify.torch_answer(done.returncode, done.stdout, done.stderr)
+    return done, verify_facts.torch_answer(done.returncode, done.stdout, done.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -790,7 +794,7 @@ def test_the_script_records_cuda_warnings_and_the_environment(torch_venv):
     warning = json.loads((VERIFY / "torch_probe_802.json").read_text())["warnings"][0]
     _, facts = run_script(torch_venv, STUB_WARN=warning, CUDA_VISIBLE_DEVICES="0,1")
     assert (facts["available"], facts["device_count"], facts["device_names"]) == (False, 0, [])
-    assert facts["warnings"] == [pve_probe_verify.short(warning)]
+    assert facts["warnings"] == [verify_probe.short(warning)]
     assert facts["cuda_visible_devices"] == "0,1"
 
 
@@ -801,7 +805,7 @@ def test_the_script_names_the_phase_that_failed(torch_venv):
     _, facts = run_script(torch_venv, STUB_NAME_ERROR="CUDA error: system not yet initialized\n" + "x" * 500)
     assert (facts["failure"], facts["error_phase"], facts["available"]) == (None, "cuda", True)
     assert facts["error"].startswith("RuntimeError: CUDA error: system not yet initialized x")
-    assert len(facts["error"]) == pve_probe_verify.SHORT
+    assert len(facts["error"]) == verify_probe.SHORT
 
 
 def test_a_venv_without_torch_and_an_old_python_answer_too(tmp_path):
@@ -817,12 +821,11 @@ def test_a_venv_without_torch_and_an_old_python_answer_too(tmp_path):
 def test_the_script_imports_only_the_standard_library_and_torch_only_inside():
     # Its source travels to the target's pythons: nothing of ours but its shared container-side modules (SHARED,
     # shipped with it and optional for the venv's python running torch_facts), nothing installed but the venv's torch.
-    tree = ast.parse(inspect.getsource(pve_probe_verify))
-    ours = [
-        node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "ansible.module_utils"
-    ]
-    assert [alias.name for node in ours for alias in node.names] == [
-        m.__name__.rsplit(".", 1)[1] for m in pve_probe_verify.SHARED
+    tree = ast.parse(inspect.getsource(verify_probe))
+    utils = "ansible_collections.pve_gpu.recover.plugins.module_utils"
+    ours = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == utils]
+    assert [f"{utils}.{alias.name}" for node in ours for alias in node.names] == [
+        m.__name__ for m in verify_probe.SHARED
     ]
     assert all(alias.name.startswith("pve_ct_") for node in ours for alias in node.names)
     imported = {
@@ -834,13 +837,13 @@ def test_the_script_imports_only_the_standard_library_and_torch_only_inside():
     imported |= {
         (node.module.split(".")[0], node.col_offset) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
     }
-    assert {name for name, _ in imported} - {"torch", "ansible"} <= set(sys.stdlib_module_names)
+    assert {name for name, _ in imported} - {"torch", "ansible_collections"} <= set(sys.stdlib_module_names)
     assert [column for name, column in imported if name == "torch"] == [12]  # inside torch_facts(), never at the top
 
 
 # -- the torch script's answer, checked ---------------------------------------------------------------------------
 def test_the_real_h200_answer_is_read_as_it_is():
-    facts = pve_verify.check_torch_answer(TORCH_REAL)
+    facts = verify_facts.check_torch_answer(TORCH_REAL)
     assert (facts["version"], facts["cuda"], facts["available"], facts["device_count"]) == (
         "2.11.0+cu130",
         "13.0",
@@ -877,7 +880,7 @@ def test_the_real_h200_answer_is_read_as_it_is():
 )
 def test_an_answer_of_the_wrong_shape_is_a_clear_error(change, message):
     with pytest.raises(VerifyError) as raised:
-        pve_verify.check_torch_answer(dict(TORCH_REAL, **change))
+        verify_facts.check_torch_answer(dict(TORCH_REAL, **change))
     assert message in str(raised.value)
     assert raised.value.kind == "probe"
 
@@ -885,7 +888,7 @@ def test_an_answer_of_the_wrong_shape_is_a_clear_error(change, message):
 @pytest.mark.parametrize("key", ["torch", "cuda", "available", "count", "names"])
 def test_an_answer_without_a_key_torch_always_gives_is_a_clear_error(key):
     with pytest.raises(VerifyError, match=f"the torch probe answered no '{key}'"):
-        pve_verify.check_torch_answer({k: v for k, v in TORCH_REAL.items() if k != key})
+        verify_facts.check_torch_answer({k: v for k, v in TORCH_REAL.items() if k != key})
 
 
 @pytest.mark.parametrize(
@@ -899,22 +902,22 @@ def test_an_answer_without_a_key_torch_always_gives_is_a_clear_error(key):
 )
 def test_output_that_is_not_an_answer_is_a_clear_error(stdout, message):
     with pytest.raises(VerifyError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        pve_verify.torch_answer(0, stdout, "")
+        verify_facts.torch_answer(0, stdout, "")
 
 
 def test_a_python_that_died_is_a_finding_not_a_parse_error():
-    facts = pve_verify.torch_answer(139, "", "Fatal Python error: Segmentation fault\n\nCurrent thread:\n  File x\n")
+    facts = verify_facts.torch_answer(139, "", "Fatal Python error: Segmentation fault\n\nCurrent thread:\n  File x\n")
     assert (facts["failure"], facts["error"]) == ("crashed", "exit 139 (signal 11): 'File x'")
-    assert pve_verify.torch_answer(-11, "", "")["error"] == "exit -11 (signal 11)"
+    assert verify_facts.torch_answer(-11, "", "")["error"] == "exit -11 (signal 11)"
 
 
 # -- the torch checks of the acting module ----------------------------------------------------------------------
 def torch_of(name, **changed):
-    return dict(pve_verify.check_torch_answer(dict(json.loads((VERIFY / name).read_text()), **changed)), timeout=180)
+    return dict(verify_facts.check_torch_answer(dict(json.loads((VERIFY / name).read_text()), **changed)), timeout=180)
 
 
 def torch_check(spec, torch, driver="580.159.04", count=8):
-    return pve_verify.torch_checks(
+    return verify_facts.torch_checks(
         spec, torch, label=LABEL, expected_count=count, count_source="the target's /dev/nvidiaN nodes", driver=driver
     )
 
@@ -950,7 +953,7 @@ def test_a_cpu_torch_names_the_wrong_index_in_each_sentence():
         "https://download.pytorch.org/whl/cu128 (an --extra-index-url of the training_venv lock)",
     ]
     # Without a version to compare, the build itself is the cause.
-    no_spec = failed(torch_check(pve_verify.SPEC_DEFAULTS, torch_of("torch_probe_cpu.json")))
+    no_spec = failed(torch_check(verify_facts.SPEC_DEFAULTS, torch_of("torch_probe_cpu.json")))
     assert no_spec == [
         "CT 200 on pve1: torch.cuda.is_available() is False, expected True; torch 2.13.0+cpu is a CPU build "
         "(torch.version.cuda is None): the training_venv lock must take a CUDA build of torch from PyTorch's index "
@@ -1056,7 +1059,7 @@ def test_a_driver_too_old_for_torchs_cuda_is_named_with_the_driver_it_needs():
     )
     (detail,) = failed(torch_check(KNOWN_GOOD, said, driver="520.61.05"))
     assert "driver 520.61.05 is too old for CUDA 12.8 (it needs 525.60.13 or newer): the driver is too old" in detail
-    assert pve_verify.driver_too_old("580.159.04", "13.0") is None
+    assert verify_facts.driver_too_old("580.159.04", "13.0") is None
 
 
 @pytest.mark.parametrize(
@@ -1089,18 +1092,18 @@ def test_names_torch_reports_are_checked_and_quoted():
     ("torch", "detail"),
     [
         (
-            pve_verify.torch_failure("not_found", "`/opt/venvs/train/bin/python` not found", 180),
+            verify_facts.torch_failure("not_found", "`/opt/venvs/train/bin/python` not found", 180),
             "CT 200 on pve1: /opt/venvs/train/bin/python not found: there is no venv at /opt/venvs/train; the "
             "training_venv step builds it (or set verify_venv)",
         ),
         (
-            pve_verify.torch_failure("timeout", "timed out", 180),
+            verify_facts.torch_failure("timeout", "timed out", 180),
             "CT 200 on pve1: importing torch and starting CUDA did not finish within 180 s and was killed; a GPU "
             "stuck in initialization (dmesg | grep -i xid on the node) or a slow filesystem (then raise "
             "verify_torch_timeout)",
         ),
         (
-            pve_verify.torch_answer(139, "", "Segmentation fault\n"),
+            verify_facts.torch_answer(139, "", "Segmentation fault\n"),
             "CT 200 on pve1: /opt/venvs/train/bin/python died (exit 139 (signal 11): 'Segmentation fault') while "
             "importing torch and starting CUDA; a broken CUDA library or driver: rebuild the venv from the lock, check "
             "dmesg on the node",

@@ -1,11 +1,11 @@
 """Unattended, the training venv is never swapped under a live process: which processes of the target run from it
-(pve_process.processes_running_from on a fake node /proc), and the venv step's window rule (pve_venv)."""
+(pve_process.processes_running_from on a fake node /proc), and the venv step's window rule (venv_facts)."""
 
 import os
 
 import pytest
-from ansible.module_utils import pve_process as pp
-from ansible.module_utils import pve_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 
 from tests.unit.module_utils.test_gpu_jobs import fake_proc
 from tests.unit.module_utils.test_pve_venv import CONTEXT, IN_SPEC, LOCK
@@ -13,9 +13,9 @@ from tests.unit.module_utils.test_pve_venv import POLLUTED as DRIFTED
 
 PATH = "/opt/venvs/train"
 REAL = "/opt/venvs/train.20261203T101500Z"
-SPEC = dict(pve_venv.SPEC_DEFAULTS, lock=LOCK, unattended=True)
+SPEC = dict(venv_facts.SPEC_DEFAULTS, lock=LOCK, unattended=True)
 POLLUTED = dict(DRIFTED, real_path=REAL)  # sglang and friends, PyPI's cu130 torch; the venv behind the link
-CHANGES = pve_venv.venv_facts(SPEC, POLLUTED, "CT 200 on pve1")["changes"]
+CHANGES = venv_facts.venv_facts(SPEC, POLLUTED, "CT 200 on pve1")["changes"]
 JOB = {
     "pid": 516,
     "ns_pid": 41,
@@ -86,7 +86,7 @@ def test_paths_compare_by_whole_directory_names():
 
 # -- the window rule -------------------------------------------------------------------------------------------
 def test_unattended_a_venv_in_use_needs_a_window_and_nothing_is_pending():
-    facts = pve_venv.evaluate_step(SPEC, POLLUTED, {"users": [JOB]}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, POLLUTED, {"users": [JOB]}, CONTEXT)
     assert (facts["pending"], facts["changes"], facts["problems"]) == (False, [], [])
     assert facts["needs_window"] == [
         f"CT 200 on pve1: the venv at /opt/venvs/train needs a rebuild ({'; '.join(CHANGES[:3])}; and "
@@ -102,7 +102,7 @@ def test_unattended_a_venv_in_use_needs_a_window_and_nothing_is_pending():
 
 
 def test_attended_the_same_venv_is_rebuilt_whoever_runs_from_it():
-    facts = pve_venv.evaluate_step(dict(SPEC, unattended=False), POLLUTED, {"users": [JOB]}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, unattended=False), POLLUTED, {"users": [JOB]}, CONTEXT)
     assert (facts["pending"], facts["needs_window"], facts["changes"]) == (True, [], CHANGES)
     assert facts["diff"]["before"] != facts["diff"]["after"]
 
@@ -110,10 +110,10 @@ def test_attended_the_same_venv_is_rebuilt_whoever_runs_from_it():
 def test_a_process_the_gpu_step_ends_first_does_not_count():
     gpu = {"pending": True, "processes": [{"pid": 516, "ns_pid": 41}], "launchers": []}
     context = dict(CONTEXT, steps={"gpu_processes": gpu})
-    facts = pve_venv.evaluate_step(SPEC, POLLUTED, {"users": [JOB]}, context)
+    facts = venv_facts.evaluate_step(SPEC, POLLUTED, {"users": [JOB]}, context)
     assert (facts["pending"], facts["needs_window"], facts["in_use"], facts["ending_pids"]) == (True, [], [], [41])
     # The module in check mode gets the same pids as an option.
-    facts = pve_venv.evaluate_step(SPEC, POLLUTED, {"users": [JOB], "ending": [41]}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, POLLUTED, {"users": [JOB], "ending": [41]}, CONTEXT)
     assert facts["pending"] is True
 
 
@@ -126,7 +126,7 @@ def test_a_process_that_could_not_be_read_is_not_vouched_for():
         "how": None,
         "error": "could not read /proc/530/maps: no answer within 2 s",
     }
-    facts = pve_venv.evaluate_step(SPEC, POLLUTED, {"users": [unsure]}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, POLLUTED, {"users": [unsure]}, CONTEXT)
     assert facts["pending"] is False
     assert (
         "but whether pid 530 (python3, pid 55 inside: 'python3'; could not read /proc/530/maps: no answer within "
@@ -141,19 +141,19 @@ def test_the_node_is_read_only_unattended_and_only_when_a_rebuild_is_due(monkeyp
         asked.append((owner, roots))
         return [], []
 
-    monkeypatch.setattr(pve_venv, "processes_running_from", scan)
-    assert pve_venv.read_node(dict(SPEC, unattended=False), None, POLLUTED, CONTEXT) == {}
-    assert pve_venv.read_node(SPEC, None, IN_SPEC, CONTEXT) == {}  # a venv in spec: nothing to swap, nothing read
+    monkeypatch.setattr(venv_facts, "processes_running_from", scan)
+    assert venv_facts.read_node(dict(SPEC, unattended=False), None, POLLUTED, CONTEXT) == {}
+    assert venv_facts.read_node(SPEC, None, IN_SPEC, CONTEXT) == {}  # a venv in spec: nothing to swap, nothing read
     assert asked == []
-    assert pve_venv.read_node(SPEC, None, POLLUTED, CONTEXT) == {"users": []}
+    assert venv_facts.read_node(SPEC, None, POLLUTED, CONTEXT) == {"users": []}
     assert asked == [("ct:200", [PATH, REAL])]
-    facts = pve_venv.evaluate_step(SPEC, POLLUTED, {"users": []}, CONTEXT)
+    facts = venv_facts.evaluate_step(SPEC, POLLUTED, {"users": []}, CONTEXT)
     assert (facts["pending"], facts["needs_window"]) == (True, [])  # nobody runs from it: rebuilt unattended too
 
 
 @pytest.mark.parametrize("unattended", [False, True])
 def test_a_venv_in_spec_has_the_window_keys_empty(unattended):
-    facts = pve_venv.evaluate_step(dict(SPEC, unattended=unattended), IN_SPEC, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, unattended=unattended), IN_SPEC, {}, CONTEXT)
     assert (facts["needs_window"], facts["in_use"], facts["pending"]) == ([], [], False)
 
 

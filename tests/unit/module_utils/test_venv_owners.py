@@ -11,7 +11,11 @@ import inspect
 import os
 
 import pytest
-from ansible.module_utils import pve_ct_venv, pve_probe_training_venv, pve_probe_verify, pve_venv, pve_verify
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts as verify_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
 
 from tests.unit.module_utils.test_pve_venv import CONTEXT, SPEC
 from tests.unit.module_utils.test_pve_verify import context, make_venv_dir
@@ -22,8 +26,8 @@ STAMP = "20261203T101500Z"
 
 def unsafe(venv):
     """What both probe parts say of ``venv``: they must say the same."""
-    said = pve_probe_training_venv.probe({"path": str(venv), "timeout": 30})["unsafe"]
-    assert pve_probe_verify.probe({"venv": str(venv)})["unsafe"] == said
+    said = venv_probe.probe({"path": str(venv), "timeout": 30})["unsafe"]
+    assert verify_probe.probe({"venv": str(venv)})["unsafe"] == said
     return said
 
 
@@ -36,11 +40,11 @@ def parent_of(tmp_path, mode=0o755, uid=0):
 
 
 def test_both_probe_parts_ship_the_one_venv_safety_module():
-    # One source (module_utils/pve_ct_venv.py) shipped with each part in the same pct exec, not a copy in each.
-    assert (pve_ct_venv,) == pve_probe_training_venv.SHARED
-    assert (pve_ct_venv,) == pve_probe_verify.SHARED
-    assert "def venv_unsafe" not in inspect.getsource(pve_probe_verify)
-    assert "def venv_unsafe" not in inspect.getsource(pve_probe_training_venv)
+    # One source (plugins/module_utils/pve_ct_venv.py) shipped with each part in the same pct exec, not a copy in each.
+    assert (pve_ct_venv,) == venv_probe.SHARED
+    assert (pve_ct_venv,) == verify_probe.SHARED
+    assert "def venv_unsafe" not in inspect.getsource(verify_probe)
+    assert "def venv_unsafe" not in inspect.getsource(venv_probe)
 
 
 def test_a_venv_of_roots_under_directories_of_roots_is_safe_built_or_linked_or_not_yet_there(tmp_path):
@@ -108,8 +112,8 @@ def test_links_other_than_the_steps_own_and_a_tree_others_can_write_are_refused(
 def test_the_training_venv_step_fails_before_anything_changes(tmp_path):
     parent = parent_of(tmp_path, 0o777)
     venv = make_venv_dir(parent / "train")
-    answer = pve_probe_training_venv.probe({"path": str(venv), "timeout": 30})
-    facts = pve_venv.evaluate_step(dict(SPEC, path=str(venv)), answer, {}, CONTEXT)
+    answer = venv_probe.probe({"path": str(venv), "timeout": 30})
+    facts = venv_facts.evaluate_step(dict(SPEC, path=str(venv)), answer, {}, CONTEXT)
     assert facts["pending"] is False
     assert facts["problems"][-1] == (
         f"CT 200 on pve1: the venv {venv} could be changed by a user other than root: {parent} may be written by "
@@ -122,9 +126,9 @@ def test_the_training_venv_step_fails_before_anything_changes(tmp_path):
 def test_verify_never_runs_that_venvs_python(tmp_path):
     parent = parent_of(tmp_path, 0o777)
     venv = make_venv_dir(parent / "train")
-    answer = pve_probe_verify.probe({"venv": str(venv)})
-    spec = dict(pve_verify.SPEC_DEFAULTS, venv=str(venv), import_torch="always")
-    facts = pve_verify.evaluate_step(spec, answer, {}, context())
+    answer = verify_probe.probe({"venv": str(venv)})
+    spec = dict(verify_facts.SPEC_DEFAULTS, venv=str(venv), import_torch="always")
+    facts = verify_facts.evaluate_step(spec, answer, {}, context())
     assert facts["pending"] is False  # the verify module, which runs <venv>/bin/python -I -B, is not run
     assert facts["problems"][0].startswith(
         f"CT 200 on pve1: the venv '{venv}' could be changed by a user other than root: '{parent} may be written "
@@ -133,5 +137,5 @@ def test_verify_never_runs_that_venvs_python(tmp_path):
     (tmp_path / "ok").mkdir()
     safe = make_venv_dir(parent_of(tmp_path / "ok") / "train")
     spec = dict(spec, venv=str(safe))
-    facts = pve_verify.evaluate_step(spec, pve_probe_verify.probe({"venv": str(safe)}), {}, context())
+    facts = verify_facts.evaluate_step(spec, verify_probe.probe({"venv": str(safe)}), {}, context())
     assert facts["pending"] is True

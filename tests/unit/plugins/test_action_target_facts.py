@@ -21,7 +21,7 @@ from tests.conftest import ROOT
 
 @pytest.fixture(scope="module")
 def action():
-    """The plugin, loaded by path under its own name (``target_facts`` is library/target_facts.py to the other
+    """The plugin, loaded by path under its own name (``target_facts`` is plugins/modules/target_facts.py to the other
     tests) and only when these tests run: importing Ansible's action machinery changes how AnsibleModule's warnings
     reach the module tests that run in the same process."""
     spec = importlib.util.spec_from_file_location(
@@ -32,7 +32,7 @@ def action():
     return module
 
 
-FQN = "ansible.legacy.target_facts"
+FQN = "ansible_collections.pve_gpu.recover.plugins.modules.target_facts"
 PAYLOAD = f"{FQN}-ZIP_DEFLATED-none"
 
 
@@ -231,7 +231,7 @@ def ad_hoc(local_tmp, hosts, *args, debug=False):
     if debug:
         env["ANSIBLE_DEBUG"] = "1"
     argv = [os.path.join(os.path.dirname(sys.executable), "ansible"), "all", "-i", hosts, *args]
-    argv += ["-e", f"ansible_python_interpreter={sys.executable}", "-m", "target_facts"]
+    argv += ["-e", f"ansible_python_interpreter={sys.executable}", "-m", "pve_gpu.recover.target_facts"]
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -355,3 +355,10 @@ def test_any_exception_of_the_store_leaves_the_payload_to_ansible_and_never_fail
         assert "ANSIBALLZ: Creating module" in output and "ANSIBALLZ: using cached module" not in output
         assert "AnsiballZ payload not restored: RuntimeError: the store broke" in output
     assert "AnsiballZ payload not kept: RuntimeError: the store broke" in outputs[0]
+
+
+def test_the_payload_is_filed_under_the_name_ansible_builds_it_by(action):
+    """A collection's module is cached by its collection path; one on a library path as ansible.legacy."""
+    collection = "/x/collections/ansible_collections/pve_gpu/recover/plugins/modules/target_facts.py"
+    assert action.module_fqn(collection) == "ansible_collections.pve_gpu.recover.plugins.modules.target_facts"
+    assert action.module_fqn("/srv/library/target_facts.py") == "ansible.legacy.target_facts"

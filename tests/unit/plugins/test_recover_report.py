@@ -115,8 +115,8 @@ def run_playbook(tmp_path, *args):
     playbook.write_text("- hosts: all\n  gather_facts: false\n  roles: [preflight, gpu_processes]\n")
     env = dict(
         os.environ,
-        ANSIBLE_CALLBACK_PLUGINS=str(ROOT / "plugins" / "callback"),
-        ANSIBLE_CALLBACKS_ENABLED="recover_report",
+        ANSIBLE_COLLECTIONS_PATH=str(ROOT / "collections"),
+        ANSIBLE_CALLBACKS_ENABLED="pve_gpu.recover.recover_report",
         ANSIBLE_ROLES_PATH=str(roles),
         ANSIBLE_LIBRARY=str(tmp_path / "library"),
         PVE_GPU_RECOVER_REPORT_DIR=str(tmp_path / "reports"),
@@ -161,7 +161,13 @@ def test_a_check_run_is_marked_as_such(tmp_path):
 
 def test_the_callback_documentation_renders():
     done = subprocess.run(
-        [str(Path(sys.executable).with_name("ansible-doc")), "-t", "callback", "--json", "recover_report"],
+        [
+            str(Path(sys.executable).with_name("ansible-doc")),
+            "-t",
+            "callback",
+            "--json",
+            "pve_gpu.recover.recover_report",
+        ],
         cwd=ROOT,
         env={"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "PATH": "/usr/bin:/bin"},
         capture_output=True,
@@ -169,7 +175,7 @@ def test_the_callback_documentation_renders():
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    doc = json.loads(done.stdout)["recover_report"]["doc"]
+    doc = json.loads(done.stdout)["pve_gpu.recover.recover_report"]["doc"]
     assert doc["options"]["report_dir"]["env"] == [{"name": "PVE_GPU_RECOVER_REPORT_DIR"}]
 
 

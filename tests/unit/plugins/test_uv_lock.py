@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from ansible.module_utils import _internal as module_internal
-from ansible.module_utils import pve_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 
 from tests.conftest import ROOT
 
@@ -60,7 +60,7 @@ def compile_lock(tmp_path, index_url, torch_index_url, requirements):
 def test_torch_comes_from_its_own_index_and_the_lock_is_what_the_venv_step_reads(tmp_path, indexes):
     server, pypi, cu128 = indexes
     text = compile_lock(tmp_path, pypi, cu128, ["torch==2.11.0+cu128", "six"])
-    lock = pve_venv.parse_lock(text)
+    lock = venv_facts.parse_lock(text)
     assert lock["distributions"] == {"six": "1.17.0", "torch": "2.11.0+cu128"}
     assert lock["torch_index"] == cu128
     assert lock["python"] == "3.11"

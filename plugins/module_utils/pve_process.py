@@ -1,0 +1,803 @@
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Node-side knowledge of processes: which CT a host pid belongs to, its pid inside the CT, its state.
+
+Proxmox VE puts a CT's processes in cgroup ``/lxc/<vmid>/...`` (``/lxc/<vmid>/ns`` for init, ``.../ns/.lxc``
+for ``pct exec``); plain LXC and Incus use ``/lxc.payload.<name>`` (older LXC ``/lxc/<name>``). On a bare host the
+processes of other container runtimes (Docker, Podman, Kubernetes, containerd, systemd-nspawn, LXC) are not the
+host's own either: :func:`parse_cgroup_owner` names them. ``NSpid:`` in /proc/<pid>/status lists the pid in
+every pid namespace from the host's outwards in, so its last value is the pid the CT sees. NVML reports host
+pids, which is why GPU holders are mapped on the node, not inside the CT.
+
+A process's job: its parent (``ppid``, field 4 of stat, as the node's pid namespace numbers it) and its cgroup
+path, from which :func:`systemd_unit` tells the systemd service it runs in (a service with ``Restart=`` starts
+again whatever is ended). :func:`walk_stop`, :func:`is_shell`, :func:`is_interactive_shell` and
+:func:`matches_launcher` are the pure rules the GPU step walks a holder's ancestors by.
+
+Parsing functions are pure; :func:`read_process` reads one pid under a proc root (``/proc`` by default).
+
+Alive means any thread: a thread-group leader that exited (state Z) while other threads of it still run keeps the
+process, its open files and its GPU memory; :func:`still_there` and the state of :func:`read_process` look at
+``/proc/<pid>/task/*/stat`` for that.
+
+Bounded reads: of the files read here only ``cmdline`` takes the process's mmap lock, which a thread stuck in the
+driver can hold for ever; it is read by a child process (``head -c``) under run_local's hard deadline
+(CMDLINE_TIMEOUT), so a stuck process costs seconds, never the run. ``stat``, ``status``, ``cgroup`` and the
+``fd`` links do not take that lock and are read directly; an fd is only ever readlink'ed, never stat'ed (a stat
+asks the open file's filesystem, which may be a hung NFS or FUSE mount). A file that cannot be read (gone, permission,
+I/O error, garbage) is None, never a traceback; ProcessInfo.read_error says what could not be read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import re
+from dataclasses import asdict, dataclass
+
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import run_local
+
+PROXMOX_CGROUP = re.compile(r"^/lxc/(\d+)(?:/|$)")
+LXC_PAYLOAD_CGROUP = re.compile(r"^/lxc\.payload\.([^/]+)")
+# On a bare host: processes of other container runtimes are not the host's own. Searched in this order, so a
+# Kubernetes pod run by containerd is "kubernetes", and a Podman container in machine.slice is "podman".
+OTHER_CONTAINER_CGROUPS = (
+    (re.compile(r"/docker[-/]([0-9a-f]{12})[0-9a-f]*(?:\.scope)?(?:/|$)"), "docker:{}"),
+    (re.compile(r"/libpod-([0-9a-f]{12})[0-9a-f]*(?:\.scope)?(?:/|$)"), "podman:{}"),
+    (re.compile(r"/kubepods[/.]"), "kubernetes"),
+    # systemd-nspawn machines (machinectl start NAME): /machine.slice/systemd-nspawn@NAME.service/payload
+    (re.compile(r"^/machine\.slice/systemd-nspawn@([^/]+)\.service(?:/|$)"), "nspawn:{}"),
+    # containerd without Docker: the systemd cgroup driver nests containers under containerd.service (the
+    # daemon and its shims sit in containerd.service itself: those are the host's); cgroupfs puts them in
+    # /<namespace>/<id> (k8s.io for the CRI); the CRI with the systemd driver outside kubepods uses a scope.
+    (re.compile(r"^/system\.slice/containerd\.service/([^/]+)"), "containerd:{}"),
+    (re.compile(r"^/k8s\.io/([^/]+)"), "containerd:{}"),
+    (re.compile(r"/cri-containerd-([0-9a-f]{12})[0-9a-f]*\.scope(?:/|$)"), "containerd:{}"),
+    # LXC/Incus on a host that is not a Proxmox node: /lxc/NAME (a numeric NAME is a Proxmox CT, matched first).
+    (re.compile(r"^/lxc/([^/]+)"), "lxc:{}"),
+)
+# A name taken from a cgroup path goes into messages: at most this long, other characters replaced by "?".
+OWNER_NAME = re.compile(r"[^A-Za-z0-9_.:@+=-]")
+OWNER_NAME_LIMIT = 64
+LONG_ID = re.compile(r"^[0-9a-f]{32,}$")
+# /proc/<pid>/stat: "pid (comm) state ..." where comm may itself contain spaces and parentheses.
+STAT = re.compile(r"^\d+ \((.*)\) (\S) ", re.DOTALL)
+# Character device major of /dev/nvidia<N> and /dev/nvidiactl; nvidia-uvm and nvidia-caps get dynamic majors
+# that /proc/devices names.
+NVIDIA_MAJOR = 195
+# The device files a GPU process holds, as a /proc/<pid>/fd link names them: /dev/nvidia0, /dev/nvidiactl,
+# /dev/nvidia-uvm, /dev/nvidia-caps/nvidia-cap1 ...
+NVIDIA_DEVICE = re.compile(r"^/dev/nvidia[^/]*(?:/|$)")
+STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "uninterruptible (disk sleep)",
+    "Z": "zombie",
+    "T": "stopped",
+    "t": "tracing stop",
+    "X": "dead",
+    "I": "idle",
+    "P": "parked",
+    "W": "paging",
+}
+GONE_STATES = ("Z", "X")  # a task in these states runs no more (a zombie's files and memory are released)
+# Which live thread's state a zombie leader is reported with: the one that explains why it holds on.
+STATE_ORDER = "DRTt"
+CMDLINE_TIMEOUT = 2  # seconds a cmdline read may take (see the module docstring)
+CMDLINE_LIMIT = 65536  # bytes of a cmdline read; argv beyond that is not needed to name a process
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process as the node sees it."""
+
+    pid: int  # host pid
+    ns_pid: int  # pid in its innermost pid namespace (the CT's view); equals pid on the host
+    comm: str  # kernel name, at most 15 characters
+    state: str  # one letter: R S D Z T ...
+    owner: str  # "ct:<vmid>", "lxc:<name>" or "host"
+    cmdline: list  # argv as the kernel records it
+    start_time: int  # clock ticks after boot (field 22 of stat): tells a reused pid apart
+    read_error: str = ""  # what could not be read (e.g. its cmdline, when that timed out)
+    ppid: int = 0  # host pid of its parent (0: none, or not read)
+    cgroup: str = ""  # its cgroup path as the node sees it (``/lxc/200/ns/system.slice/train.service``)
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def owner_name(raw):
+    """A container name from a cgroup path as owners carry it: a long hex id cut to 12 like ``docker ps`` shows
+    it, any other name with safe characters only (others become ``?``), at most 64."""
+    if LONG_ID.match(raw):
+        return raw[:12]
+    return OWNER_NAME.sub("?", raw[:OWNER_NAME_LIMIT])
+
+
+def parse_cgroup_owner(text):
+    """Who owns a process, from /proc/<pid>/cgroup: ``ct:<vmid>`` (Proxmox), another runtime's, or ``host``.
+
+    The other runtimes: ``lxc:<name>``, ``docker:<id>``, ``podman:<id>``, ``kubernetes``, ``nspawn:<name>``,
+    ``containerd:<id>`` (OTHER_CONTAINER_CGROUPS).
+
+    >>> parse_cgroup_owner("0::/lxc/200/ns/.lxc\\n")
+    'ct:200'
+    >>> parse_cgroup_owner("0::/system.slice/ssh.service\\n")
+    'host'
+    >>> parse_cgroup_owner("0::/machine.slice/systemd-nspawn@train.service/payload\\n")
+    'nspawn:train'
+    """
+    for line in (text or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        path = parts[2]
+        proxmox = PROXMOX_CGROUP.match(path)
+        if proxmox:
+            return f"ct:{int(proxmox.group(1))}"
+        payload = LXC_PAYLOAD_CGROUP.match(path)
+        if payload:
+            return f"lxc:{owner_name(payload.group(1))}"
+        for pattern, owner in OTHER_CONTAINER_CGROUPS:
+            found = pattern.search(path)
+            if found:
+                return owner.format(*(owner_name(g) for g in found.groups()))
+    return "host"
+
+
+def parse_cgroup_path(text):
+    """The process's cgroup path from /proc/<pid>/cgroup: the unified (``0::``) one, else systemd's, else the
+    first; ``""`` when there is none.
+
+    >>> parse_cgroup_path("12:pids:/lxc/200/ns\\n1:name=systemd:/lxc/200/ns/init.scope\\n0::/lxc/200/ns/init.scope\\n")
+    '/lxc/200/ns/init.scope'
+    """
+    paths = {}
+    for line in (text or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            paths.setdefault(parts[0] if parts[0] == "0" else parts[1], parts[2])
+    for key in ("0", "name=systemd"):
+        if paths.get(key, "/") != "/":
+            return paths[key]
+    return next(iter(paths.values()), "")
+
+
+def parse_status_nspid(text):
+    """The pids of ``NSpid:`` in /proc/<pid>/status, outermost (host) first; [] when the line is absent."""
+    for line in (text or "").splitlines():
+        if line.startswith("NSpid:"):
+            pids = line.split()[1:]
+            return [int(p) for p in pids] if all(p.isdigit() for p in pids) else []
+    return []
+
+
+def parse_stat(text):
+    """``(comm, state, start_time)`` from /proc/<pid>/stat, or None when it cannot be read."""
+    match = STAT.match(text or "")
+    if not match:
+        return None
+    rest = text[match.end() :].split()
+    # After "pid (comm) state " the fields start at field 4 (ppid); starttime is field 22.
+    start_time = int(rest[22 - 4]) if len(rest) > 22 - 4 and rest[22 - 4].isdigit() else 0
+    return match.group(1), match.group(2), start_time
+
+
+def parse_ppid(text):
+    """The parent pid (field 4) of a /proc/<pid>/stat line, or 0 when it cannot be read.
+
+    >>> parse_ppid("516 (python3) S 500 516 500 0 -1")
+    500
+    """
+    match = STAT.match(text or "")
+    rest = text[match.end() :].split() if match else []
+    return int(rest[0]) if rest and rest[0].isdigit() else 0
+
+
+def describe_state(letter):
+    """``D`` -> ``uninterruptible (disk sleep)``: the words a survivor report uses."""
+    return STATES.get(letter, letter)
+
+
+def _read(path):
+    """The text of a /proc file, or None when it cannot be read (gone, no permission, I/O error...)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read().decode(errors="replace")
+    except (OSError, ValueError):
+        return None
+
+
+def read_bounded(path, *, timeout=None, limit=CMDLINE_LIMIT):
+    """``(text, error)`` of a file that can block (``/proc/<pid>/cmdline``), read by a child under a deadline.
+
+    ``error`` is None or one sentence (``could not read /proc/7/cmdline: no answer within 2 s ...``). ``timeout``
+    defaults to CMDLINE_TIMEOUT. Where ``head`` is missing the file is read directly.
+    """
+    timeout = CMDLINE_TIMEOUT if timeout is None else timeout
+    try:
+        result = run_local(["head", "-c", str(limit), "--", path], timeout=timeout)
+    except FileNotFoundError:
+        text = _read(path)
+        return text, None if text is not None else f"could not read {path}"
+    if result.timed_out:
+        return None, (
+            f"could not read {path}: no answer within {timeout} s (the process is likely stuck in the kernel or the "
+            f"driver)"
+        )
+    if result.rc != 0:
+        said = result.stderr.strip().splitlines()[-1:] or [f"exit {result.rc}"]
+        return None, f"could not read {path}: {said[0]}"
+    return result.stdout, None
+
+
+def read_stat(pid, proc_root="/proc"):
+    """``(comm, state, start_time)`` of ``pid``'s thread-group leader, or None when it is gone or unreadable."""
+    return parse_stat(_read(os.path.join(proc_root, str(pid), "stat")))
+
+
+def thread_states(pid, proc_root="/proc"):
+    """The state letter of every thread of ``pid`` (``/proc/<pid>/task/*/stat``); [] when none can be read."""
+    task_dir = os.path.join(proc_root, str(pid), "task")
+    try:
+        tids = sorted(t for t in os.listdir(task_dir) if t.isdigit())
+    except OSError:
+        return []
+    states = []
+    for tid in tids:
+        stat = parse_stat(_read(os.path.join(task_dir, tid, "stat")))
+        if stat is not None:
+            states.append(stat[1])
+    return states
+
+
+def live_state(state, threads):
+    """The state a process counts as: its leader's, or, for a leader gone (Z) with threads still running, the
+    state of the live thread that explains it (D before R before S...); pure.
+
+    >>> live_state("Z", ["Z", "S", "D"]), live_state("Z", ["Z"]), live_state("S", [])
+    ('D', 'Z', 'S')
+    """
+    if state not in GONE_STATES:
+        return state
+    live = [t for t in threads if t not in GONE_STATES]
+    if not live:
+        return state
+    return min(live, key=lambda t: (STATE_ORDER.index(t) if t in STATE_ORDER else len(STATE_ORDER), t))
+
+
+def read_process(pid, proc_root="/proc"):
+    """ProcessInfo of host ``pid`` under ``proc_root``, or None when it is gone (or not readable).
+
+    ``state`` is :func:`live_state`: a zombie leader whose other threads run reads as their state, not Z.
+    """
+    base = os.path.join(proc_root, str(pid))
+    stat_text = _read(os.path.join(base, "stat"))
+    stat = parse_stat(stat_text)
+    if stat is None:
+        return None
+    comm, state, start_time = stat
+    if state in GONE_STATES:
+        state = live_state(state, thread_states(pid, proc_root))
+    nspids = parse_status_nspid(_read(os.path.join(base, "status")))
+    text, error = read_bounded(os.path.join(base, "cmdline"))
+    cgroup = _read(os.path.join(base, "cgroup"))
+    return ProcessInfo(
+        pid=int(pid),
+        ns_pid=nspids[-1] if nspids else int(pid),
+        comm=comm,
+        state=state,
+        owner=parse_cgroup_owner(cgroup),
+        cmdline=[a for a in (text or "").split("\0") if a],
+        start_time=start_time,
+        read_error=error or "",
+        ppid=parse_ppid(stat_text),
+        cgroup=parse_cgroup_path(cgroup),
+    )
+
+
+def owner_label(owner, node):
+    """Words for an owner: ``CT 201``, ``LXC container x``, ``Docker container 0123456789ab``, ``node pve1 itself``."""
+    kind, _, name = owner.partition(":")
+    words = {
+        "ct": "CT",
+        "lxc": "LXC container",
+        "docker": "Docker container",
+        "podman": "Podman container",
+        "nspawn": "systemd-nspawn container",
+        "containerd": "containerd container",
+    }
+    if kind in words:
+        return f"{words[kind]} {name}"
+    if kind == "kubernetes":
+        return "a Kubernetes pod"
+    return f"node {node} itself"
+
+
+def parse_proc_devices(text):
+    """Majors of NVIDIA character devices from /proc/devices (``195 nvidia-frontend``, ``238 nvidia-uvm``).
+
+    195 is always included: it is NVIDIA's registered major, whatever /proc/devices says.
+    """
+    majors = {NVIDIA_MAJOR}
+    for line in (text or "").splitlines():
+        if line.startswith("Block devices:"):
+            break
+        else:
+            parts = line.split()
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].startswith("nvidia"):
+                majors.add(int(parts[0]))
+    return majors
+
+
+def nvidia_device_majors(proc_root="/proc"):
+    return parse_proc_devices(_read(os.path.join(proc_root, "devices")))
+
+
+def device_fds(pid, proc_root="/proc"):
+    """The NVIDIA device files ``pid`` has open (``["/dev/nvidia0", "/dev/nvidiactl"]``), sorted, once each.
+
+    Matched by the text of each /proc/<pid>/fd/N link (os.readlink), never by stat: stat follows the link to the
+    open file and asks its filesystem, so one fd on a hung NFS or FUSE mount would block the read for ever, while
+    readlink of a /proc fd only prints the path the kernel keeps. The kernel writes that path as the process's
+    own mount namespace names it, so a CT's /dev/nvidiaN reads as such on the node.
+    """
+    fd_dir = os.path.join(proc_root, str(pid), "fd")
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return []
+    found = set()
+    for fd in fds:
+        try:
+            link = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        link = link[: -len(DELETED)] if link.endswith(DELETED) else link
+        if NVIDIA_DEVICE.match(link):
+            found.add(link)
+    return sorted(found)
+
+
+def list_pids(proc_root="/proc"):
+    try:
+        return sorted(int(e) for e in os.listdir(proc_root) if e.isdigit())
+    except OSError:
+        return []
+
+
+def read_owner(pid, proc_root="/proc"):
+    """Owner of ``pid`` from its cgroup alone (one small read: enough to skip other CTs' processes quickly)."""
+    return parse_cgroup_owner(_read(os.path.join(proc_root, str(pid), "cgroup")))
+
+
+def device_holders(owner, proc_root="/proc", exclude=()):
+    """ProcessInfo and NVIDIA device files (:func:`device_fds`) of every process of ``owner`` that holds one;
+    ``exclude`` pids skipped."""
+    holders = []
+    for pid in list_pids(proc_root):
+        if pid in exclude or read_owner(pid, proc_root) != owner:
+            continue
+        devices = device_fds(pid, proc_root)
+        if devices:
+            info = read_process(pid, proc_root)
+            if info is not None:
+                holders.append((info, devices))
+    return holders
+
+
+def still_there(info, proc_root="/proc"):
+    """True while the process of ``info`` lives: same pid, same start time, and a thread of it not a zombie.
+
+    A zombie has freed its files and GPU memory, but a thread-group leader in state Z whose other threads still
+    run has not: it is there (and needs SIGKILL). Reads only ``stat`` files, never the cmdline, so polling it is
+    cheap and cannot block.
+    """
+    stat = read_stat(info.pid, proc_root)
+    if stat is None or stat[2] != info.start_time:
+        return False
+    if stat[1] not in GONE_STATES:
+        return True
+    return live_state(stat[1], thread_states(info.pid, proc_root)) not in GONE_STATES
+
+
+def matches_name(info, patterns):
+    """The first of ``patterns`` (fnmatch) naming this process by comm, argv[0] or its basename; else None.
+
+    comm is cut to 15 characters by the kernel, so a pattern is also compared cut to 15
+    (``nvidia-persistenced`` -> comm ``nvidia-persiste``).
+    """
+    names = {info.comm}
+    if info.cmdline:
+        names.update({info.cmdline[0], os.path.basename(info.cmdline[0])})
+    for pattern in patterns:
+        for name in names:
+            if fnmatch.fnmatchcase(name, pattern) or (name == info.comm and fnmatch.fnmatchcase(name, pattern[:15])):
+                return pattern
+    return None
+
+
+# -- a holder's job: the parents that restart it, the systemd service it runs in -----------------------------
+SHELLS = ("sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "fish", "tcsh", "csh")
+# Interpreters whose ``-m MODULE`` or script names the program (``python3 -m torch.distributed.run``).
+INTERPRETERS = ("python*", "pypy*")
+# Where a walk up a holder's parents stops: what starts sessions, services or containers, never one job's part.
+SESSION_MANAGERS = (
+    "systemd",
+    "init",
+    "sshd",
+    "sshd-session",
+    "sshd-auth",
+    "login",
+    "agetty",
+    "getty",
+    "tmux*",
+    "screen",
+    "SCREEN",
+    "cron",
+    "crond",
+    "atd",
+    "lxc-start",
+    "lxc-attach",
+    "containerd-shim*",
+    "conmon",
+    "tini",
+    "dumb-init",
+    "docker-init",
+    "supervisord",
+    "runsv",
+    "runsvdir",
+    "s6-supervise",
+)
+# Shell options that take the next word as their argument (bash -o pipefail, --rcfile FILE).
+SHELL_OPTIONS_WITH_ARGUMENT = ("-o", "+o", "-O", "+O", "--rcfile", "--init-file")
+# A unit name that may go into advice a person copies into a root shell (a CT is untrusted: its cgroup paths
+# are names it chose).
+UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.@-]+\.service$")
+UNIT_NAME_LIMIT = 256
+USER_MANAGER = re.compile(r"^user@(\d+)\.service$")
+# Services that run login sessions or jobs of many people: a process in one is not that service's job.
+SESSION_UNITS = (
+    "ssh.service",
+    "sshd.service",
+    "sshd@*.service",
+    "cron.service",
+    "crond.service",
+    "atd.service",
+    "getty@*.service",
+    "serial-getty@*.service",
+    "console-getty.service",
+    "container-getty@*.service",
+)
+CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd")
+UNIT_MEMBERS_LIMIT = 4096
+
+
+def _argv0_base(info):
+    return os.path.basename(info.cmdline[0]).lstrip("-") if info.cmdline else ""
+
+
+def is_shell(info):
+    """A POSIX-ish shell, by comm or argv[0] (``-bash`` is a login bash)."""
+    return info.comm in SHELLS or _argv0_base(info) in SHELLS
+
+
+def is_interactive_shell(info):
+    """A shell a person types into: a login shell (argv[0] ``-bash``), or one with neither ``-c`` nor a script.
+
+    A shell whose argv cannot be read counts as interactive: what cannot be told apart is never ended.
+
+    >>> def sh(*argv): return is_interactive_shell(ProcessInfo(1, 1, "bash", "S", "host", list(argv), 1))
+    >>> sh("-bash"), sh("bash"), sh("bash", "-l"), sh("bash", "-c", "x"), sh("sh", "run.sh")
+    (True, True, True, False, False)
+    """
+    argv = info.cmdline
+    if not argv or argv[0].startswith("-"):
+        return True
+    words = iter(argv[1:])
+    for word in words:
+        if word == "--":
+            return next(words, None) is None
+        if word in SHELL_OPTIONS_WITH_ARGUMENT:
+            next(words, None)
+            continue
+        if word.startswith("-") and not word.startswith("--") and "c" in word[1:]:
+            return False  # -c, -ec, -lc: runs a command string
+        if not word.startswith(("-", "+")):
+            return False  # a script
+    return True
+
+
+def program_names(info):
+    """The names a process goes by: comm, argv[0] and its basename, and for an interpreter the module of
+    ``-m`` and the script's basename.
+
+    >>> argv = ["python3", "-u", "-m", "torch.distributed.run"]
+    >>> sorted(program_names(ProcessInfo(1, 1, "python3", "S", "host", argv, 1)))
+    ['python3', 'torch.distributed.run']
+    """
+    names = {info.comm}
+    if info.cmdline:
+        names.update({info.cmdline[0], os.path.basename(info.cmdline[0])})
+        if any(fnmatch.fnmatchcase(os.path.basename(info.cmdline[0]), p) for p in INTERPRETERS):
+            words = iter(info.cmdline[1:])
+            for word in words:
+                if word == "-m":
+                    names.add(next(words, ""))
+                    break
+                if word.startswith("-m"):
+                    names.add(word[2:])
+                    break
+                if word in ("-c", "-"):
+                    break
+                if word in ("-W", "-X", "-Q"):
+                    next(words, None)
+                    continue
+                if not word.startswith("-"):
+                    names.add(os.path.basename(word))
+                    break
+    names.discard("")
+    return names
+
+
+def matches_launcher(info, patterns):
+    """The first of ``patterns`` (fnmatch) naming this process by :func:`program_names`; else None.
+
+    ``torchrun``, ``python3 -m torch.distributed.run`` and ``python3 /usr/local/bin/accelerate`` all match their
+    launcher's name. comm is cut to 15 characters by the kernel; patterns are compared cut the same way.
+    """
+    names = program_names(info)
+    for pattern in patterns:
+        for name in names:
+            if fnmatch.fnmatchcase(name, pattern) or (name == info.comm and fnmatch.fnmatchcase(name, pattern[:15])):
+                return pattern
+    return None
+
+
+def walk_stop(info, owner, protected=(), own=()):
+    """Why a walk up a holder's parents stops at ``info`` (it is not part of the holder's job), or None.
+
+    It stops at a process of another owner (another CT, the node), the init of a pid namespace (the CT's init,
+    the host's pid 1), a process of this recover run (``own``: ``(pid, start_time)`` of the module, the controller
+    and their parents, :func:`ancestry`), an interactive shell (a person's login or terminal: what is beyond it is
+    their session, not the job), a session or service manager (sshd, tmux, cron, systemd...), and a protected
+    process.
+    """
+    if info is None:
+        return "is gone"
+    # First, whatever it is named: ending the shell that runs ansible-playbook ends the run itself.
+    if (info.pid, info.start_time) in own:
+        return "runs this recover run"
+    if info.owner != owner:
+        return "belongs to another owner"
+    if info.pid <= 1 or info.ns_pid == 1:
+        return "is the init of its pid namespace"
+    if is_shell(info) and is_interactive_shell(info):
+        return "is an interactive shell"
+    if matches_name(info, SESSION_MANAGERS):
+        return "starts sessions or services"
+    if matches_name(info, protected):
+        return "is protected"
+    return None
+
+
+def ancestry(pid, proc_root="/proc", limit=64):
+    """``[(pid, start_time), ...]`` of ``pid`` and its parents up to (not including) pid 1, nearest first; ``[]``
+    when ``pid`` is gone. Reads only ``stat`` (never the cmdline), so it cannot block."""
+    chain = []
+    while pid > 1 and len(chain) < limit:
+        text = _read(os.path.join(proc_root, str(pid), "stat"))
+        stat = parse_stat(text)
+        if stat is None or (pid, stat[2]) in chain:
+            break
+        chain.append((pid, stat[2]))
+        pid = parse_ppid(text)
+    return chain
+
+
+def children_of(parents, proc_root="/proc"):
+    """``{parent pid: {(child pid, start_time), ...}}`` of the live children of ``parents`` (host pids), from one
+    scan of ``/proc/*/stat`` (field 4): a supervisor's restarted worker shows here the moment it is forked, seconds
+    before it opens a GPU. Zombies are left out (a child that died is no restart)."""
+    found = {pid: set() for pid in parents}
+    if not found:
+        return found
+    for pid in list_pids(proc_root):
+        text = _read(os.path.join(proc_root, str(pid), "stat"))
+        stat = parse_stat(text)
+        if stat is None or stat[1] in GONE_STATES:
+            continue
+        ppid = parse_ppid(text)
+        if ppid in found:
+            found[ppid].add((pid, stat[2]))
+    return found
+
+
+def systemd_unit(path, owner):
+    """The systemd service a cgroup path lies in (its innermost ``*.service``), or None.
+
+    Returns ``{"name", "valid", "path", "user"}``: ``name`` as the path has it (untrusted: shown only after
+    ``valid`` says it is a plain unit name), ``path`` the unit's cgroup, ``user`` the uid of a user manager's
+    unit (None for a system service). For a CT only the part under ``/lxc/<vmid>/ns`` counts (the CT's own
+    systemd); another owner's processes have none (they are never ended). Login and job services (ssh, cron,
+    getty: SESSION_UNITS) are not a job's service.
+
+    >>> systemd_unit("/lxc/200/ns/system.slice/train.service", "ct:200")["name"]
+    'train.service'
+    >>> systemd_unit("/lxc/200/ns/.lxc", "ct:200") is None
+    True
+    """
+    kind, _, vmid = owner.partition(":")
+    if kind == "ct":
+        prefix = f"/lxc/{vmid}/ns"
+        if not path.startswith(prefix + "/"):
+            return None
+    elif owner == "host":
+        prefix = ""
+    else:
+        return None
+    parts = path[len(prefix) :].strip("/").split("/")
+    units = [i for i, part in enumerate(parts) if part.endswith(".service")]
+    if not units:
+        return None
+    name = parts[units[-1]]
+    user = next((USER_MANAGER.match(p).group(1) for p in parts[: units[-1]] if USER_MANAGER.match(p)), None)
+    if USER_MANAGER.match(name) or any(fnmatch.fnmatchcase(name, p) for p in SESSION_UNITS):
+        return None
+    return {
+        "name": name,
+        "valid": len(name) <= UNIT_NAME_LIMIT and bool(UNIT_NAME.match(name)),
+        "path": "/".join([prefix, *parts[: units[-1] + 1]]) if prefix else "/" + "/".join(parts[: units[-1] + 1]),
+        "user": int(user) if user is not None else None,
+    }
+
+
+def read_unit_members(path, cgroup_roots=CGROUP_ROOTS, proc_root="/proc"):
+    """``[(pid, start_time)]`` of every process in the cgroup ``path`` and below it (host pids), or None when the
+    cgroup cannot be found under any of ``cgroup_roots``."""
+    for root in cgroup_roots:
+        top = os.path.join(root, path.lstrip("/"))
+        if not os.path.isdir(top):
+            continue
+        pids = set()
+        for directory, _, _ in os.walk(top):
+            text = _read(os.path.join(directory, "cgroup.procs"))
+            pids.update(int(p) for p in (text or "").split() if p.isdigit())
+            if len(pids) >= UNIT_MEMBERS_LIMIT:
+                break
+        members = []
+        for pid in sorted(pids):
+            stat = read_stat(pid, proc_root)
+            if stat is not None:
+                members.append((pid, stat[2]))
+        return members
+    return None
+
+
+def unit_is_job(members, job):
+    """Whether a service is the job's own: its oldest process (its main one, or what started the rest) is one of
+    the job's processes (``job``: the holder and its parents up to where the walk stopped); pure.
+
+    A service whose members cannot be read counts as the job's (the step then fails naming it: nothing is ended
+    that a service may start again). A holder left in a service that runs other things (a CI runner's job, a
+    process that was started from a service and outlived its parent) is not the service's job.
+    """
+    if not members:
+        return True
+    oldest = min(members, key=lambda m: (m[1], m[0]))
+    return any((info.pid, info.start_time) == tuple(oldest) for info in job)
+
+
+# -- processes running from a directory (a venv about to be swapped) ----------------------------------------
+MAPS_LIMIT = 4 * 1024 * 1024  # bytes of /proc/<pid>/maps read: a big torch job maps a few thousand files (~1 MB)
+DELETED = " (deleted)"
+
+
+def under(path, roots):
+    """The first of ``roots`` (absolute directories) that ``path`` is or lies below, or None; pure.
+
+    >>> under("/opt/venvs/train.2/lib/libtorch.so", ["/opt/venvs/train", "/opt/venvs/train.2"])
+    '/opt/venvs/train.2'
+    """
+    if not path or not path.startswith("/"):
+        return None
+    path = path[: -len(DELETED)] if path.endswith(DELETED) else path
+    for root in roots:
+        top = root.rstrip("/") or "/"
+        if path == top or path.startswith(top.rstrip("/") + "/"):
+            return top
+    return None
+
+
+def parse_maps_paths(text):
+    """The files a /proc/<pid>/maps maps (its sixth field when it is a path), in order, once each; pure.
+
+    >>> parse_maps_paths("7f00-7f01 r-xp 00000000 00:2a 12 /opt/v/lib/x.so\\n7f02-7f03 rw-p 00000000 00:00 0 [heap]\\n")
+    ['/opt/v/lib/x.so']
+    """
+    found = {}
+    for line in (text or "").splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            found.setdefault(fields[5], None)
+    return list(found)
+
+
+def is_interpreter(path):
+    """Whether an executable's basename is a Python interpreter's (``python3.11``, ``pypy3``)."""
+    name = os.path.basename(path or "")
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in INTERPRETERS)
+
+
+def runs_from(pid, roots, proc_root="/proc", cwd=False):
+    """``(how, path, error)``: how process ``pid`` runs from one of ``roots`` (paths as ITS mount namespace names
+    them), cheapest read first; ``how`` is None when it does not, ``error`` says what could not be read.
+
+    1. ``exe``: /proc/<pid>/exe lies in a root (a binary of the venv). No lock is taken, nothing can block.
+       ``cwd`` (only with ``cwd``): its working directory does (no lock either). A shell cd'd into a directory
+       does not run from it, but removing that directory pulls it from under the shell.
+    2. ``argv0``: for a Python interpreter only, argv[0] lies in a root (``/opt/venvs/train/bin/python train.py``:
+       a venv's bin/python links to the base interpreter, so exe alone never names the venv).
+    3. ``mapped``: a file it maps lies in a root (a C extension, ``libtorch.so``: a job activated by PATH).
+
+    ``cmdline`` and ``maps`` take the process's mmap lock, which a thread stuck in the driver can hold for ever:
+    both are read by a child process under a deadline (:func:`read_bounded`). The kernel writes these paths as the
+    process's own mount namespace names them, so a CT's paths read on the node compare with paths inside the CT.
+    """
+    base = os.path.join(proc_root, str(pid))
+    try:
+        exe = os.readlink(os.path.join(base, "exe"))
+    except FileNotFoundError:
+        return None, None, None  # a kernel thread, a zombie or gone: it runs from no file
+    except OSError as error:
+        return None, None, f"could not read {os.path.join(base, 'exe')}: {error.strerror}"
+    if under(exe, roots):
+        return "exe", exe[: -len(DELETED)] if exe.endswith(DELETED) else exe, None
+    if cwd:
+        with contextlib.suppress(OSError):
+            directory = os.readlink(os.path.join(base, "cwd"))
+            if under(directory, roots):
+                return "cwd", directory[: -len(DELETED)] if directory.endswith(DELETED) else directory, None
+    errors = []
+    if is_interpreter(exe[: -len(DELETED)] if exe.endswith(DELETED) else exe):
+        text, error = read_bounded(os.path.join(base, "cmdline"))
+        argv0 = (text or "").split("\0", 1)[0]
+        if under(argv0, roots):
+            return "argv0", argv0, None
+        if error:
+            errors.append(error)
+    text, error = read_bounded(os.path.join(base, "maps"), limit=MAPS_LIMIT)
+    for path in parse_maps_paths(text):
+        if under(path, roots):
+            return "mapped", path[: -len(DELETED)] if path.endswith(DELETED) else path, None
+    if error:
+        errors.append(error)
+    return None, None, "; ".join(errors) or None
+
+
+def processes_running_from(owner, roots, proc_root="/proc", exclude=(), cwd=False):
+    """Node-side: the processes of ``owner`` (``ct:<vmid>``, ``host``) that run from one of ``roots``.
+
+    Returns ``(users, unreadable)``: ``users`` ``[(ProcessInfo, how, path)]`` (:func:`runs_from`),
+    ``unreadable`` ``[(ProcessInfo, error)]`` of those whose files could not be read (gone ones are skipped): a
+    caller that must not act under a user counts them as users it cannot rule out. ``cwd``: a process whose working
+    directory lies in a root counts too (before removing a directory, not before swapping a link).
+    The owner is told by each process's cgroup (one small read), so another CT's processes cost nothing more.
+    """
+    users, unreadable = [], []
+    for pid in list_pids(proc_root):
+        # pid 1 is the node's (the host's) init: it runs from no venv. A CT's init has another host pid.
+        if pid <= 1 or pid in exclude or pid == os.getpid() or read_owner(pid, proc_root) != owner:
+            continue
+        how, path, error = runs_from(pid, roots, proc_root, cwd)
+        if how is None and error is None:
+            continue
+        info = read_process(pid, proc_root)
+        if info is None:
+            continue  # it ended while we looked
+        if how is not None:
+            users.append((info, how, path))
+        else:
+            unreadable.append((info, error))
+    return users, unreadable

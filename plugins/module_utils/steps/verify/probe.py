@@ -1,0 +1,204 @@
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Verify probe: what the venv's torch says about itself, read two ways. Standard library only, Python 3.9+.
+
+* ``probe(payload)``, the fact pass's part: the CT's python3 runs it (its source on stdin, next to the other
+  steps' parts, one ``pct exec``); on a bare host it runs in the module's own process. It reads the venv's
+  ``torch/version.py`` AS TEXT (regular expressions, never exec: the venv is untrusted input), which is what
+  ``torch.__version__`` and ``torch.version.cuda`` will say, without the seconds ``import torch`` costs.
+* run as a script by the venv's OWN python (``<venv>/bin/python -I -B -`` with this source on stdin: no bytecode
+  is written, so a verify leaves the venv's files as they were; the verify module does it, through Target, with
+  a deadline): :func:`torch_facts` imports torch and asks CUDA, all in one process - torch.__version__,
+  torch.version.cuda, torch.cuda.is_available(), device_count(), the device names, torch.backends.cudnn.version(),
+  triton's version (from its metadata, never imported), plus what explains a failure (the warnings CUDA's
+  initialization raised, the /dev/nvidiaN nodes, CUDA_VISIBLE_DEVICES). Anything torch or CUDA prints goes to
+  stderr; stdout carries only the JSON answer, every string in it shortened.
+
+It only reads; the module decides what is wrong.
+"""
+
+import glob
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from importlib import metadata
+
+try:  # shipped with this part in the fact pass (SHARED); the venv's own python running torch_facts() lacks it
+    from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_venv
+except ImportError:
+    pve_ct_venv = None
+
+SHARED = (pve_ct_venv,) if pve_ct_venv else ()  # container-side modules Target.run_probes ships with this part
+
+_ASSIGNMENT = re.compile(r"^(\w+)\s*(?::[^=\n]*)?=\s*(.+?)\s*$", re.MULTILINE)
+_STRING = re.compile(r"""^(?:'([^'\\]*)'|"([^"\\]*)")$""")
+TORCH_VERSION_KEYS = {"__version__": "version", "cuda": "cuda", "git_version": "git_version"}
+_PYTHON_MINOR = re.compile(r"^(\d+)\.(\d+)")
+DEVICE_GLOB = "/dev/nvidia[0-9]*"
+TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton")
+SHORT = 300  # characters kept of an error or warning
+MAX_WARNINGS = 10
+MAX_DEVICES = 64
+
+
+# -- the fact pass's part: torch/version.py as text ------------------------------------------------------------
+def _read(path):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read(65536)
+    except OSError:
+        return None
+
+
+def parse_torch_version_py(text):
+    """``__version__ = '2.11.0+cu130'\\ncuda: Optional[str] = '13.0'`` -> ``{"version": "2.11.0+cu130", "cuda":
+    "13.0", "git_version": None}``; a value that is not a plain string literal or None is None."""
+    found = dict.fromkeys(TORCH_VERSION_KEYS.values())
+    for name, value in _ASSIGNMENT.findall(text):
+        if name in TORCH_VERSION_KEYS:
+            literal = _STRING.match(value)
+            found[TORCH_VERSION_KEYS[name]] = (literal.group(1) or literal.group(2)) if literal else None
+    return found
+
+
+def _minor(config_text):
+    """The python minor a ``pyvenv.cfg`` names (``version = 3.11.2`` or ``version_info = 3.11.2.final.0``)."""
+    for line in (config_text or "").splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip().lower() in ("version", "version_info"):
+            match = _PYTHON_MINOR.match(value.strip())
+            if match:
+                return f"{match.group(1)}.{match.group(2)}"
+    return None
+
+
+def site_packages(venv):
+    """The venv's site-packages: the one of the minor its pyvenv.cfg names, else its only one, else None."""
+    found = sorted(glob.glob(os.path.join(glob.escape(venv), "lib", "python3.*", "site-packages")))
+    minor = _minor(_read(os.path.join(venv, "pyvenv.cfg")))
+    named = [path for path in found if minor and os.path.basename(os.path.dirname(path)) == f"python{minor}"]
+    if named:
+        return named[0]
+    return found[0] if len(found) == 1 else None
+
+
+def probe(payload):
+    """Answer ``{"venv": "/opt/venvs/train"}`` with what its torch says without importing it.
+
+    ``{"venv", "exists" (pyvenv.cfg read), "python" (bin/python exists), "site_packages", "torch_version_py"
+    (parse_torch_version_py() of torch/version.py, or None when there is none), "unsafe"
+    (``pve_ct_venv.venv_unsafe``)}``.
+    """
+    venv = payload["venv"]
+    answer = {
+        "venv": venv,
+        "exists": os.path.isfile(os.path.join(venv, "pyvenv.cfg")),
+        "python": os.path.exists(os.path.join(venv, "bin", "python")),
+        "site_packages": None,
+        "torch_version_py": None,
+        # Why a user other than root could change the venv, whose python the verify module runs as root: the
+        # fact pass makes it a problem, so verify is never pending and that python never runs.
+        "unsafe": pve_ct_venv.venv_unsafe(venv),
+    }
+    found = site_packages(venv)
+    if found is None:
+        return answer
+    answer["site_packages"] = found
+    text = _read(os.path.join(found, "torch", "version.py"))
+    if text is not None:
+        answer["torch_version_py"] = parse_torch_version_py(text)
+    return answer
+
+
+# -- the venv's own python: import torch, ask CUDA -------------------------------------------------------------
+def short(text):
+    """One line of at most SHORT characters: what the answer keeps of an error or a warning."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= SHORT else line[: SHORT - 3] + "..."
+
+
+def _distribution_version(names):
+    """The version of the first of ``names`` that is installed (its metadata only: nothing is imported)."""
+    for name in names:
+        try:
+            version = metadata.version(name)
+        except Exception:  # not installed, or its metadata is broken: not ours to judge here
+            version = None
+        if version:
+            return version
+    return None
+
+
+def torch_facts():
+    """``{"torch", "cuda", "available", "count", "names", "cudnn", "dist_version", "triton", "error",
+    "error_phase" ("import" or "cuda"), "warnings", "devices", "cuda_visible_devices", "python", "seconds"}``.
+
+    The first eight keys are those of tests/fixtures/h200/torch_facts.json (a real H200 capture). Nothing here
+    raises: what fails is recorded as ``error`` (its phase says whether torch could be imported at all).
+    """
+    started = time.monotonic()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    answer = {
+        "torch": None,
+        "cuda": None,
+        "available": None,
+        "count": None,
+        "names": [],
+        "cudnn": None,
+        "dist_version": _distribution_version(("torch",)),
+        "triton": _distribution_version(TRITON_DISTRIBUTIONS),
+        "error": None,
+        "error_phase": None,
+        "warnings": [],
+        "devices": sorted(glob.glob(DEVICE_GLOB))[:MAX_DEVICES],
+        "cuda_visible_devices": short(visible) if visible is not None else None,
+        "python": sys.version.split()[0],
+        "seconds": None,
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            import torch  # noqa: PLC0415 (imported here, in the venv's own python, and only here)
+        except Exception as error:  # ImportError, OSError of a missing CUDA library, anything torch raises
+            answer.update(error=short(f"{type(error).__name__}: {error}"), error_phase="import")
+        else:
+            answer["torch"] = str(torch.__version__)
+            answer["cuda"] = torch.version.cuda
+            try:
+                answer["cudnn"] = torch.backends.cudnn.version()
+            except Exception:  # a missing cuDNN is CUDA's failure to report below, not the answer's
+                answer["cudnn"] = None
+            try:
+                answer["available"] = bool(torch.cuda.is_available())
+                answer["count"] = int(torch.cuda.device_count())
+                if answer["available"]:
+                    answer["names"] = [
+                        str(torch.cuda.get_device_name(i)) for i in range(min(answer["count"], MAX_DEVICES))
+                    ]
+            except Exception as error:
+                answer.update(error=short(f"{type(error).__name__}: {error}"), error_phase="cuda")
+    answer["warnings"] = [short(w.message) for w in caught[:MAX_WARNINGS]]
+    answer["seconds"] = round(time.monotonic() - started, 3)
+    return answer
+
+
+def main():
+    """Run as the venv's python: the answer on stdout, everything else (torch's, CUDA's) on stderr."""
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)  # file descriptor level: a C library writing to stdout lands on stderr too
+    try:
+        answer = torch_facts()
+    finally:
+        sys.stdout.flush()
+        os.dup2(real_stdout, 1)
+        os.close(real_stdout)
+    sys.stdout.write(json.dumps(answer))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+#!/usr/bin/python
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: target_facts
+short_description: The fact pass of a GPU target - take its run lock and read what every recovery step needs
+description:
+  - Runs on the Proxmox node (or the bare GPU host) once per target and run. It takes the target's run lock
+    (the rules of M(pve_gpu.recover.target_lock)), then reads, in ONE C(pct exec) probe inside the CT plus reads on the node,
+    everything the steps of recover.yml need to decide whether they have work.
+  - Each step contributes its own probe part and node-side reads (C(plugins/module_utils/pve_steps.py)). C(preflight)
+    reads that the CT runs, its C(/dev/nvidia*), the driver inside against the node's kernel module, free disk
+    and every GPU's facts from one C(nvidia-smi) query. C(gpu_processes) reads the processes holding the
+    target's GPUs, by host pid, on the node.
+  - The facts are returned as C(ansible_facts.pve_gpu_recover), the one interface between the roles. Each step's
+    facts say what a run would change (C(changes), C(diff)), what stops it (C(problems)) and whether its acting
+    task has work (C(pending)).
+  - When no step has work, or a step found a problem, the lock is released in this same execution, so a converged
+    run makes no further remote call. Otherwise C(lock.held) is true and the run releases it after its last step.
+  - Changes nothing in the target; the lock file on the node is run bookkeeping and C(changed) is always false.
+version_added: "0.2.0"
+author: pve-gpu-recover contributors
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+  - ansible.builtin.action_common_attributes.facts
+  - pve_gpu.recover.pve_target
+attributes:
+  check_mode:
+    support: full
+    details: Reads the same in check mode; the run lock is taken in check mode too (a drift check must not read
+      a target that a real run is changing).
+  diff_mode:
+    support: none
+  facts:
+    support: full
+  platform:
+    platforms: posix
+options:
+  run_id:
+    description:
+      - Identifies this run; the run lock and the run's reports belong to it. 1 to 64 letters, digits, C(.), C(_)
+        or C(-), starting with a letter or digit.
+      - The task may leave it out; the action then names the run on the controller (UTC time and 6 random hex
+        digits), one id for every target of one ansible-playbook run, shared by its workers through Ansible's own
+        temp directory. The module itself always gets one.
+    type: str
+    required: true
+  owner:
+    description:
+      - Who runs it, shown to anyone who finds the target locked (e.g. C(alice@controller)).
+      - Unset, the action records C($USER@<controller host name>); the module alone records C(unknown).
+    type: str
+    default: unknown
+  controller:
+    description:
+      - Host name of the controller that runs this play, recorded in the lock. With I(controller_pid), a lock whose
+        controller is this very machine (a bare host run locally) and whose pid is gone is taken over at once.
+      - A lock of a controller elsewhere holds until its ttl, and a run that finds it says so.
+      - Unset, the action records the controller's host name.
+    type: str
+  controller_pid:
+    description:
+      - Pid of the process that runs the play on the controller, recorded in the lock.
+      - Unset, the action records C(PVE_GPU_RECOVER_CONTROLLER_PID) from the environment, which the
+        C(recover_report) callback sets to the pid of ansible-playbook (the drift runner clears any value it
+        inherited), else the pid of the worker's parent (ansible-playbook, which forks its workers).
+      - With I(run_id), I(owner) and I(controller) it makes the run's identity in the lock; two runs under one
+        run id are told apart by it.
+    type: int
+  lock_ttl:
+    description:
+      - Seconds after which a lock is considered stale (its run died) and may be taken over.
+    type: int
+    default: 7200
+  lock_dir:
+    description:
+      - Directory on the node that holds the lock files.
+    type: path
+    default: /run/lock/pve-gpu-recover
+  python:
+    description:
+      - Python interpreter inside the CT that runs the probe (ignored for a bare host, where the probe runs in this
+        module's own process).
+    type: str
+    default: python3
+  steps:
+    description:
+      - The settings of each step whose facts are read, by step name; each is checked against the step's own
+        options (the role variables C(<step>_<setting>) without the prefix) and takes its defaults.
+      - C(preflight) is always read. Known steps, in their order, are C(preflight), C(gpu_processes),
+        C(training_code), C(training_venv), C(compile_cache) and C(verify); each one's settings are the options
+        of its module that are not the target's (plugins/module_utils/pve_steps.py).
+    type: dict
+    default: {}
+  fail_on_problems:
+    description:
+      - Fail when a step found a problem, with every problem in one message (the run stops here, before anything
+        changes); the facts are returned all the same, so a report still shows them.
+      - Set it to false to read the facts of a target that has problems without failing.
+    type: bool
+    default: true
+  check_run:
+    description:
+      - Whether the run is a C(--check) run. The fact pass's task runs with check mode off (it must take the lock
+        and read real facts), so the module cannot tell a check run from its own check mode; the steps plan with
+        this instead (verify does not import torch after a check run's planned changes, which were not made).
+      - Either this or the module's own check mode makes the pass plan for a check run.
+    type: bool
+    default: false
+requirements:
+  - On the node, C(pct) (for a CT), coreutils C(timeout) and C(nvidia-smi).
+  - In the target, Python 3.9+ and C(nvidia-smi).
+seealso:
+  - module: target_lock
+  - module: gpu_processes
+  - module: gpu_info
+notes:
+  - Its action plugin (C(plugins/action/target_facts.py)) runs on the controller first, with no remote call. It
+    fails the task, before any connection, with C(error=inventory) when the inventory names the target wrongly
+    (C(pve_vmid) set but not a CT id, null included, or set without C(pve_node)), and with C(error=invalid) when
+    I(run_id) cannot name a run. It fills in I(run_id), I(owner), I(controller) and I(controller_pid) when the task leaves
+    them out, and keeps the module's AnsiballZ payload between runs.
+  - Run it with C(delegate_to) the CT's node; the facts attach to the CT's inventory host (not the node) unless
+    C(delegate_facts) is set.
+"""
+
+EXAMPLES = r"""
+- name: Read what every step needs, in one pct exec, holding the run lock
+  pve_gpu.recover.target_facts:
+    vmid: 200
+    steps:
+      preflight: {expected_gpu_count: 8, min_free_gib: 20}
+      gpu_processes: {}
+  delegate_to: pve1
+
+- name: Read the facts of a target even when a step found a problem
+  pve_gpu.recover.target_facts:
+    vmid: 200
+    fail_on_problems: false
+  delegate_to: pve1
+
+- name: End the GPU holders only when the facts show some
+  pve_gpu.recover.gpu_processes:
+    vmid: 200
+  delegate_to: pve1
+  when: ansible_facts.pve_gpu_recover.gpu_processes.pending
+"""
+
+RETURN = r"""
+ansible_facts:
+  description: The facts of the target, under C(pve_gpu_recover).
+  returned: always
+  type: complex
+  contains:
+    pve_gpu_recover:
+      description:
+        - C(run_id), C(target) (label, vmid, node, hostname), C(lock) (path, held, action, and C(who), the owner,
+          controller and controller_pid the lock was taken with, which its release must name), C(pending) (the steps
+          with work, in order), C(problems) (every step's, in order), C(seconds) (the whole pass).
+        - Then one key per step read. Every step has C(changes) (one line per thing a run would change),
+          C(problems) (one sentence per thing that stops the step), C(diff) (before/after), C(pending) (its acting
+          task has work) and C(seconds); a step whose facts could not be read has C(error) instead of its own keys,
+          and C(error_kind=wedged) when a read never answered within the target's budget (a hung mount, a process
+          stuck in the driver; the pass goes on without it and releases the lock).
+        - C(preflight) adds C(checks) (name, ok, detail), C(gpus) (every field of the GPU query, as the target
+          numbers them), C(gpu_uuids), C(devices), C(node_driver_version), C(target_driver_version),
+          C(nvml_library_versions), C(space), C(python_version), C(hostname) and C(nvidia_smi_error).
+        - C(gpu_processes) adds C(processes) (what a run would end), C(protected) (left alone) and C(blockers)
+          (other owners' or protected processes holding memory on the target's GPUs, with the reason),
+          C(guarded) (the holders C(gpu_processes_guard) names, told attended too), C(kept_gpus) (the GPUs the
+          holders in C(needs_window) use, whose memory the verify step leaves out), C(launchers), C(parents) (the
+          parents of the holders' jobs a run leaves running and watches for restarts) and C(own_run) (processes of
+          this recover run where a holder's walk stopped - never ended).
+        - C(gpu_processes), C(training_code), C(training_venv) and C(compile_cache) add C(needs_window) (always;
+          one sentence per piece of work an unattended run, C(recover_unattended), leaves for a maintenance window
+          - a job's GPU processes, a repository, a venv or a cache a live process uses; empty when attended).
+          That work is in neither C(changes) nor C(pending), and it is no problem. C(training_code) and
+          C(training_venv) also add C(in_use) and C(ending_pids); C(training_venv) also C(rebuild) (a build is
+          due), C(keep), C(prune) (old versions retention removes, each a line of C(changes)) and C(prune_kept)
+          (beyond keep but in use).
+        - C(compile_cache) adds C(roots) (each root's verdict and reason), C(expected), C(refused) (C(path),
+          C(reason), C(problem) - false for a root refused for what was found at its path - a symlink, a directory
+          others may write, a squatted C(/tmp) root - which is left alone while the others are handled, true for a
+          root refused by its setting, a problem) and C(warnings) (the roots refused alone, shown as this task's
+          warnings).
+        - C(verify) adds C(checks) (name, ok, severity, expected, found, detail; ok null when a step with work in
+          this run decides it), C(warnings) (shown as this task's warnings), C(torch) (from C(torch/version.py),
+          no import), C(expected), C(health), C(deferred) and C(steps_with_work); it is pending only when torch
+          must be imported (C(verify_import_torch)).
+      type: dict
+      sample:
+        run_id: 20261203T101500Z-3f2a1c
+        target: {label: CT 200 on pve1, vmid: 200, node: pve1, hostname: ct200}
+        lock: {path: /run/lock/pve-gpu-recover/ct-200.lock, held: false, action: taken,
+               who: {owner: alice@controller, controller: controller, controller_pid: 4242}}
+        pending: []
+        problems: []
+        seconds: 0.21
+        preflight: {problems: [], changes: [], pending: false, gpu_uuids: [GPU-bf580366-c11c-e730-752a-e9ca8716b7fa]}
+        gpu_processes: {processes: [], protected: [], blockers: [], guarded: [], needs_window: [], kept_gpus: [],
+                        changes: [], problems: [], pending: false}
+error:
+  description:
+    - On failure, what kind of failure it was, stable for code (e.g. C(stopped), C(missing), C(timeout), C(locked)).
+    - C(inventory) (the action, before any connection) when C(pve_vmid) or C(pve_node) in the inventory name the
+      target wrongly; C(invalid) when I(run_id) cannot name a run.
+    - C(problems) when a step found a problem (I(fail_on_problems)); the facts are returned with it.
+  returned: failure
+  type: str
+  sample: stopped
+cmd:
+  description: On failure of a command, the argv that ran (the C(pct exec) wrapper included).
+  returned: failure of a command
+  type: list
+  elements: str
+rc:
+  description: On failure of a command, its exit code.
+  returned: failure of a command
+  type: int
+stdout_tail:
+  description: On failure of a command, the last 20 lines of its stdout.
+  returned: failure of a command that printed
+  type: str
+stderr_tail:
+  description: On failure of a command, the last 20 lines of its stderr.
+  returned: failure of a command that printed
+  type: str
+lock:
+  description: On failure because another run holds the lock, the lock file, its holder and C(action=locked).
+  returned: failure
+  type: dict
+run_id:
+  description: The run's id (I(run_id), or the one the action named), added by the action on success and failure
+    alike, so a report is named by it even when the pass failed.
+  returned: always
+  type: str
+  sample: 20261203T101500Z-3f2a1c
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_lock import DEFAULT_LOCK_DIR, DEFAULT_TTL
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES, fact_pass, validate_specs
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={
+            **TARGET_ARGUMENT_SPEC,
+            "run_id": {"type": "str", "required": True},
+            "owner": {"type": "str", "default": "unknown"},
+            "controller": {"type": "str"},
+            "controller_pid": {"type": "int"},
+            "lock_ttl": {"type": "int", "default": DEFAULT_TTL},
+            "lock_dir": {"type": "path", "default": DEFAULT_LOCK_DIR},
+            "python": {"type": "str", "default": "python3"},
+            "steps": {"type": "dict", "default": {}},
+            "fail_on_problems": {"type": "bool", "default": True},
+            "check_run": {"type": "bool", "default": False},
+        },
+        supports_check_mode=True,
+    )
+    p = module.params
+    try:
+        specs = validate_specs(p["steps"])
+        target = Target.from_params(p)
+        facts = fact_pass(
+            target,
+            specs,
+            lock={
+                "lock_dir": p["lock_dir"],
+                "run_id": p["run_id"],
+                "owner": p["owner"],
+                "ttl": p["lock_ttl"],
+                "controller": p["controller"],
+                "controller_pid": p["controller_pid"],
+            },
+            python=p["python"],
+            check_mode=module.check_mode or p["check_run"],
+            warn=module.warn,
+        )
+    except RecoverError as error:
+        module.fail_json(**error.to_result())  # every error of the pass already names its target
+    # A step's findings set to warn (verify's health checks) are shown at no cost: no task of their own.
+    for name in STEP_NAMES:
+        for warning in (facts.get(name) or {}).get("warnings") or []:
+            module.warn(warning)
+    if facts["problems"] and p["fail_on_problems"]:
+        # Every problem at once, before anything changes (each already names its target).
+        module.fail_json(
+            msg=" | ".join(facts["problems"]), error="problems", changed=False, ansible_facts={"pve_gpu_recover": facts}
+        )
+    module.exit_json(changed=False, ansible_facts={"pve_gpu_recover": facts})
+
+
+if __name__ == "__main__":
+    main()

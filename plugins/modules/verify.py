@@ -1,0 +1,427 @@
+#!/usr/bin/python
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: verify
+short_description: Prove a GPU target is in its known-good state - GPUs, their health, torch and CUDA
+description:
+  - Reads the target's GPUs with one C(nvidia-smi --query-gpu) (one C(pct exec) for a CT) and asserts them -
+    how many, which model, the memory they use, the driver, and their health - uncorrected volatile ECC errors,
+    pending or failed row remaps, the recovery action the driver asks for, the PCIe link width and generation
+    against their maximum, persistence mode.
+  - Then runs the venv's own python once, C(<venv>/bin/python -I -B -) with a stdlib-only script on stdin (a
+    second C(pct exec)), under a deadline I(torch_timeout). In that ONE process it imports torch and asks CUDA -
+    C(torch.__version__), C(torch.version.cuda), C(torch.cuda.is_available), C(torch.cuda.device_count), the device
+    names, C(torch.backends.cudnn.version) and triton's version from its metadata. What it prints is untrusted
+    input - read only when it is a JSON object of the expected shape, at most 64 KiB, every version matched
+    against a strict pattern.
+  - Asserts what it read against the known-good spec - I(torch_version), I(cuda_version), CUDA available, the GPU
+    count I(gpu_count) and model I(gpu_name) as torch sees them too. The last good manual check printed
+    C(2.11.0+cu128 / 12.8 / True 8), eight C(NVIDIA H200) at 0 MiB.
+  - Fails with every failed assertion at once, each one sentence - what was expected, what was found and the
+    likely cause. A C(+cpu) torch came from the wrong index. CUDA error 802 means the fabric manager is not
+    running. Fewer devices than GPUs passed through means C(CUDA_VISIBLE_DEVICES) or a missing C(/dev/nvidiaN). A
+    wrong C(torch.version.cuda) is the other CUDA build of torch. Memory in use means a process still holds it. A
+    driver older than torch's CUDA needs is named with the driver it needs. Health checks at C(warn) are warnings.
+  - It never changes anything and never reports C(changed). In recover.yml the fact pass (M(pve_gpu.recover.target_facts)) makes
+    every check it can without importing torch; this module runs only when verify is pending there (I(import_torch)).
+version_added: "0.5.0"
+author: pve-gpu-recover contributors
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+  - pve_gpu.recover.pve_target
+attributes:
+  check_mode:
+    support: full
+    details: Read-only; runs the same in check mode.
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+options:
+  venv:
+    description:
+      - The venv whose torch is checked, inside the target; its C(bin/python) imports torch.
+    type: path
+    default: /opt/venvs/train
+  torch_version:
+    description:
+      - C(torch.__version__) exactly, local tag included (C(2.11.0+cu128) is not C(2.11.0+cu130) nor C(2.11.0)).
+      - Empty asserts nothing.
+    type: str
+    default: ""
+  cuda_version:
+    description:
+      - C(torch.version.cuda), the CUDA torch was built for (C(12.8)); must agree with I(torch_version)'s build.
+      - Empty asserts nothing.
+    type: str
+    default: ""
+  gpu_count:
+    description:
+      - How many GPUs C(nvidia-smi) and torch must see.
+      - Unset, the target's C(/dev/nvidiaN) nodes as the torch script finds them (the GPUs passed through), or the
+        GPUs C(nvidia-smi) lists when torch is not imported.
+    type: int
+  gpu_name:
+    description:
+      - The model of every GPU, as C(nvidia-smi) and C(torch.cuda.get_device_name) name it. Empty asserts nothing.
+    type: str
+    default: NVIDIA H200
+  max_memory_used_mib:
+    description:
+      - C(memory.used) of every GPU must be at most this many MiB (an idle H200 shows 0).
+    type: int
+    default: 0
+  memory_kept_gpus:
+    description:
+      - The indexes of GPUs whose memory is left out of I(max_memory_used_mib) - those an unattended run leaves to the
+        guarded training job (the fact pass's C(gpu_processes.kept_gpus), named in its C(needs_window)).
+      - The role passes them; empty asserts every GPU.
+    type: list
+    elements: int
+    default: []
+  driver_version:
+    description:
+      - The driver NVML reports (C(580.159.04)). Empty asserts nothing.
+    type: str
+    default: ""
+  health:
+    description:
+      - What each health check does when a GPU fails it - C(fail) (the task fails), C(warn) (a warning), C(ignore)
+        (not checked). Checks not named keep their default.
+      - A value C(nvidia-smi) prints in brackets where a check needs a number (C([GPU requires reset]), or C([N/A])
+        for a field every supported driver knows) makes the check impossible, which counts as failing it, naming
+        the GPU.
+    type: dict
+    default: {}
+    suboptions:
+      ecc:
+        description: Uncorrected volatile ECC errors (C(ecc.errors.uncorrected.volatile.total)) above 0.
+        type: str
+        choices: [fail, warn, ignore]
+        default: fail
+      remapped_rows:
+        description: A pending (C(remapped_rows.pending), a reset applies it) or failed (C(remapped_rows.failure),
+          an RMA) row remap.
+        type: str
+        choices: [fail, warn, ignore]
+        default: fail
+      recovery_action:
+        description: A C(gpu_recovery_action) other than C(None) (C(Reset), C(Reboot), C(Drain P2P),
+          C(Drain and Reset)).
+        type: str
+        choices: [fail, warn, ignore]
+        default: fail
+      pcie_width:
+        description: C(pcie.link.width.current) below C(pcie.link.width.max) (a degraded link).
+        type: str
+        choices: [fail, warn, ignore]
+        default: warn
+      pcie_gen:
+        description: C(pcie.link.gen.current) below C(pcie.link.gen.max). An idle GPU lowers its link generation to
+          save power, so this is only meaningful under load.
+        type: str
+        choices: [fail, warn, ignore]
+        default: ignore
+      persistence_mode:
+        description: Persistence mode off.
+        type: str
+        choices: [fail, warn, ignore]
+        default: warn
+  import_torch:
+    description:
+      - When torch is imported. This module imports it unless C(never); C(changed) and C(always) differ only in when
+        the verify role runs this module - C(changed) after another step had work in the run (never in check mode),
+        C(always) on every run, check mode included. With C(never) the role never runs it (the fact pass's checks
+        only) and this module checks C(nvidia-smi) alone.
+    type: str
+    choices: [changed, always, never]
+    default: changed
+  torch_timeout:
+    description:
+      - Seconds the venv's python may take to import torch and start CUDA (7.5 s the first time on a one-GPU H200,
+        2 s once its files are cached). It is killed then, in the target too, and the task fails saying so.
+    type: int
+    default: 180
+requirements:
+  - C(nvidia-smi) inside the target; the venv at I(venv) with its python (3.9+) and torch.
+seealso:
+  - module: target_facts
+  - module: training_venv
+  - module: gpu_processes
+notes:
+  - Never pastes what the target printed into advice - errors and GPU names are quoted and shortened, versions are
+    checked against a pattern, and the commands it suggests name only GPU UUIDs the C(nvidia-smi) parser validated.
+"""
+
+EXAMPLES = r"""
+- name: Prove CT 200 is the known-good state (torch 2.11.0+cu128, CUDA 12.8, 8 x H200 at 0 MiB)
+  pve_gpu.recover.verify:
+    vmid: 200
+    torch_version: 2.11.0+cu128
+    cuda_version: "12.8"
+    gpu_count: 8
+  delegate_to: pve1
+
+- name: Check only the GPUs of a bare host, a degraded PCIe link failing the task
+  pve_gpu.recover.verify:
+    import_torch: never
+    health:
+      pcie_width: fail
+"""
+
+RETURN = r"""
+checks:
+  description:
+    - Every assertion made, in order - C(name) (C(gpu_count), C(gpu_name), C(memory), C(driver_version), the health
+      checks by their I(health) names, C(torch_import), C(torch_version), C(cuda_version), C(cuda_available),
+      C(torch_device_count), C(torch_device_names)), C(ok), C(severity) (C(fail), or the health check's level),
+      C(expected), C(found) and C(detail), one sentence.
+  returned: always
+  type: list
+  elements: dict
+  sample:
+    - name: torch_version
+      ok: false
+      severity: fail
+      expected: 2.11.0+cu128
+      found: 2.11.0+cu130
+      detail: "CT 200 on pve1: torch is 2.11.0+cu130 (torch.__version__ in /opt/venvs/train), expected 2.11.0+cu128;
+        the other CUDA build of torch (cu130, expected cu128); take torch from https://download.pytorch.org/whl/cu128
+        (an --extra-index-url of the training_venv lock)"
+torch:
+  description:
+    - What the venv's python said - C(python) (C(<venv>/bin/python)), C(version), C(cuda), C(available),
+      C(device_count), C(device_names), C(cudnn), C(dist_version) (torch's dist-info version), C(triton),
+      C(python_version), C(seconds); C(error) and C(error_phase) (C(import) or C(cuda)) when something failed,
+      C(warnings) (what CUDA's initialization warned), C(devices) (the C(/dev/nvidiaN) it saw),
+      C(cuda_visible_devices), C(failure) (C(not_found), C(timeout), C(crashed), C(import), or null), C(timeout).
+    - Null with I(import_torch=never).
+  returned: always
+  type: dict
+  sample:
+    python: /opt/venvs/train/bin/python
+    version: 2.11.0+cu128
+    cuda: "12.8"
+    available: true
+    device_count: 8
+    device_names: [NVIDIA H200, NVIDIA H200, NVIDIA H200, NVIDIA H200, NVIDIA H200, NVIDIA H200, NVIDIA H200,
+                   NVIDIA H200]
+    cudnn: 91900
+    dist_version: 2.11.0+cu128
+    triton: 3.6.0
+    error: null
+    error_phase: null
+    warnings: []
+    devices: [/dev/nvidia0, /dev/nvidia1, /dev/nvidia2, /dev/nvidia3, /dev/nvidia4, /dev/nvidia5, /dev/nvidia6,
+              /dev/nvidia7]
+    cuda_visible_devices: null
+    python_version: 3.11.2
+    seconds: 7.9
+    failure: null
+    timeout: 180
+gpus:
+  description: The GPUs C(nvidia-smi) lists in the target, with every field M(pve_gpu.recover.gpu_info) returns.
+  returned: always
+  type: list
+  elements: dict
+venv:
+  description:
+    - The venv checked, I(venv) (not returned as C(path), which would make Ansible add the node's file stats).
+  returned: always
+  type: str
+  sample: /opt/venvs/train
+expected:
+  description: What was asserted after defaults - C(gpu_count), C(gpu_name), C(max_memory_used_mib),
+    C(driver_version), C(torch_version), C(cuda_version) (null - not asserted), C(health) (each check's level).
+  returned: always
+  type: dict
+  sample: {gpu_count: 8, gpu_name: NVIDIA H200, max_memory_used_mib: 0, driver_version: null,
+           torch_version: 2.11.0+cu128, cuda_version: "12.8",
+           health: {ecc: fail, remapped_rows: fail, recovery_action: fail, pcie_width: warn, pcie_gen: ignore,
+                    persistence_mode: warn}}
+seconds:
+  description: Seconds the module took.
+  returned: always
+  type: float
+error:
+  description:
+    - On failure, what kind of failure it was, stable for code - C(verify) (an assertion failed; see I(checks)),
+      C(invalid) (options that cannot work), C(probe) (the torch script answered something that is not its
+      answer), the target's (C(stopped), C(missing), C(timeout), ...) and nvidia-smi's (C(nvidia_smi_gpu_lost),
+      C(nvidia_smi_driver_mismatch), ...).
+  returned: failure
+  type: str
+  sample: verify
+cmd:
+  description: On failure of a command, the argv that ran (the C(pct exec) wrapper included).
+  returned: failure of a command
+  type: list
+  elements: str
+rc:
+  description: On failure of a command, its exit code.
+  returned: failure of a command
+  type: int
+stdout_tail:
+  description: On failure of a command, the last 20 lines of its stdout.
+  returned: failure of a command that printed
+  type: str
+stderr_tail:
+  description: On failure of a command, the last 20 lines of its stderr.
+  returned: failure of a command that printed
+  type: str
+lost_bus_ids:
+  description: On failure because a GPU fell off the bus, the PCI bus ids nvidia-smi could not reach.
+  returned: failure
+  type: list
+  elements: str
+field:
+  description: On failure because the driver does not know a field nvidia-smi was asked for, that field.
+  returned: failure
+  type: str
+bad_row:
+  description: On failure because nvidia-smi printed a GPU UUID that is not one, that row, quoted.
+  returned: failure
+  type: str
+"""
+
+import inspect
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import NvidiaSmi
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
+    TARGET_ARGUMENT_SPEC,
+    Target,
+    TargetError,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.facts import (
+    SPEC,
+    VerifyError,
+    check_spec,
+    expected_gpus,
+    gpu_checks,
+    health_levels,
+    outcome,
+    torch_answer,
+    torch_checks,
+    torch_failure,
+)
+
+ARGUMENT_SPEC = {
+    **TARGET_ARGUMENT_SPEC,
+    **SPEC,
+    "torch_timeout": {"type": "int", "default": 180},
+    "memory_kept_gpus": {"type": "list", "elements": "int", "default": []},
+}
+
+
+def check_options(params):
+    """Why the options cannot work (one sentence), or ``""``."""
+    wrong = check_spec({name: params[name] for name in SPEC})
+    if wrong:
+        return wrong
+    if params["torch_timeout"] < 1:
+        return f"torch_timeout is {params['torch_timeout']}; give torch at least 1 second"
+    return ""
+
+
+def torch_argv(venv):
+    """``/opt/venvs/train/bin/python -I -B -``: the venv's own python, isolated (no PYTHON* variables, no user site,
+    no current directory on sys.path), writing no bytecode (importing torch would leave ``__pycache__`` in the venv:
+    a verify writes nothing), reading the script from stdin."""
+    return [f"{venv}/bin/python", "-I", "-B", "-"]
+
+
+# -I makes this python ignore it; a python that torch or triton starts in turn inherits it and writes no bytecode.
+TORCH_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def read_torch(target, venv, timeout):
+    """What the venv's python says about torch and CUDA: ONE command in the target, within ``timeout`` seconds.
+
+    A venv without python and a run past the deadline are answers too (``failure`` ``not_found``, ``timeout``):
+    verify names them; anything else the target does wrong raises.
+    """
+    argv = torch_argv(venv)
+    try:
+        source = inspect.getsource(verify_probe)
+        result = target.run(argv, stdin=source, timeout=timeout, env=TORCH_ENV, check=False)
+    except TargetError as error:
+        if error.kind in ("not_found", "timeout"):
+            return dict(torch_failure(error.kind, str(error), timeout), python=argv[0])
+        raise
+    answer = torch_answer(result.rc, result.stdout, result.stderr, truncated=result.truncated, timeout=timeout)
+    return dict(answer, python=argv[0])
+
+
+def assert_all(spec, gpus, torch, label, memory_kept=()):
+    """``(checks, expected)``: every assertion on nvidia-smi's GPUs and (unless None) the torch facts; pure.
+
+    ``memory_kept``: the GPUs (indexes) whose memory the guarded training job keeps (left out of the memory check).
+    """
+    if spec["gpu_count"] is None and torch and torch.get("devices"):
+        count, source = expected_gpus(spec, torch["devices"])
+    elif spec["gpu_count"] is None:
+        count, source = len(gpus), "the GPUs nvidia-smi lists"
+    else:
+        count, source = expected_gpus(spec, [])
+    checks = gpu_checks(spec, gpus, label=label, expected_count=count, count_source=source, memory_kept=memory_kept)
+    if torch is not None:
+        driver = gpus[0].get("driver_version") if gpus else None
+        checks += torch_checks(spec, torch, label=label, expected_count=count, count_source=source, driver=driver)
+    expected = {
+        "gpu_count": count,
+        "gpu_name": spec["gpu_name"] or None,
+        "max_memory_used_mib": spec["max_memory_used_mib"],
+        "driver_version": spec["driver_version"] or None,
+        "torch_version": spec["torch_version"] or None,
+        "cuda_version": spec["cuda_version"] or None,
+        "health": health_levels(spec),
+    }
+    return checks, expected
+
+
+def main():
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    started = time.monotonic()
+    p = module.params
+    spec = {name: p[name] for name in SPEC}
+    target = None
+    try:
+        wrong = check_options(p)
+        if wrong:
+            raise VerifyError(f"{wrong}; fix the verify_* variable of that name", kind="invalid")
+        target = Target.from_params(p)
+        smi = NvidiaSmi(target.run, timeout=p["timeout"])
+        gpus = smi.gpus()  # before torch: the memory it reads is the jobs', not the script's
+        torch = read_torch(target, spec["venv"], p["torch_timeout"]) if spec["import_torch"] != "never" else None
+        checks, expected = assert_all(spec, gpus, torch, target.label, p["memory_kept_gpus"])
+    except RecoverError as error:
+        # The target's own errors name it already ("CT 200 on pve1 is not running"); the others get its label.
+        named = target is None or str(error).startswith(target.label)
+        module.fail_json(**error.to_result(prefix="" if named else f"{target.label}: "))
+    for notice in smi.notices:
+        module.warn(f"{target.label}: {notice['message'][:300]}")
+    failed, warnings = outcome(checks)
+    for warning in warnings:
+        module.warn(warning)
+    result = {
+        "checks": checks,
+        "torch": torch,
+        "gpus": gpus,
+        "venv": spec["venv"],
+        "expected": expected,
+        "seconds": round(time.monotonic() - started, 3),
+    }
+    if failed:
+        module.fail_json(msg=" | ".join(failed), error="verify", **result)
+    module.exit_json(changed=False, **result)
+
+
+if __name__ == "__main__":
+    main()
