@@ -78,11 +78,10 @@ def probe_inventory(python, lock_file):
     """The synthetic target: a CT on a node, both this machine (connection local), every step on."""
     local = {"ansible_connection": "local", "ansible_python_interpreter": python}
     settings = {
-        # Each step that is off unless set: on, so its acting task is templated and run.
+        # Every step on (<step>_enabled), with what a step that is on needs, so its acting task is templated and run.
+        **{f"{step}_enabled": True for step in (*UNATTENDED_STEPS, "verify")},
         "training_code_commit": "0" * 40,
         "training_venv_lock_file": str(lock_file),
-        "compile_cache_enabled": True,
-        "verify_enabled": True,
     }
     return {
         "all": {

@@ -77,6 +77,9 @@ TARGET_ARGUMENT_SPEC = {
     "node_name": {"type": "str"},
     "timeout": {"type": "int", "default": DEFAULT_TIMEOUT},
 }
+# The option of the modules that run probe parts or scripts in the target's own Python (doc fragment
+# pve_target.python): the same interpreter everywhere, the fact pass's (the roles pass preflight_python).
+PYTHON_ARGUMENT_SPEC = {"python": {"type": "str", "default": "python3"}}
 
 
 class TargetError(RecoverError):
@@ -270,10 +273,10 @@ class Target:
     """A Proxmox CT seen from its node (``vmid`` given) or a bare host (``vmid`` None).
 
     ``runner`` executes an argv on the node and returns a CommandResult (tests inject a fake that asserts the
-    exact argvs); ``node`` names the node in messages.
+    exact argvs); ``node`` names the node in messages; ``python`` is the CT's interpreter that runs probe parts.
     """
 
-    def __init__(self, vmid=None, *, node=None, runner=None, pct="pct", timeout=DEFAULT_TIMEOUT):
+    def __init__(self, vmid=None, *, node=None, runner=None, pct="pct", timeout=DEFAULT_TIMEOUT, python="python3"):
         self.vmid = validate_vmid(vmid)
         if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
             # timeout(1) reads 0 as "no deadline": a hung command would then hang the run.
@@ -282,13 +285,15 @@ class Target:
         self.runner = runner or run_local
         self.pct = pct
         self.timeout = timeout
+        self.python = python
         # Whether this node's pct takes --keep-env (pve-container 5.0.9+); learnt from its answer, once per Target.
         self.pct_keep_env = True
 
     @classmethod
     def from_params(cls, params):
-        """The target a module's TARGET_ARGUMENT_SPEC options name."""
-        return cls(params["vmid"], node=params["node_name"], timeout=params["timeout"])
+        """The target a module's TARGET_ARGUMENT_SPEC (and PYTHON_ARGUMENT_SPEC) options name."""
+        python = params.get("python") or "python3"
+        return cls(params["vmid"], node=params["node_name"], timeout=params["timeout"], python=python)
 
     @property
     def is_container(self):
@@ -391,7 +396,7 @@ class Target:
         script = 'umask 077 && t="$1.tmp.$$" && cat > "$t" && chmod "$2" "$t" && mv -f "$t" "$1"'
         self.run(["sh", "-c", script, "sh", path, f"{mode:o}"], stdin=content, timeout=timeout)
 
-    def run_probe(self, probe_module, payload, *, python="python3", timeout=None):
+    def run_probe(self, probe_module, payload, *, python=None, timeout=None):
         """Run ``probe_module.probe(payload)`` in the target and return its JSON-able answer (one ``pct exec``)."""
         name = probe_name(probe_module)
         part = self.run_probes({name: (probe_module, payload)}, python=python, timeout=timeout)[name]
@@ -399,7 +404,7 @@ class Target:
             raise TargetError(f"{self.label}: the {name} probe failed: {part['error']}", kind="probe")
         return part["answer"]
 
-    def run_probes(self, parts, *, python="python3", timeout=None):
+    def run_probes(self, parts, *, python=None, timeout=None):
         """Run several probe parts in the target in ONE process and return ``{name: {"answer"|"error", "seconds"}}``.
 
         ``parts`` maps a name to ``(probe_module, payload)``. In a CT the modules' sources and their payloads
@@ -409,8 +414,10 @@ class Target:
         reports its error without stopping the others. On a bare host the parts run in this process, in a thread
         waited for ``timeout`` + KILL_GRACE seconds at most: a part stuck on a hung mount or in the driver is an
         error of kind ``wedged`` instead of a hung run. The answer of a CT is untrusted: anything but the expected
-        JSON shape is a TargetError naming what came back.
+        JSON shape is a TargetError naming what came back. ``python``: the CT's interpreter, the target's own when
+        None.
         """
+        python = python or self.python
         if not self.is_container:
             return run_parts_bounded(parts, int(timeout or self.timeout) + KILL_GRACE, self.label)
         result = self.run(probes_argv(python), stdin=probes_input(parts), timeout=timeout, check=False)

@@ -50,6 +50,7 @@ author: pve-gpu-recover contributors
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
+  - pve_gpu.recover.pve_target.python
 attributes:
   check_mode:
     support: full
@@ -80,10 +81,11 @@ options:
       - The roles read it on the controller, C(lookup('file', training_venv_lock_file)).
     type: str
     required: true
-  python:
+  python_version:
     description:
       - Python minor the venv must have (C(3.11)); the build asks uv for it, or runs C(python3.11 -m venv).
-      - Unset, the C(--python-version) in the lock's uv header is used; without one, C(python3) of the target.
+      - Unset, the C(--python-version) in the lock's uv header is used; without one, the one of I(python) in the
+        target.
     type: str
   tooling:
     description:
@@ -132,12 +134,6 @@ options:
         The C(pct exec) gets 60 more seconds for that cleanup.
     type: int
     default: 1800
-  python_executable:
-    description:
-      - Interpreter inside the target that runs the reader and the build script (not the venv's python).
-        Ignored for a bare host, where both run in this module's own process.
-    type: str
-    default: python3
   unattended:
     description:
       - Never swap the venv under a live process of the target; name the processes in I(needs_window) instead
@@ -172,7 +168,7 @@ EXAMPLES = r"""
   pve_gpu.recover.training_venv:
     vmid: 200
     lock: "{{ lookup('file', 'files/lock_cu128.txt') }}"
-    python: "3.11"
+    python_version: "3.11"
   delegate_to: pve1
 
 - name: Use the uv installed in root's home, keep the current and one older version
@@ -336,34 +332,31 @@ left_behind:
 """
 
 import re
-import time
 import zipfile
-from datetime import UTC, datetime
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import (
+    ActingStep,
+    leftover,
+    run_step_module,
+    utc_stamp,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
+    PYTHON_ARGUMENT_SPEC,
     TARGET_ARGUMENT_SPEC,
-    Target,
-    TargetError,
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import script as venv_script
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.facts import (
     NAME,
     SPEC,
     TOOLING,
     VenvError,
-    check_spec,
     effective_keep,
-    evaluate_step,
     expected_python,
     ignored_tooling,
     parse_lock,
-    probe_payload,
     prune_line,
-    read_node,
     window_message,
 )
 
@@ -381,7 +374,7 @@ ARGUMENT_SPEC = {
     "uv": {"type": "str", "default": "uv"},
     "uv_wheel": {"type": "path"},
     "build_timeout": {"type": "int", "default": 1800},
-    "python_executable": {"type": "str", "default": "python3"},
+    **PYTHON_ARGUMENT_SPEC,
     "ending_pids": {"type": "list", "elements": "int", "default": []},
 }
 # What the build script answers on success, and the type of each key (its answer comes from inside the CT).
@@ -389,20 +382,10 @@ BUILT_KEYS = {"current": str, "builder": dict, "lock_file": str, "cleaned": list
 BUILT_KEYS.update({"retention_skipped": list, "previous": (dict, type(None))})
 
 
-def check_options(params):
-    """Why the options cannot work (one sentence), or ``""``."""
-    wrong = check_spec({name: params.get(name) for name in SPEC})
-    if wrong:
-        return wrong
-    if params["build_timeout"] < 1:
-        return f"build_timeout is {params['build_timeout']}; give the build at least 1 second"
-    return ""
-
-
 def build_payload(spec, params, stamp, prune_only=False):
     """What the build script needs, the lock's meaning included (the script parses nothing of ours).
 
-    ``build_payload({"path": "/opt/venvs/train", "lock": "six==1.17.0 --hash=sha256:ab\\n", "python": None,
+    ``build_payload({"path": "/opt/venvs/train", "lock": "six==1.17.0 --hash=sha256:ab\\n", "python_version": None,
     "tooling": "ignore", "keep": None}, {"uv": "uv", "build_timeout": 1800}, "20261203T101500Z")`` ->
     ``{"path": "/opt/venvs/train", "lock": ..., "python": None, "stamp": "20261203T101500Z", "uv": "uv", "keep":
     None, "timeout": 1800, "expected": {"six": "1.17.0"}, "ignore": ["pip", "setuptools", "wheel"],
@@ -425,14 +408,6 @@ def build_payload(spec, params, stamp, prune_only=False):
         "drop_tooling": sorted(set(TOOLING) - set(locked)) if exact else [],
         "prune_only": prune_only,  # in spec: only old versions beyond keep to remove, nothing built
     } | ({"window_check": True} if spec.get("unattended") else {})
-
-
-def part_answer(parts, name, label):
-    """The answer of one part of a run_probes call; a part that raised is a TargetError naming it."""
-    part = parts[name]
-    if "error" in part:
-        raise TargetError(f"{label}: the {name} part failed: {part['error']}", kind="probe")
-    return part["answer"]
 
 
 def built_of(answer, path):
@@ -466,25 +441,41 @@ def built_of(answer, path):
     return answer
 
 
-def out_of_spec(facts):
+def unproven(facts):
     """Why the venv is not the lock (one sentence), or ``""``: a venv that was just built must have no changes.
 
     Retention's lines do not count: a version a process started to use since is kept (``retention_skipped``)."""
-    pruning = {prune_line(path, facts["keep"]) for path in facts["prune"]}
-    reasons = facts["problems"] + [change for change in facts["changes"] if change not in pruning]
+    reasons = leftover(facts, ignore={prune_line(path, facts["keep"]) for path in facts["prune"]})
     if not reasons:
         return ""
     more = f" (and {len(reasons) - 5} more)" if len(reasons) > 5 else ""
     return f"the venv at {facts['path']} is still not the lock after the build: {'; '.join(reasons[:5])}{more}"
 
 
-def result_of(before, after, built, seconds):
-    """The module's result: ``changed`` and the diff from the first read (identical in check mode), what is
-    installed from the last read, what the build did."""
+def swap_refused(before, built, label):
+    """The result when the build script found a live process on the current venv just before the swap: nothing
+    was swapped (the new version was removed), no change, the processes in ``needs_window``."""
+    users = [
+        {"pid": u["pid"], "ns_pid": u["pid"], "name": str(u.get("name")), "inside": True}
+        for u in built["needs_window"]["users"]
+    ]
+    when = " (found when the new version was ready; that version was removed, nothing swapped)"
+    sentence = window_message(label, before["path"], before["changes"], users, when)
+    stays = before["diff"]["before"]
+    return {
+        **built_result(dict(before, in_use=users, needs_window=[sentence]), None, None),
+        "changed": False,
+        "changes": [],
+        "diff": {"before": stays, "after": stays},
+        "cleaned": built.get("cleaned") or [],
+    }
+
+
+def built_result(before, after, built):
+    """What is installed from the last read (the first in check mode), what the build did."""
     facts = after or before
     built = built or {}
     return {
-        "changed": before["pending"],
         "needs_window": before["needs_window"],
         "in_use": before["in_use"],
         "venv": before["path"],  # not "path": exit_json would add stats of the node's file of that name
@@ -499,50 +490,7 @@ def result_of(before, after, built, seconds):
         "missing": facts["missing"],
         "extra": facts["extra"],
         "wrong": facts["wrong"],
-        "changes": before["changes"],
-        "diff": before["diff"],
-        "seconds": round(seconds, 3),
     }
-
-
-def rebuild(target, spec, p, read, context, *, prune_only=False):
-    """One pct exec: build and swap (``prune_only``: only remove old versions beyond keep), then the reader part
-    reads the venv again through the new symlink.
-
-    Returns ``(built, after)``; ``after`` is None when the build script found a live process on the current venv
-    just before the swap (unattended: ``built`` then holds ``needs_window``). Still out of spec fails (verify).
-    """
-    payload = build_payload(spec, p, utc_stamp(), prune_only)
-    if p["uv_wheel"] and not prune_only:
-        payload["uv"] = install_uv(target, p["uv_wheel"])
-    parts = target.run_probes(
-        {BUILD: (venv_script, payload), NAME: read},
-        python=p["python_executable"],
-        timeout=p["build_timeout"] + CLEANUP_GRACE,
-    )
-    built = built_of(part_answer(parts, BUILD, target.label), spec["path"])
-    if "needs_window" in built:
-        return built, None
-    after = evaluate_step(spec, part_answer(parts, NAME, target.label), {}, dict(context, check_mode=False))
-    if out_of_spec(after):
-        details = {key: built.get(key) for key in ("current", "previous", "builder", "lock_file")}
-        details.update({key: after[key] for key in ("installed", "missing", "extra", "wrong")})
-        raise VenvError(out_of_spec(after), kind="verify", details=details)
-    return built, after
-
-
-def swap_refused(before, built, label, seconds):
-    """The result when the build script found a live process on the current venv just before the swap: nothing
-    was swapped (the new version was removed), no change, the processes in ``needs_window``."""
-    users = [
-        {"pid": u["pid"], "ns_pid": u["pid"], "name": str(u.get("name")), "inside": True}
-        for u in built["needs_window"]["users"]
-    ]
-    when = " (found when the new version was ready; that version was removed, nothing swapped)"
-    sentence = window_message(label, before["path"], before["changes"], users, when)
-    result = result_of(dict(before, pending=False, in_use=users, needs_window=[sentence]), None, None, seconds)
-    stays = before["diff"]["before"]
-    return dict(result, changes=[], diff={"before": stays, "after": stays}, cleaned=built.get("cleaned") or [])
 
 
 def uv_from_wheel(wheel_path):
@@ -577,43 +525,42 @@ def install_uv(target, wheel_path):
     return path
 
 
-def utc_stamp():
-    """The name of a new version: ``20261203T101500Z`` (UTC, so names sort by time on every target)."""
-    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+class TrainingVenv(ActingStep):
+    """Read the venv, and when it is not the lock: build a new version beside it, check it, swap it in, read again
+    (or only remove old versions beyond keep)."""
+
+    facts = venv_facts
+    argument_spec = ARGUMENT_SPEC
+    error = VenvError
+    at_least = {"build_timeout": (1, "give the build at least 1 second")}
+
+    def act(self, run, before):
+        """One pct exec: build and swap (in spec: only remove old versions beyond keep), then the reader part reads
+        the venv again through the new symlink. ``after`` is None when the build script found a live process on the
+        current venv just before the swap (unattended: ``built`` then holds ``needs_window``)."""
+        rebuild = before["rebuild"]
+        payload = build_payload(run.spec, run.params, utc_stamp(), prune_only=not rebuild)
+        if run.params["uv_wheel"] and rebuild:
+            payload["uv"] = install_uv(run.target, run.params["uv_wheel"])
+        parts = run.act_and_reread(BUILD, venv_script, payload, run.params["build_timeout"] + CLEANUP_GRACE)
+        built = built_of(run.part(parts, BUILD), run.spec["path"])
+        if "needs_window" in built:
+            return built, None
+        return built, self.evaluate(run, run.part(parts, NAME), built)
+
+    def prove(self, run, after, built):
+        details = {key: built.get(key) for key in ("current", "previous", "builder", "lock_file")}
+        details.update({key: after[key] for key in ("installed", "missing", "extra", "wrong")})
+        return unproven(after), details
+
+    def result(self, run, before, after, built):
+        if built is not None and "needs_window" in built:
+            return swap_refused(before, built, run.target.label)
+        return built_result(before, after, built)
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
-    started = time.monotonic()
-    p = module.params
-    spec = {name: p[name] for name in SPEC}
-    target = None
-    try:
-        wrong = check_options(p)
-        if wrong:
-            raise VenvError(f"{wrong}; fix the training_venv_* variable of that name", kind="invalid")
-        target = Target.from_params(p)
-        vmid = target.vmid if target.is_container else None
-        context = {"target": {"label": target.label, "vmid": vmid, "node": target.node}, "steps": {}}
-        read = (venv_probe, probe_payload(spec, p["timeout"]))
-        answer = target.run_probe(read[0], read[1], python=p["python_executable"])
-        # Unattended with a rebuild due: who runs from the venv, read on the node (nothing otherwise). Check mode:
-        # the GPU step ended nothing, so the processes it would end still run; a real run sees them gone.
-        node = dict(read_node(spec, target, answer, context), ending=p["ending_pids"] if module.check_mode else [])
-        before = evaluate_step(spec, answer, node, dict(context, check_mode=module.check_mode))
-        if before["problems"]:
-            raise VenvError("; ".join(before["problems"]), kind="problems")
-        built = after = None
-        if before["pending"] and not module.check_mode:
-            built, after = rebuild(target, spec, p, read, context, prune_only=not before["rebuild"])
-        seconds = time.monotonic() - started
-        if built is not None and "needs_window" in built:
-            result = swap_refused(before, built, target.label, seconds)
-        else:
-            result = result_of(before, after, built, seconds)
-    except RecoverError as error:
-        module.fail_json(**error.to_result(prefix=f"{target.label}: " if target else ""))
-    module.exit_json(**result)
+    run_step_module(TrainingVenv())
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from ansible.module_utils.testing import patch_module_args
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_act_runner
 
 from tests.conftest import ROOT
 
@@ -19,13 +20,16 @@ class SpecCaptured(Exception):
 
 
 def argument_spec(name, monkeypatch):
-    """The argument_spec a module's main() builds, captured before it does anything else."""
+    """The argument_spec a module's main() builds (itself, or through the acting modules' runner), captured before
+    it does anything else."""
     module = __import__(name)
 
     def capture(*_args, **kwargs):
         raise SpecCaptured(kwargs["argument_spec"])
 
-    monkeypatch.setattr(module, "AnsibleModule", capture)
+    monkeypatch.setattr(pve_act_runner, "AnsibleModule", capture)
+    if hasattr(module, "AnsibleModule"):
+        monkeypatch.setattr(module, "AnsibleModule", capture)
     with patch_module_args({}), pytest.raises(SpecCaptured) as captured:
         module.main()
     return captured.value.args[0]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import gpu_processes
 import pytest
 import yaml
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_act_runner
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import ProcessInfo
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
 
@@ -79,6 +80,8 @@ class FakeProcesses:
             monkeypatch.setattr(gpu_facts, name, getattr(self, name))
         clock = FakeClock()
         monkeypatch.setattr(gpu_facts, "time", SimpleNamespace(monotonic=clock, sleep=clock.sleep))
+        # The runner times the module (its `seconds`) on the same clock.
+        monkeypatch.setattr(pve_act_runner, "time", SimpleNamespace(monotonic=clock))
 
 
 @pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
@@ -213,6 +216,21 @@ def test_a_run_says_what_it_changed_how_long_it_took_and_how_long_it_watched(mon
     ]
     assert result["watched"] == pytest.approx(10.0, abs=0.05)  # the default settle window, on the fake clock
     assert result["seconds"] >= result["watched"]
+
+
+def test_check_mode_says_what_a_run_would_change_and_how_long_it_took(monkeypatch, capsys):
+    case = next(c for c in CASES if c["id"] == "ends_own_holders_sigterm_then_sigkill")
+    runner = FakeRunner(*[(c["argv"], (c["rc"], c.get("stdout", ""), c.get("stderr", ""))) for c in case["calls"]])
+    FakeProcesses(case["procs"], case.get("units")).patch(monkeypatch)
+    monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
+    result = run_module(gpu_processes, case["params"], runner, monkeypatch, capsys, check_mode=True)
+    # The same lines as the real run (the result shape the acting modules' runner gives every module).
+    assert result["changes"] == [
+        "end pid 516 (python3, pid 41 inside) on GPU 0, 20000 MiB",
+        "end pid 517 (python3, pid 42 inside) on GPU 1, 5000 MiB",
+    ]
+    assert (result["changed"], result["killed"], result["watched"]) == (True, [], 0.0)
+    assert isinstance(result["seconds"], float)
 
 
 def test_check_mode_warns_about_a_process_stuck_in_d(monkeypatch, capsys):

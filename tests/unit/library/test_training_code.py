@@ -137,6 +137,17 @@ def test_ct_a_converged_repository_costs_one_pct_exec_and_changes_nothing(monkey
 
 
 @pytest.mark.usefixtures("on_pve1")
+def test_ct_the_reader_and_the_reset_run_on_the_cts_python_the_option_names(monkeypatch, capsys):
+    # `python`: the CT's interpreter of every probe part and script, the fact pass's (the role passes
+    # preflight_python); the venv's python is never it.
+    python = "/usr/bin/python3.11"
+    calls = [read_call(DIRTY), reset_call(DONE, RESET_DONE)]
+    calls = [([python if arg == "python3" else arg for arg in argv], answer) for argv, answer in calls]
+    result = run_module(training_code, dict(CT_PARAMS, python=python), FakeRunner(*calls), monkeypatch, capsys)
+    assert (result["changed"], result["head"]) == (True, PINNED)
+
+
+@pytest.mark.usefixtures("on_pve1")
 def test_ct_check_mode_reports_the_reset_and_the_real_run_does_it_in_one_more_pct_exec(monkeypatch, capsys):
     check = run_module(training_code, CT_PARAMS, FakeRunner(read_call(DIRTY)), monkeypatch, capsys, check_mode=True)
     runner = FakeRunner(read_call(DIRTY), reset_call(DONE, RESET_DONE))
@@ -265,6 +276,7 @@ def test_the_documented_options_are_the_argument_spec():
     found.loader.exec_module(fragment)
     options = yaml.safe_load(training_code.DOCUMENTATION)["options"]
     options.update(yaml.safe_load(fragment.ModuleDocFragment.DOCUMENTATION)["options"])
+    options.update(yaml.safe_load(fragment.ModuleDocFragment.PYTHON)["options"])
     assert sorted(options) == sorted(training_code.ARGUMENT_SPEC)
     for name, rules in training_code.ARGUMENT_SPEC.items():
         documented = options[name]

@@ -29,6 +29,7 @@ import pytest
 import training_venv
 import yaml
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import wrong_option
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import PROBES_MAIN, Target, probes_input
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
@@ -175,7 +176,7 @@ def test_the_script_imports_only_the_standard_library_and_what_it_ships():
 
 
 def test_the_payload_carries_what_the_lock_means():
-    spec = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore", "keep": 2}
+    spec = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python_version": None, "tooling": "ignore", "keep": 2}
     params = {"uv": "/root/.local/bin/uv", "build_timeout": 900}
     assert training_venv.build_payload(spec, params, "20261203T101500Z") == {
         "path": "/opt/venvs/train",
@@ -190,7 +191,7 @@ def test_the_payload_carries_what_the_lock_means():
         "drop_tooling": [],
         "prune_only": False,
     }
-    exact = training_venv.build_payload(dict(spec, tooling="exact", python="3.11"), params, "20261203T101500Z")
+    exact = training_venv.build_payload(dict(spec, tooling="exact", python_version="3.11"), params, "20261203T101500Z")
     assert (exact["ignore"], exact["drop_tooling"]) == ([], ["pip", "setuptools", "wheel"])
 
 
@@ -202,14 +203,15 @@ def test_the_payload_carries_what_the_lock_means():
         ({"unattended_keep": 0}, "unattended_keep is 0; the current venv counts, so unattended_keep is at least 1"),
         ({"build_timeout": 0}, "build_timeout is 0; give the build at least 1 second"),
         ({"lock": "torch>=2\n"}, "the lock, line 1: `torch>=2` is not an exact pin"),
-        ({"python": "3.12"}, "python is 3.12 but the lock was compiled for 3.11"),
+        ({"python_version": "3.12"}, "python_version is 3.12 but the lock was compiled for 3.11"),
     ],
 )
 def test_options_that_cannot_work_are_named(changed, message):
-    params = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore"}
+    params = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python_version": None, "tooling": "ignore"}
     params.update({"keep": None, "unattended_keep": 3, "unattended": False, "build_timeout": 1800, **changed})
-    assert training_venv.check_options(params).startswith(message)
-    assert bool(training_venv.check_options(params)) == bool(message)
+    wrong = wrong_option(training_venv.TrainingVenv(), params)
+    assert wrong.startswith(message)
+    assert bool(wrong) == bool(message)
 
 
 def test_the_documented_options_are_the_argument_spec():
@@ -218,6 +220,7 @@ def test_the_documented_options_are_the_argument_spec():
     found.loader.exec_module(fragment)
     options = yaml.safe_load(training_venv.DOCUMENTATION)["options"]
     options.update(yaml.safe_load(fragment.ModuleDocFragment.DOCUMENTATION)["options"])
+    options.update(yaml.safe_load(fragment.ModuleDocFragment.PYTHON)["options"])
     assert sorted(options) == sorted(training_venv.ARGUMENT_SPEC)
     for name, rules in training_venv.ARGUMENT_SPEC.items():
         documented = options[name]
@@ -607,7 +610,7 @@ class Host:
         self.monkeypatch = monkeypatch
 
     def run(self, capsys, pins=GOOD, *, check_mode=False, **params):
-        args = {"path": str(self.path), "lock": self.indexes.lock(pins), "python": "3.11", "uv": UV, **params}
+        args = {"path": str(self.path), "lock": self.indexes.lock(pins), "python_version": "3.11", "uv": UV, **params}
         return run_module(training_venv, args, FakeRunner(), self.monkeypatch, capsys, check_mode=check_mode)
 
     def version(self, stamp):
@@ -772,7 +775,7 @@ def test_an_interrupted_build_is_removed_by_the_next_run(host, capsys):
     # Target.run_probes ships it, let it hang on one wheel, then SIGKILL its group.
     requested, release = threading.Event(), threading.Event()
     host.indexes.server.hang["idna-3.10-py3-none-any.whl"] = (requested, release)
-    spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
+    spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python_version": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[1])
     program = probes_input({"build": (script, payload)})
     build = subprocess.Popen(
@@ -945,7 +948,7 @@ def test_the_script_runs_as_shipped_on_python_3_9(host, capsys):
     python = next((str(p) for p in candidates if p.exists()), None)
     if python is None or subprocess.run([python, "-c", "pass"], check=False).returncode != 0:
         unavailable("no python3.9 here")
-    spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
+    spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python_version": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[0])
     answer = run_probes_program(python, {"build": (script, payload)})["build"]["answer"]
     assert answer["current"] == str(host.version(STAMPS[0])), answer

@@ -378,7 +378,7 @@ def test_a_missing_venv_is_created_from_the_whole_lock():
 
 
 def test_a_directory_that_is_not_a_venv_is_replaced():
-    facts = venv_facts.evaluate_step(dict(SPEC, python=None), dict(ABSENT, directory=True), {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, python_version=None), dict(ABSENT, directory=True), {}, CONTEXT)
     assert facts["changes"] == [
         f"replace {PATH}, a directory without pyvenv.cfg (moved aside), by a venv: python 3.11, 26 distributions "
         "from the lock"
@@ -396,7 +396,7 @@ def test_python_comes_from_the_spec_before_the_lock_and_is_unchecked_without_eit
     lock_without_header = "six==1.17.0\n"
     answer = answer_of([{"name": "six", "version": "1.17.0"}], None, python="3.12")
     assert venv_facts.evaluate_step(dict(SPEC, lock=lock_without_header), answer, {}, CONTEXT)["changes"] == []
-    facts = venv_facts.evaluate_step(dict(SPEC, lock=lock_without_header, python="3.11"), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, lock=lock_without_header, python_version="3.11"), answer, {}, CONTEXT)
     assert facts["changes"] == [f"rebuild venv at {PATH}: python 3.12, expected 3.11"]
 
 
@@ -460,7 +460,7 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
     assert result.validated_parameters == {
         "path": "/opt/venvs/train",
         "lock": LOCK,
-        "python": None,
+        "python_version": None,
         "tooling": "ignore",
         "unattended": False,
         "keep": None,
@@ -476,9 +476,12 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
     ("changed", "message"),
     [
         ({}, ""),
-        ({"python": "3.11"}, ""),
-        ({"python": "3.12"}, "python is 3.12 but the lock was compiled for 3.11 (--python-version in its header)"),
-        ({"python": "python3.11"}, "python is 'python3.11'; expected a minor version like '3.11'"),
+        ({"python_version": "3.11"}, ""),
+        (
+            {"python_version": "3.12"},
+            "python_version is 3.12 but the lock was compiled for 3.11 (--python-version in its header)",
+        ),
+        ({"python_version": "python3.11"}, "python_version is 'python3.11'; expected a minor version like '3.11'"),
         ({"lock": "torch>=2\n"}, "the lock, line 1: `torch>=2` is not an exact pin"),
     ],
 )
@@ -622,7 +625,7 @@ def test_a_uv_venv_with_packages_from_pypi(tmp_path):
     ]
     assert (answer["torch_version_py"], answer["broken"], answer["errors"]) == (None, [], [])
     facts = venv_facts.evaluate_step(
-        dict(SPEC, lock="idna==3.10\nsix==1.17.0\n", python=answer["python"]), answer, {}, CONTEXT
+        dict(SPEC, lock="idna==3.10\nsix==1.17.0\n", python_version=answer["python"]), answer, {}, CONTEXT
     )
     assert (facts["changes"], facts["pending"]) == ([], False)
 
@@ -704,7 +707,9 @@ def test_a_torch_wheel_installed_by_uv_is_read_from_its_files(tmp_path, metadata
     assert installed == {"torch": exact}
     assert venv_facts.variant(installed["torch"]) == variant
     python = answer["python"]
-    facts = venv_facts.evaluate_step(dict(SPEC, lock="torch==2.11.0+cu128\n", python=python), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(
+        dict(SPEC, lock="torch==2.11.0+cu128\n", python_version=python), answer, {}, CONTEXT
+    )
     expected = (
         [] if variant == "cu128" else ["torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)"]
     )
@@ -758,7 +763,7 @@ def test_the_real_cpu_torch_wheel_is_read_as_its_build(cpu_torch_venv):
     assert answer["torch_version_py"]["version"] == "2.13.0+cpu"
     assert answer["torch_version_py"]["cuda"] is None
     assert len(answer["torch_version_py"]["git_version"]) == 40
-    facts = venv_facts.evaluate_step(dict(SPEC, lock="torch==2.13.0+cpu\n", python="3.11"), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, lock="torch==2.13.0+cpu\n", python_version="3.11"), answer, {}, CONTEXT)
     assert (facts["changes"], facts["torch"]["variant"]) == ([], "cpu")
     facts = venv_facts.evaluate_step(SPEC, answer, {}, CONTEXT)
     assert "torch 2.13.0+cpu -> 2.11.0+cu128 (build variant cpu, expected cu128)" in facts["changes"]
@@ -779,7 +784,7 @@ def install_wheels(tmp_path, venv, *wheels):
 
 def facts_of(venv, lock):
     answer = probe(venv)
-    return venv_facts.evaluate_step(dict(SPEC, lock=lock, python=answer["python"]), answer, {}, CONTEXT)
+    return venv_facts.evaluate_step(dict(SPEC, lock=lock, python_version=answer["python"]), answer, {}, CONTEXT)
 
 
 CLEAN = ("six", "1.17.0", {"six.py": "x = 1\n"})
@@ -865,7 +870,9 @@ def test_setuptools_seeded_by_python_venv_may_keep_its_pth_while_tooling_is_igno
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
     answer = probe(venv)
     assert answer["unowned"] == []
-    facts = venv_facts.evaluate_step(dict(SPEC, lock="six==1.17.0\n", python=answer["python"]), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(
+        dict(SPEC, lock="six==1.17.0\n", python_version=answer["python"]), answer, {}, CONTEXT
+    )
     assert facts["changes"] == ["install six 1.17.0 (missing)"]
 
 

@@ -1031,14 +1031,26 @@ def refuse_unsafe(target, found, p, result):
 def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None):
     """Re-read and plan, then (unless ``check_mode``) end the restarters and the holders, wait until the memory is
     free, and watch ``settle`` seconds for restarts: a new child of a parent left running (:func:`plan_parents`),
-    or a new holder of the target's GPUs.
+    or a new holder of the target's GPUs. (The module runs the same two halves, :func:`survey` and
+    :func:`end_planned`, through the acting modules' runner.)
 
     ``p`` holds the SPEC settings; ``warn`` receives warnings for the module's result. Raises GpuProcessesError
     carrying what was already done.
     """
-    clock, sleep = time.monotonic, time.sleep  # looked up now, so a test can give the module a clock of its own
-    started = clock()
+    found, result = survey(target, node_smi, p, check_mode=check_mode, warn=warn)
+    if not check_mode and found["to_end"]:
+        end_planned(target, node_smi, p, found, result)
+    result["seconds"] = round(time.monotonic() - found["started"], 3)
+    return result
+
+
+def survey(target, node_smi, p, *, check_mode=False, warn=lambda message: None):
+    """The reading half of :func:`cleanup`: re-read and plan; raise before anything is ended when the plan cannot
+    free the GPUs. Returns ``(found, result)``: the plan (``found["started"]``: when the read began, on this
+    module's clock) and the result so far (``changed``, ``changes``, ``diff`` and what was found)."""
+    started = time.monotonic()  # looked up now, so a test can give the module a clock of its own
     found = find(target, node_smi, p)
+    found["started"] = started
     gpus, to_end, restarters = found["gpus"], found["to_end"], found["restarters"]
     result = {
         "processes": [as_result(e) for e in to_end],
@@ -1072,9 +1084,13 @@ def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None)
                     f"{target.label}: {describe(entry)} is in state D (stuck in the driver); a real run is "
                     f"likely to find it outliving SIGKILL"
                 )
-    if not check_mode and to_end:
-        Acting(target, node_smi, p, found, result, clock=clock, sleep=sleep).run(started)
-    result["seconds"] = round(clock() - started, 3)
+    return found, result
+
+
+def end_planned(target, node_smi, p, found, result):
+    """The acting half of :func:`cleanup`, on what :func:`survey` planned: end the restarters and the holders,
+    wait for the memory, watch for restarts; everything learnt goes into ``result``."""
+    Acting(target, node_smi, p, found, result, clock=time.monotonic, sleep=time.sleep).run(found["started"])
     return result
 
 

@@ -45,8 +45,9 @@ SPEC = {
     # The lock's text (`uv pip compile --generate-hashes` output: name==version pins, hashes, index options).
     "lock": {"type": "str", "required": True},
     # Python minor the venv must have ("3.11"); None: the `--python-version` the lock was compiled with, found in
-    # uv's header, else not checked. A lock's wheels are only valid for the python it was compiled for.
-    "python": {"type": "str"},
+    # uv's header, else not checked. A lock's wheels are only valid for the python it was compiled for. (Not
+    # `python`: that option is the target's interpreter that runs the probe parts, in every module.)
+    "python_version": {"type": "str"},
     # pip/setuptools/wheel when the lock does not pin them: "ignore" (see TOOLING) or "exact" (they are extra).
     "tooling": {"type": "str", "default": "ignore", "choices": ["ignore", "exact"]},
     # The scheduled drift corrector: never swap the venv under a live process of the target (needs_window).
@@ -236,7 +237,7 @@ def torch_index(lock):
 
 def expected_python(spec, lock):
     """The python minor the venv must have: the spec's, else the lock's ``--python-version``, else None."""
-    return spec["python"] or lock["python"]
+    return spec["python_version"] or lock["python"]
 
 
 def check_spec(spec):
@@ -248,13 +249,13 @@ def check_spec(spec):
         lock = parse_lock(spec["lock"])
     except VenvError as error:
         return str(error)
-    python = spec["python"]
+    python = spec["python_version"]
     if python is not None and not _PYTHON_MINOR.match(python):
-        return f"python is {python!r}; expected a minor version like '3.11'"
+        return f"python_version is {python!r}; expected a minor version like '3.11'"
     if python and lock["python"] and python != lock["python"]:
         return (
-            f"python is {python} but the lock was compiled for {lock['python']} (--python-version in its "
-            f"header): set python to {lock['python']}, or compile the lock for {python}"
+            f"python_version is {python} but the lock was compiled for {lock['python']} (--python-version in its "
+            f"header): set python_version to {lock['python']}, or compile the lock for {python}"
         )
     return ""
 
