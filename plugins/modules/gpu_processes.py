@@ -401,7 +401,8 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import NvidiaSmi
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import SPEC, check_spec, cleanup
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.acting import cleanup
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import SPEC, check_spec
 
 
 def main():

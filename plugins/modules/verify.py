@@ -299,18 +299,19 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import 
     TargetError,
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.facts import (
-    SPEC,
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.answers import (
     VerifyError,
-    check_spec,
-    expected_gpus,
-    gpu_checks,
-    health_levels,
-    outcome,
     torch_answer,
-    torch_checks,
     torch_failure,
 )
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.facts import (
+    SPEC,
+    check_spec,
+    expected_gpus,
+    outcome,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.gpu_checks import gpu_checks, health_levels
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.torch_checks import torch_checks
 
 ARGUMENT_SPEC = {
     **TARGET_ARGUMENT_SPEC,

@@ -43,7 +43,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import cuda_of, variant
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import (
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.handoff import (
     ending_pids_of,  # pids the GPU step ends before this step runs
 )
 

@@ -14,12 +14,12 @@ node needs no copy of it and the fact pass sees exactly what the build will inst
 
 Unattended (``unattended``, the scheduled drift corrector), a venv that needs a rebuild is not swapped while a
 live process of the target runs from it: the facts name those processes in ``needs_window`` and nothing is
-pending. Which processes run from it is read on the node (:func:`read_node`, pve_process.processes_running_from:
-the target's processes by their cgroup, then each one's exe, an interpreter's argv[0] and its mapped files), and
-only when the venv needs a rebuild: a converged run reads nothing more. On the node, because pve_process already
-reads the target's processes there with bounded reads (a process stuck in the driver costs seconds, never the
-run), the kernel's answer is not the CT's word, and the read costs no command in the target. Processes the GPU
-step ends first (its facts, before this step's) do not count.
+pending. Which processes run from it is read on the node (:func:`read_node`,
+pve_process_runs_from.processes_running_from: the target's processes by their cgroup, then each one's exe, an
+interpreter's argv[0] and its mapped files), and only when the venv needs a rebuild: a converged run reads nothing
+more. On the node, because pve_process already reads the target's processes there with bounded reads (a process
+stuck in the driver costs seconds, never the run), the kernel's answer is not the CT's word, and the read costs no
+command in the target. Processes the GPU step ends first (its facts, before this step's) do not count.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from __future__ import annotations
 import re
 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import processes_running_from, under
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import owner_of
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process_runs_from import processes_running_from, under
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import variant
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import ending_pids_of, owner_of
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.handoff import ending_pids_of
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
 
 NAME = "training_venv"
