@@ -85,17 +85,6 @@ def wait_for_memory(
         sleep(poll_interval)
 
 
-def watch_settle(new_holders, *, window, poll_interval, clock=time.monotonic, sleep=time.sleep):
-    """Ask ``new_holders()`` every ``poll_interval`` for ``window`` seconds; return the first non-empty answer, or
-    ``[]`` when the window ends with none (the last ask is at or after its end)."""
-    deadline = clock() + window
-    while True:
-        found = new_holders()
-        if found or clock() >= deadline:
-            return found
-        sleep(poll_interval)
-
-
 def watch_jobs(restarts, new_holders, *, window, poll_interval, clock=time.monotonic, sleep=time.sleep):
     """Ask ``restarts()`` (new children of the parents left running), then ``new_holders()``, every
     ``poll_interval`` for ``window`` seconds; return ``(restarts, holders)`` at the first non-empty answer, or
