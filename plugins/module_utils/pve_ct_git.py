@@ -224,6 +224,16 @@ def parse_config_list(data):
     return entries
 
 
+def remote_names(entries):
+    """The remotes a config defines (a ``remote.<name>.url``; git writes the name as it was given), sorted:
+    ``[("core.bare", "false"), ("remote.origin.url", "/srv/up"), ("remote.Team/x.url", "u")]`` -> ``["Team/x",
+    "origin"]``."""
+    return sorted(
+        {key[len("remote.") : -len(".url")] for key, _ in entries if key.startswith("remote.") and key.endswith(".url")}
+        - {""}
+    )
+
+
 def config_text(entries):
     """The view's config: the allowed keys of ``entries``, the last value of each (git's rule for one value),
     quoted so that no value can open a section of its own."""

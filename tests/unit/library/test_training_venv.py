@@ -241,7 +241,7 @@ CT_PATH = "/opt/venvs/train"
 CT_PARAMS = {"vmid": 200, "lock": SMALL_LOCK}
 PCT = ["pct", "exec", "200", "--keep-env", "0", "--", "timeout", "-k", "5"]
 WRAPPER = ["env", "LC_ALL=C", "LANG=C", "python3", "-I", "-"]
-READ_PAYLOAD = {"path": CT_PATH, "timeout": 60}
+READ_PAYLOAD = {"path": CT_PATH, "timeout": 60, "uv": "uv", "python": "3.11"}
 STAMP = "20261203T101500Z"
 BUILD_PAYLOAD = {
     "path": CT_PATH,
@@ -456,6 +456,27 @@ def test_ct_what_the_reader_could_not_read_stops_before_any_build(monkeypatch, c
     result = run_module(training_venv, CT_PARAMS, FakeRunner(read_call(unreadable)), monkeypatch, capsys)
     assert (result["failed"], result["error"]) == (True, "problems")
     assert "Permission denied" in result["msg"]
+
+
+@pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_a_venv_the_target_cannot_build_fails_before_the_build(check_mode, monkeypatch, capsys):
+    # Called alone, the module reads what a build would use as the fact pass does, and stops the same way.
+    path = "/usr/sbin:/usr/bin"
+    build = {"path": path, "uv": None, "uv_missing": f"uv is not on PATH ({path})", "python": "python3.11"}
+    build.update(base_python="/usr/bin/python3.11", venv=True, ensurepip=False, uv_python=None, own="3.11")
+    runner = FakeRunner(read_call(dict(POLLUTED, build=build)))  # the read, no build
+    result = run_module(training_venv, CT_PARAMS, runner, monkeypatch, capsys, check_mode=check_mode)
+    assert (result["failed"], result["error"]) == (True, "problems")
+    assert result["msg"].startswith(
+        "CT 200 on pve1: the venv at /opt/venvs/train needs a rebuild but the target cannot build it: no uv (uv is "
+        "not on PATH (/usr/sbin:/usr/bin)) and `python3.11 -m venv` fails there"
+    )
+    # With the role's uv wheel the same target can: the build would run (check mode: planned only).
+    if check_mode:
+        wheel = dict(CT_PARAMS, uv_wheel="/var/cache/pve-gpu-recover/uv-0.9.0-py3-none-manylinux_2_28_x86_64.whl")
+        runner = FakeRunner(read_call(dict(POLLUTED, build=dict(build, uv_python="/usr/bin/python3.11"))))
+        assert run_module(training_venv, wheel, runner, monkeypatch, capsys, check_mode=True)["changed"] is True
 
 
 @pytest.mark.usefixtures("on_pve1")

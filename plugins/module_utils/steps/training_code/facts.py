@@ -147,6 +147,9 @@ def check_answer(answer):
     # Added later: optional, so that an older probe's answer still reads.
     if not isinstance(answer.get("untrusted"), (str, type(None))):
         raise CodeError("the training_code probe answered no 'untrusted' of the expected type", kind="probe")
+    remotes = answer.get("remotes")
+    if remotes is not None and not (isinstance(remotes, list) and all(isinstance(r, str) for r in remotes)):
+        raise CodeError("the training_code probe answered no 'remotes' of the expected type", kind="probe")
     filters = answer.get("filters", {})
     if not isinstance(filters, dict) or not all(
         isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in filters.items()
@@ -316,13 +319,36 @@ def code_problems(label, spec, answer, entries):
             f"{label}: {path} has no commit yet but files are staged ({named([entry_name(e) for e in tracked])}); "
             f"commit them or unstage them (git rm -r --cached .) and run again"
         )
-    if answer["commit_present"] is False and not spec.get("remote"):
-        problems.append(
+    return problems + fetch_problems(label, spec, answer) + checkout_problems(label, path, commit, answer)
+
+
+def names_a_remote(remote):
+    """Whether git reads ``remote`` as the name of a configured remote rather than as a URL or a path: ``origin``,
+    ``team/upstream`` yes; ``https://host/r.git``, ``git@host:r.git``, ``/srv/r.git``, ``../r``, ``~/r`` no."""
+    return "://" not in remote and ":" not in remote and not remote.startswith(("/", ".", "~"))
+
+
+def fetch_problems(label, spec, answer):
+    """Why the commit cannot be had, found before anything runs: it is not in the repository and no remote is set,
+    or the remote is given by a name the repository's config does not define (git would take the name for a path
+    and fail only once the run had begun)."""
+    if answer["commit_present"] is not False:
+        return []
+    remote, remotes, path, commit = spec.get("remote"), answer.get("remotes"), spec["path"], spec["commit"].lower()
+    if not remote:
+        return [
             f"{label}: commit {commit} is not in the repository at {path} and no remote is set to fetch it from; "
             f"set training_code_remote (a remote's name such as origin, or a URL), or fetch it there "
             f"(git -C {path} fetch origin {commit})"
-        )
-    return problems + checkout_problems(label, path, commit, answer)
+        ]
+    if remotes is None or not names_a_remote(remote) or remote in remotes:
+        return []
+    known = f"its remotes are {named(remotes)}" if remotes else "it has no remote"
+    return [
+        f"{label}: commit {commit} is not in the repository at {path} and training_code_remote {quote(remote)} is "
+        f"not a remote of it ({known}); set training_code_remote to one of them or to a URL, or add it there "
+        f"(git -C {path} remote add {quote(remote)} <url>)"
+    ]
 
 
 def checkout_problems(label, path, commit, answer):
