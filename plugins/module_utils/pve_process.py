@@ -27,6 +27,8 @@ driver can hold for ever; it is read by a child process (``head -c``) under run_
 asks the open file's filesystem, which may be a hung NFS or FUSE mount). A file that cannot be read (gone, permission,
 I/O error, garbage) is None, never a traceback; ProcessInfo.read_error says what could not be read.
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 from __future__ import annotations
 

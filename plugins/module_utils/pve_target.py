@@ -16,6 +16,8 @@ is a TargetError of kind ``too_large``). The vmid is an integer in Proxmox's ran
 Failures of ``pct`` itself (container missing or stopped, ``pct`` missing, a command missing inside) become
 :class:`TargetError` with one line that says what was found and what to do.
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 from __future__ import annotations
 
@@ -159,7 +161,8 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap
     full_env.update(C_LOCALE)
     full_env.update(env or {})
     data = stdin.encode() if isinstance(stdin, str) else stdin
-    proc = subprocess.Popen(  # not a `with`: Popen.__exit__ would wait without a deadline
+    # Not run_command, which waits without a deadline; not a `with`: Popen.__exit__ would wait without one too.
+    proc = subprocess.Popen(  # pylint: disable=ansible-bad-function
         argv,
         stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE,

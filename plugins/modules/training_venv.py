@@ -46,7 +46,7 @@ description:
     more inside the target just before the swap, in the build's own C(pct exec), for a job started during the
     build (the new version is then removed). Either way the module does not fail - it builds nothing (or swaps
     nothing), returns C(changed=false) and names the processes in I(needs_window).
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
@@ -157,7 +157,7 @@ requirements:
   - In the target, Python 3.9+ and either uv or the C(venv) module with C(ensurepip) (Debian C(python3-venv)).
   - Network from the target to the lock's indexes.
 seealso:
-  - module: target_facts
+  - module: pve_gpu.recover.target_facts
 notes:
   - A job started through I(path) (C(<path>/bin/python)) reads files through the symlink; after a swap, what it
     imports later comes from the new version. Console scripts of a version (C(<path>/bin/torchrun)) name that

@@ -345,17 +345,6 @@ def test_ct_options_that_cannot_work_fail_before_any_call(monkeypatch, capsys):
     assert result["msg"].startswith("the root 'cache' is not an absolute path")
 
 
-def test_the_documented_options_are_the_argument_spec():
-    import yaml  # noqa: PLC0415
-
-    options = yaml.safe_load(compile_cache.DOCUMENTATION)["options"]
-    assert sorted(options) == sorted(set(compile_cache.ARGUMENT_SPEC) - {"vmid", "node_name", "timeout"})
-    for name, rules in compile_cache.ARGUMENT_SPEC.items():
-        if name in options:
-            assert options[name]["type"] == rules["type"], name
-            assert options[name].get("default") == rules.get("default"), name
-
-
 # -- real directories on a bare host ---------------------------------------------------------------------------
 def fake_venv(directory, version="2.11.0+cu128", cuda="12.8", triton="3.3.0"):
     site = directory / "lib" / "python3.11" / "site-packages"

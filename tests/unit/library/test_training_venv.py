@@ -12,7 +12,6 @@ import base64
 import errno
 import hashlib
 import http.server
-import importlib.util
 import inspect
 import json
 import os
@@ -27,7 +26,6 @@ from pathlib import Path
 
 import pytest
 import training_venv
-import yaml
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_venv
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import PROBES_MAIN, Target, probes_input
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
@@ -210,22 +208,6 @@ def test_options_that_cannot_work_are_named(changed, message):
     params.update({"keep": None, "unattended_keep": 3, "unattended": False, "build_timeout": 1800, **changed})
     assert training_venv.check_options(params).startswith(message)
     assert bool(training_venv.check_options(params)) == bool(message)
-
-
-def test_the_documented_options_are_the_argument_spec():
-    found = importlib.util.spec_from_file_location("pve_target_fragment", ROOT / "plugins/doc_fragments/pve_target.py")
-    fragment = importlib.util.module_from_spec(found)
-    found.loader.exec_module(fragment)
-    options = yaml.safe_load(training_venv.DOCUMENTATION)["options"]
-    options.update(yaml.safe_load(fragment.ModuleDocFragment.DOCUMENTATION)["options"])
-    assert sorted(options) == sorted(training_venv.ARGUMENT_SPEC)
-    for name, rules in training_venv.ARGUMENT_SPEC.items():
-        documented = options[name]
-        assert (documented["type"], documented.get("default"), documented.get("choices")) == (
-            rules.get("type", "str"),
-            rules.get("default"),
-            rules.get("choices"),
-        ), name
 
 
 # -- the module on a CT, replayed ------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def test_pct_missing_on_the_node():
         "lxc-attach: 200: ../src/lxc/attach.c: lxc_attach_run_command: 1841 No such file or directory - Failed to exec "
         '"nvidia-smi"\n',
         "env: 'nvidia-smi': No such file or directory\n",
-        "timeout: failed to run command ‘nvidia-smi’: No such file or directory\n",
+        "timeout: failed to run command \u2018nvidia-smi\u2019: No such file or directory\n",
     ],
 )
 def test_command_missing_inside(stderr):

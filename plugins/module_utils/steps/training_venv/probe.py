@@ -16,6 +16,8 @@ does a ``sitecustomize``/``usercustomize`` module; a package directory no RECORD
 So the probe also names, from one listing of site-packages, every such start-up hook with the distributions whose
 RECORD lists it (``hooks``), and every importable top-level entry that no RECORD owns (``unowned``).
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 import csv
 import os
