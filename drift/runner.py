@@ -41,13 +41,14 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    # Run as a script (roles/drift_timer calls it by path): its package is the checkout's drift/.
+    # Run as a script (roles/drift_timer calls it by path): its package is the checkout's drift/, imported first
+    # for what it does on import: it puts the collection on sys.path.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import drift  # noqa: F401  (first: it puts the collection on sys.path)
+    import drift  # noqa: F401  # pylint: disable=unused-import
 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES
 
-from drift import unattended
+from drift import COLLECTIONS, collections_path, unattended
 from drift.errors import DriftError, LockHeld
 from drift.files import (
     RUN_DIR,
@@ -593,6 +594,10 @@ def environment(args, report_dir):
     }
     if (args.project / "ansible.cfg").is_file():
         env["ANSIBLE_CONFIG"] = str(args.project / "ansible.cfg")
+    # recover.yml imports pve_gpu.recover.recover: the project's own collection (a checkout's collections/), else the
+    # one this runner belongs to (an installed copy: AWX, an execution environment), before any other copy.
+    own = args.project / "collections"
+    env["ANSIBLE_COLLECTIONS_PATH"] = collections_path(own if own.is_dir() else COLLECTIONS, args.project)
     return env
 
 

@@ -12,7 +12,7 @@ description:
     reaches the indexes) only when one of them changed; every later run reads the cached file.
   - Returns the lock's text, which the training_venv role hands to the fact pass and the module.
 version_added: "0.3.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 options:
   _terms:
     description: Requirement lines (C(torch==2.11.0+cu128), C(transformers), ...).
@@ -36,9 +36,20 @@ options:
     type: str
     default: https://download.pytorch.org/whl/cu128
   cache_dir:
-    description: Where compiled locks are kept on the controller.
+    description:
+      - Where compiled locks are kept on the controller. In an ephemeral execution environment (AWX, AAP) put it on
+        storage that outlives the job, or every job compiles the lock again (docs/awx.md).
+      - An empty value (the training_venv role's default) leaves the configured one, from the environment or
+        ansible.cfg, else the default.
     type: path
     default: ~/.cache/pve-gpu-recover/locks
+    env:
+      - name: PVE_GPU_RECOVER_LOCK_CACHE_DIR
+        version_added: "1.1.0"
+    ini:
+      - section: pve_gpu_recover
+        key: lock_cache_dir
+        version_added: "1.1.0"
   uv:
     description: uv on the controller.
     type: str
@@ -102,7 +113,10 @@ def cache_key(requirements, options):
 
 class LookupModule(LookupBase):
     def run(self, terms, variables=None, **kwargs):
-        self.set_options(var_options=variables, direct=kwargs)
+        # An empty cache_dir (the training_venv role's default) is no choice: the environment's or ansible.cfg's
+        # applies, which is how an execution environment points every job at persistent storage.
+        direct = {key: value for key, value in kwargs.items() if not (key == "cache_dir" and not value)}
+        self.set_options(var_options=variables, direct=direct)
         # lookup('pve_gpu.recover.uv_lock', ['a', 'b']) passes the list as one term; lookup('pve_gpu.recover.uv_lock',
         # 'a', 'b') as several.
         flat = [item for term in terms for item in (term if isinstance(term, list) else [term])]

@@ -30,6 +30,9 @@ Python 3.9+, nothing of ours imported.
 * every ``GIT_*`` variable of the environment dropped (``GIT_INDEX_FILE``... would point git elsewhere),
   ``LC_ALL=C`` (messages are matched), ``GIT_TERMINAL_PROMPT=0`` (nothing ever waits for a password).
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# Runs in the target from its source (standard library only), where no AnsibleModule.run_command exists.
+# pylint: disable=disallowed-name,ansible-bad-function
 
 import os
 import re
@@ -222,6 +225,16 @@ def parse_config_list(data):
             key, _, value = item.partition("\n")
             entries.append((key, value if "\n" in item else None))
     return entries
+
+
+def remote_names(entries):
+    """The remotes a config defines (a ``remote.<name>.url``; git writes the name as it was given), sorted:
+    ``[("core.bare", "false"), ("remote.origin.url", "/srv/up"), ("remote.Team/x.url", "u")]`` -> ``["Team/x",
+    "origin"]``."""
+    return sorted(
+        {key[len("remote.") : -len(".url")] for key, _ in entries if key.startswith("remote.") and key.endswith(".url")}
+        - {""}
+    )
 
 
 def config_text(entries):

@@ -16,6 +16,8 @@ is a TargetError of kind ``too_large``). The vmid is an integer in Proxmox's ran
 Failures of ``pct`` itself (container missing or stopped, ``pct`` missing, a command missing inside) become
 :class:`TargetError` with one line that says what was found and what to do.
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 from __future__ import annotations
 
@@ -45,7 +47,12 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Messages of Proxmox's pct (pve-container: src/PVE/CLI/pct.pm, src/PVE/LXC/Config.pm) and of lxc-attach.
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running!")
 PCT_NO_CONFIG = re.compile(r"Configuration file '([^']+)' does not exist")
+PCT_CONFIG_NODE = re.compile(r"(?:^|/)nodes/([^/]+)/lxc/")  # the node pct looked on, in its config path
 PCT_PARAM_ERROR = re.compile(r"400 Parameter verification failed")
+# pmxcfs, the cluster file system: every node of a cluster sees every node's CT configs here, as
+# <node>/lxc/<vmid>.conf. Read only when pct says a CT is not on its node (a CT migrated since the inventory was
+# written), never in a run that finds its CT.
+PVE_NODES = "/etc/pve/nodes"
 # pct before pve-container 5.0.9 (Proxmox VE 8.1, March 2024) has no --keep-env: Getopt::Long warns about it and
 # the CLI handler fails with "400 unable to parse option" before anything runs in the CT.
 PCT_NO_KEEP_ENV = re.compile(r"Unknown option: keep-env")
@@ -85,8 +92,8 @@ PYTHON_ARGUMENT_SPEC = {"python": {"type": "str", "default": "python3"}}
 class TargetError(RecoverError):
     """A command could not be run where it should, or failed.
 
-    ``kind`` is stable for code (``invalid``, ``missing``, ``stopped``, ``no_pct``, ``not_found``, ``timeout``,
-    ``failed``, ``probe``, ``too_large``); ``str(error)`` is the message for ``fail_json(msg=...)``.
+    ``kind`` is stable for code (``invalid``, ``missing``, ``moved``, ``stopped``, ``no_pct``, ``not_found``,
+    ``timeout``, ``failed``, ``probe``, ``too_large``); ``str(error)`` is the message for ``fail_json(msg=...)``.
     """
 
     @classmethod
@@ -107,6 +114,19 @@ class CommandResult:
     timed_out: bool = field(default=False)
     truncated: bool = field(default=False)  # a stream was longer than run_local's output_cap: only its head is kept
     abandoned: bool = field(default=False)  # it outlived SIGKILL (state D) and was left behind unreaped
+
+
+def nodes_holding(vmid, nodes_dir=None):
+    """The cluster nodes whose configuration holds CT ``vmid``, sorted: ``<nodes_dir>/<node>/lxc/<vmid>.conf``
+    exists (``nodes_dir``: :data:`PVE_NODES`, which every node of a cluster sees whole). ``[]`` off a cluster.
+
+    ``nodes_holding(200)`` -> ``["pve2"]`` once CT 200 migrated to pve2, seen from pve1 as from pve2."""
+    nodes_dir = PVE_NODES if nodes_dir is None else nodes_dir
+    try:
+        names = os.listdir(nodes_dir)
+    except OSError:
+        return []
+    return sorted(name for name in names if os.path.isfile(os.path.join(nodes_dir, name, "lxc", f"{vmid}.conf")))
 
 
 def validate_vmid(value):
@@ -144,7 +164,8 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap
     full_env.update(C_LOCALE)
     full_env.update(env or {})
     data = stdin.encode() if isinstance(stdin, str) else stdin
-    proc = subprocess.Popen(  # not a `with`: Popen.__exit__ would wait without a deadline
+    # Not run_command, which waits without a deadline; not a `with`: Popen.__exit__ would wait without one too.
+    proc = subprocess.Popen(  # pylint: disable=ansible-bad-function
         argv,
         stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -492,6 +513,7 @@ class Target:
             )
         missing = PCT_NO_CONFIG.search(err)
         if missing:
+            self._raise_if_moved(missing.group(1), result)
             raise TargetError.of(
                 f"CT {self.vmid} does not exist on node {self.node} ({missing.group(1)} is missing); "
                 f"check pve_vmid and pve_node in the inventory (`pct list` on the node shows its CTs)",
@@ -504,6 +526,23 @@ class Target:
                 result,
                 kind="invalid",
             )
+
+    def _raise_if_moved(self, config, result):
+        """A CT pct does not find on this node but another node of the cluster holds (:func:`nodes_holding`; ``config``
+        is the path pct names, ``nodes/<this node>/lxc/<vmid>.conf``) has migrated: say where it lives now."""
+        here = PCT_CONFIG_NODE.search(config)
+        elsewhere = [node for node in nodes_holding(self.vmid) if not here or node != here.group(1)]
+        if not elsewhere:
+            return
+        where = " and ".join(elsewhere)
+        one = len(elsewhere) == 1
+        raise TargetError.of(
+            f"CT {self.vmid} lives on {'node' if one else 'nodes'} {where} now (moved from {self.node}): set "
+            f"pve_node to {where if one else 'the one it runs on'} or use the community.proxmox.proxmox inventory "
+            f"plugin",
+            result,
+            kind="moved",
+        )
 
     def _raise_for_wrapper(self, result, argv, seconds):
         self._raise_for_pct(result)

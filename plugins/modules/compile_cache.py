@@ -56,7 +56,7 @@ description:
     in the same call by a new read; a root still out of spec then fails the task. A converged run costs one
     C(pct exec), the read.
 version_added: "0.4.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
@@ -150,9 +150,9 @@ options:
 requirements:
   - In the target, Python 3.9+ and, for the GPU models, C(nvidia-smi) (without it, no GPU is assumed).
 seealso:
-  - module: target_facts
-  - module: training_venv
-  - module: gpu_processes
+  - module: pve_gpu.recover.target_facts
+  - module: pve_gpu.recover.training_venv
+  - module: pve_gpu.recover.gpu_processes
 notes:
   - The stamp is what makes a cache trusted. A cache this module did not stamp is adopted once (the step assumes
     it was built for the venv as it is) unless the venv is rebuilt in the same run.
@@ -263,7 +263,8 @@ warmup:
       C(stdout_tail), C(stderr_tail).
   returned: always
   type: dict
-  sample: {argv: [/opt/venvs/train/bin/python, /srv/train/warmup.py], planned: true, ran: true, rc: 0, seconds: 19.2, size_before: 0, size_after: 151000000, filled: true}
+  sample: {argv: [/opt/venvs/train/bin/python, /srv/train/warmup.py], planned: true, ran: true, rc: 0, seconds: 19.2,
+           size_before: 0, size_after: 151000000, filled: true}
 size_before:
   description: Bytes in every root before the run.
   returned: always

@@ -61,7 +61,7 @@ description:
   - Attended (the default) the guard changes nothing - the operator asked for recovery - but I(guarded) still
     names the holders it matches.
 version_added: "0.1.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
@@ -185,7 +185,7 @@ options:
 requirements:
   - Runs as root on the node (or the bare host); C(nvidia-smi) on the node and inside the CT.
 seealso:
-  - module: gpu_info
+  - module: pve_gpu.recover.gpu_info
 notes:
   - Processes are signalled from the node by host pid, after checking the pid still names the same process
     (its start time), so a pid reused in the meantime is never hit.
@@ -373,7 +373,8 @@ stderr_tail:
   returned: failure of a command that printed
   type: str
 blockers:
-  description: On failure, the processes that keep the target's GPUs from being freed (another CT's, the node's, a protected one), each with its reason; nothing was ended.
+  description: On failure, the processes that keep the target's GPUs from being freed (another CT's, the node's, a
+    protected one), each with its reason; nothing was ended.
   returned: failure
   type: list
   elements: dict
@@ -408,11 +409,8 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import 
     TARGET_ARGUMENT_SPEC,
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import (
-    SPEC,
-    end_planned,
-    survey,
-)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.acting import end_planned, survey
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import SPEC
 
 ARGUMENT_SPEC = {
     **TARGET_ARGUMENT_SPEC,

@@ -21,7 +21,7 @@ description:
     run makes no further remote call. Otherwise C(lock.held) is true and the run releases it after its last step.
   - Changes nothing in the target; the lock file on the node is run bookkeeping and C(changed) is always false.
 version_added: "0.2.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - ansible.builtin.action_common_attributes.facts
@@ -108,9 +108,9 @@ requirements:
   - On the node, C(pct) (for a CT), coreutils C(timeout) and C(nvidia-smi).
   - In the target, Python 3.9+ and C(nvidia-smi).
 seealso:
-  - module: target_lock
-  - module: gpu_processes
-  - module: gpu_info
+  - module: pve_gpu.recover.target_lock
+  - module: pve_gpu.recover.gpu_processes
+  - module: pve_gpu.recover.gpu_info
 notes:
   - Its action plugin (C(plugins/action/target_facts.py)) runs on the controller first, with no remote call. It
     fails the task, before any connection, with C(error=inventory) when the inventory names the target wrongly

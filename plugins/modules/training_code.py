@@ -48,7 +48,7 @@ description:
     merge/rebase/cherry-pick/revert/bisect, a conflict, an untracked git repository inside, I(commit) missing and
     no I(remote), ignored files that the checkout would overwrite, a backup that would not fit.
 version_added: "0.4.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
@@ -130,7 +130,7 @@ options:
 requirements:
   - In the target, Python 3.9+ and git (2.5+, for C(GIT_COMMON_DIR)).
 seealso:
-  - module: target_facts
+  - module: pve_gpu.recover.target_facts
 notes:
   - git runs as root but reads none of the repository's config beyond an allowlist - nothing the repository's
     owner names runs as root. Clean/smudge filters therefore never run - git-lfs files are compared and checked out

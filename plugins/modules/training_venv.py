@@ -46,7 +46,7 @@ description:
     more inside the target just before the swap, in the build's own C(pct exec), for a job started during the
     build (the new version is then removed). Either way the module does not fail - it builds nothing (or swaps
     nothing), returns C(changed=false) and names the processes in I(needs_window).
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
@@ -153,7 +153,7 @@ requirements:
   - In the target, Python 3.9+ and either uv or the C(venv) module with C(ensurepip) (Debian C(python3-venv)).
   - Network from the target to the lock's indexes.
 seealso:
-  - module: target_facts
+  - module: pve_gpu.recover.target_facts
 notes:
   - A job started through I(path) (C(<path>/bin/python)) reads files through the symlink; after a swap, what it
     imports later comes from the new version. Console scripts of a version (C(<path>/bin/torchrun)) name that
@@ -548,15 +548,15 @@ class TrainingVenv(ActingStep):
             return built, None
         return built, self.evaluate(run, run.part(parts, NAME), built)
 
-    def prove(self, run, after, built):
-        details = {key: built.get(key) for key in ("current", "previous", "builder", "lock_file")}
+    def prove(self, run, after, done):
+        details = {key: done.get(key) for key in ("current", "previous", "builder", "lock_file")}
         details.update({key: after[key] for key in ("installed", "missing", "extra", "wrong")})
         return unproven(after), details
 
-    def result(self, run, before, after, built):
-        if built is not None and "needs_window" in built:
-            return swap_refused(before, built, run.target.label)
-        return built_result(before, after, built)
+    def result(self, run, before, after, done):
+        if done is not None and "needs_window" in done:
+            return swap_refused(before, done, run.target.label)
+        return built_result(before, after, done)
 
 
 def main():

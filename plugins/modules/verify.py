@@ -28,7 +28,7 @@ description:
   - It never changes anything and never reports C(changed). In recover.yml the fact pass (M(pve_gpu.recover.target_facts)) makes
     every check it can without importing torch; this module runs only when verify is pending there (I(import_torch)).
 version_added: "0.5.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
@@ -148,9 +148,9 @@ options:
 requirements:
   - C(nvidia-smi) inside the target; the venv at I(venv) with its python (3.9+) and torch.
 seealso:
-  - module: target_facts
-  - module: training_venv
-  - module: gpu_processes
+  - module: pve_gpu.recover.target_facts
+  - module: pve_gpu.recover.training_venv
+  - module: pve_gpu.recover.gpu_processes
 notes:
   - Never pastes what the target printed into advice - errors and GPU names are quoted and shortened, versions are
     checked against a pattern, and the commands it suggests name only GPU UUIDs the C(nvidia-smi) parser validated.
@@ -300,17 +300,18 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner imp
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import TARGET_ARGUMENT_SPEC, TargetError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts as verify_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.facts import (
-    SPEC,
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.answers import (
     VerifyError,
-    expected_gpus,
-    gpu_checks,
-    health_levels,
-    outcome,
     torch_answer,
-    torch_checks,
     torch_failure,
 )
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.facts import (
+    SPEC,
+    expected_gpus,
+    outcome,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.gpu_checks import gpu_checks, health_levels
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.torch_checks import torch_checks
 
 ARGUMENT_SPEC = {
     **TARGET_ARGUMENT_SPEC,

@@ -47,7 +47,7 @@ def test_each_step_is_turned_on_by_its_enabled_variable(step):
     assert options[f"{step}_enabled"]["default"] == defaults[f"{step}_enabled"]
     spec = role(step, "vars/main.yml")[f"_{step}_spec"]
     assert spec.rstrip().endswith(f"if {step}_enabled | bool else none }}}}"), spec
-    _, when = acting_task(role(step, "tasks/main.yml"), f"pve_gpu.recover.{step}")
+    when = acting_task(role(step, "tasks/main.yml"), f"pve_gpu.recover.{step}")[1]
     assert when[0] == f"{step}_enabled | bool"
     # No other switch: nothing private decides whether the step runs.
     assert not [name for name in role(step, "vars/main.yml") or {} if name.endswith("_enabled")]
@@ -62,7 +62,7 @@ def test_the_venv_is_named_once(step):
 @pytest.mark.parametrize("step", ACTING)
 def test_python_is_the_cts_interpreter_everywhere_and_the_fact_passs(step):
     module = importlib.import_module(step)
-    task, _ = acting_task(role(step, "tasks/main.yml"), f"pve_gpu.recover.{step}")
+    task = acting_task(role(step, "tasks/main.yml"), f"pve_gpu.recover.{step}")[0]
     args = task[f"pve_gpu.recover.{step}"]
     if "python" in module.ARGUMENT_SPEC:
         assert module.ARGUMENT_SPEC["python"] == PYTHON_ARGUMENT_SPEC["python"]

@@ -9,7 +9,6 @@ a second repository as the remote. No network, no sleep.
 """
 
 import hashlib
-import importlib.util
 import inspect
 import json
 import os
@@ -22,12 +21,11 @@ from pathlib import Path
 
 import pytest
 import training_code
-import yaml
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import script
 
-from tests.conftest import ROOT, unavailable
+from tests.conftest import unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
 
 PINNED = "4f3c2a1b0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b"
@@ -268,23 +266,6 @@ def test_ct_options_that_cannot_work_fail_before_any_call(monkeypatch, capsys, c
     assert (result["failed"], result["error"]) == (True, "invalid")
     assert result["msg"].startswith(message)
     assert result["msg"].endswith("; fix the training_code_* variable of that name")
-
-
-def test_the_documented_options_are_the_argument_spec():
-    found = importlib.util.spec_from_file_location("pve_target_fragment", ROOT / "plugins/doc_fragments/pve_target.py")
-    fragment = importlib.util.module_from_spec(found)
-    found.loader.exec_module(fragment)
-    options = yaml.safe_load(training_code.DOCUMENTATION)["options"]
-    options.update(yaml.safe_load(fragment.ModuleDocFragment.DOCUMENTATION)["options"])
-    options.update(yaml.safe_load(fragment.ModuleDocFragment.PYTHON)["options"])
-    assert sorted(options) == sorted(training_code.ARGUMENT_SPEC)
-    for name, rules in training_code.ARGUMENT_SPEC.items():
-        documented = options[name]
-        assert (documented["type"], documented.get("default"), documented.get("choices")) == (
-            rules.get("type", "str"),
-            rules.get("default"),
-            rules.get("choices"),
-        ), name
 
 
 # -- real repositories on a bare host --------------------------------------------------------------------------

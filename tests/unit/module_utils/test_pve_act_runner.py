@@ -112,7 +112,7 @@ def test_check_mode_reads_and_evaluates_exactly_as_a_real_run_and_stops_there():
 
 def test_a_real_run_with_work_acts_then_proves_and_keeps_the_first_reads_changes():
     step = Demo(facts(), after=facts(pending=False, changes=()))
-    result, _ = execute(step)
+    result = execute(step)[0]
     assert step.ran == ["read", "act", "prove", "verdict"]
     assert (result["changed"], result["changes"], result["done"], result["after"]) == (
         True,
@@ -125,7 +125,7 @@ def test_a_real_run_with_work_acts_then_proves_and_keeps_the_first_reads_changes
 
 def test_a_converged_target_is_read_once_and_nothing_else():
     step = Demo(facts(pending=False, changes=()))
-    result, _ = execute(step)
+    result = execute(step)[0]
     assert step.ran == ["read", "verdict"]
     assert (result["changed"], result["changes"]) == (False, [])
 

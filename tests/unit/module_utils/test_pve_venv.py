@@ -465,6 +465,8 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
         "unattended": False,
         "keep": None,
         "unattended_keep": 3,
+        "uv": "uv",
+        "uv_wheel": None,
     }
     assert ArgumentSpecValidator(venv_facts.SPEC).validate({}).error_messages == ["missing required arguments: lock"]
     assert (
@@ -493,7 +495,12 @@ def test_check_spec_names_settings_that_cannot_work(changed, message):
 def test_the_step_plugs_into_the_registry():
     assert venv_facts.NAME == "training_venv"
     assert probe_name(venv_facts.PROBE) == venv_facts.NAME
-    assert venv_facts.probe_payload(SPEC, 30) == {"path": "/opt/venvs/train", "timeout": 30}
+    assert venv_facts.probe_payload(SPEC, 30) == {
+        "path": "/opt/venvs/train",
+        "timeout": 30,
+        "uv": "uv",
+        "python": "3.11",
+    }
     assert venv_facts.read_node(SPEC, None, IN_SPEC, CONTEXT) == {}
 
 
@@ -588,7 +595,9 @@ def fake_torch_venv(tmp_path, metadata_version, version_py):
 
 
 def test_no_venv_and_a_directory_that_is_not_one(tmp_path):
-    assert probe(tmp_path / "absent") == {
+    answer = probe(tmp_path / "absent")
+    assert set(answer.pop("build")) == set(venv_facts.BUILD_TYPES)  # what a build would use (tests below)
+    assert answer == {
         "path": str(tmp_path / "absent"),
         "exists": False,
         "directory": False,
@@ -736,7 +745,10 @@ def test_the_probe_runs_as_the_fact_pass_ships_it_on_old_pythons(tmp_path, minor
     venv = fake_torch_venv(tmp_path, "2.11.0", VERSION_PY_CU130)
     payload = venv_facts.probe_payload(dict(SPEC, path=str(venv)), 30)
     answer = run_probes_program(python, {venv_facts.NAME: (venv_probe, payload)})[venv_facts.NAME]["answer"]
-    assert answer == json.loads(json.dumps(probe(venv)))
+    assert answer.pop("build")["own"] == minor  # what a build would use is told by the CT's python itself
+    here = json.loads(json.dumps(probe(venv)))
+    here.pop("build")
+    assert answer == here
     assert answer["torch_version_py"]["version"] == "2.11.0+cu130"
 
 

@@ -81,3 +81,16 @@ def test_the_cache_key_changes_with_every_option():
     options = {"python_version": "3.11", "python_platform": "p", "index_url": "a", "torch_index_url": "b"}
     keys = {uv_lock.cache_key(["torch"], dict(options, **{k: "other"})) for k in options}
     assert len(keys | {uv_lock.cache_key(["torch"], options)}) == len(options) + 1
+
+
+def test_an_empty_cache_dir_leaves_the_configured_one(tmp_path, monkeypatch):
+    """The training_venv role passes cache_dir="" unless set: PVE_GPU_RECOVER_LOCK_CACHE_DIR (an execution
+    environment's persistent storage, docs/awx.md) then decides. A cached lock is read, uv is never run."""
+    options = {"python_version": "3.11", "python_platform": "x86_64-manylinux_2_28"}
+    options |= {"index_url": "https://pypi.org/simple", "torch_index_url": "https://download.pytorch.org/whl/cu128"}
+    cache = tmp_path / "persistent"
+    cache.mkdir()
+    (cache / uv_lock.cache_key(["six"], options)).write_text("six==1.17.0\n")
+    monkeypatch.setenv("PVE_GPU_RECOVER_LOCK_CACHE_DIR", str(cache))
+    lookup = lookup_loader.get("uv_lock")
+    assert lookup.run([["six"]], variables={}, cache_dir="", uv="/nonexistent/uv") == ["six==1.17.0\n"]

@@ -14,12 +14,12 @@ node needs no copy of it and the fact pass sees exactly what the build will inst
 
 Unattended (``unattended``, the scheduled drift corrector), a venv that needs a rebuild is not swapped while a
 live process of the target runs from it: the facts name those processes in ``needs_window`` and nothing is
-pending. Which processes run from it is read on the node (:func:`read_node`, pve_process.processes_running_from:
-the target's processes by their cgroup, then each one's exe, an interpreter's argv[0] and its mapped files), and
-only when the venv needs a rebuild: a converged run reads nothing more. On the node, because pve_process already
-reads the target's processes there with bounded reads (a process stuck in the driver costs seconds, never the
-run), the kernel's answer is not the CT's word, and the read costs no command in the target. Processes the GPU
-step ends first (its facts, before this step's) do not count.
+pending. Which processes run from it is read on the node (:func:`read_node`,
+pve_process_runs_from.processes_running_from: the target's processes by their cgroup, then each one's exe, an
+interpreter's argv[0] and its mapped files), and only when the venv needs a rebuild: a converged run reads nothing
+more. On the node, because pve_process already reads the target's processes there with bounded reads (a process
+stuck in the driver costs seconds, never the run), the kernel's answer is not the CT's word, and the read costs no
+command in the target. Processes the GPU step ends first (its facts, before this step's) do not count.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from __future__ import annotations
 import re
 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import processes_running_from, under
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import owner_of
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process_runs_from import processes_running_from, under
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import variant
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import ending_pids_of, owner_of
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.handoff import ending_pids_of
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
 
 NAME = "training_venv"
@@ -56,6 +57,11 @@ SPEC = {
     # unattended_keep (unattended: nobody watches the disk fill with a GB-sized venv per rebuild).
     "keep": {"type": "int"},
     "unattended_keep": {"type": "int", "default": 3},
+    # What builds the venv: uv inside the target (a name on its PATH or a path), else python3 -m venv + pip; a uv
+    # wheel the role installs into the target when a rebuild is due (only whether one is given counts here). A
+    # rebuild the target cannot do is a problem of the fact pass, before any step changes anything.
+    "uv": {"type": "str", "default": "uv"},
+    "uv_wheel": {"type": "path"},
 }
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 
@@ -285,6 +291,17 @@ def check_answer(answer):
         raise VenvError("the training_venv probe answered a torch_version_py that is not an object", kind="probe")
     if answer.get("unsafe") is not None and not isinstance(answer["unsafe"], str):
         raise VenvError("the training_venv probe answered an unsafe that is not a sentence", kind="probe")
+    if answer.get("build") is not None and not _is_build(answer["build"]):
+        raise VenvError("the training_venv probe answered a build that is not what a build would use", kind="probe")
+
+
+BUILD_TYPES = {"path": (str, type(None)), "uv": (str, type(None)), "uv_missing": (str, type(None))}
+BUILD_TYPES.update({"python": (str,), "base_python": (str, type(None)), "uv_python": (str, type(None))})
+BUILD_TYPES.update({"venv": (bool, type(None)), "ensurepip": (bool, type(None)), "own": (str,)})
+
+
+def _is_build(build):
+    return isinstance(build, dict) and all(isinstance(build.get(key), kinds) for key, kinds in BUILD_TYPES.items())
 
 
 def _is_hook(hook):
@@ -484,6 +501,49 @@ def unsafe_problem(label, path, why):
     )
 
 
+def build_problem(spec, answer, label, python):
+    """Why the target cannot build the venv a rebuild needs (one sentence: what is missing and the fix), or None;
+    pure. ``answer["build"]`` is the probe's ``pve_ct_venv.build_needs`` (what the build script would use, found the
+    same way); ``python``: the minor the venv must have (None: any python3). An answer without it is not judged.
+
+    uv (the target's, or the wheel's the role installs) needs an interpreter of ``python`` it can find without a
+    download; ``python3 -m venv`` + pip needs ``python3.X`` on PATH with ``venv`` and ``ensurepip`` in its library
+    (Debian's python3.X-venv). A library that could not be found is not held against it."""
+    need = answer.get("build")
+    if need is None:
+        return None
+    path, name = spec["path"], need["python"]
+    own = f"its python3 is {need['own']}"
+    if spec.get("uv_wheel") or need["uv"]:
+        if need["uv_python"]:
+            return None
+        which = f"uv ({shown(need['uv'])})" if need["uv"] else "the uv of training_venv_uv_wheel"
+        looked = f"no {name} on PATH {shown(need['path'])}"
+        if python:
+            looked += f", no python3 or python of {python}, none uv installed itself"
+        return (
+            f"{label}: the venv at {path} needs a rebuild with {name}, but {which} finds none in the target "
+            f"({looked}; uv downloads none during recovery): install {name} there, or compile the lock for a "
+            f"python the target has ({own}) and set training_venv_python_version to it"
+        )
+    no_uv = f"no uv ({shown(need['uv_missing'])})"
+    if not need["base_python"]:
+        return (
+            f"{label}: the venv at {path} needs a rebuild but the target cannot build it: {no_uv} and no {name} "
+            f"on PATH; install {name} there with its venv module (apt install {name} {name}-venv), or compile the "
+            f"lock for a python the target has ({own}) and set training_venv_python_version to it"
+        )
+    lacking = [module for module in ("venv", "ensurepip") if need[module] is False]
+    if lacking:
+        return (
+            f"{label}: the venv at {path} needs a rebuild but the target cannot build it: {no_uv} and "
+            f"`{name} -m venv` fails there, since {shown(need['base_python'])} has no {' and no '.join(lacking)} "
+            f"module; install it (apt install {name}-venv), or install uv there (training_venv_uv: its path), or "
+            "set training_venv_uv_wheel to PyPI's uv wheel on the controller"
+        )
+    return None
+
+
 def venv_facts(spec, answer, label):
     """The venv's facts before the window rule: what is installed, how it differs from the lock, the diff; pure.
 
@@ -603,6 +663,11 @@ def evaluate_step(spec, answer, node, context):
         stays = facts["diff"]["before"]
         facts.update(changes=[], pending=False, diff={"before": stays, "after": stays})
     facts["rebuild"] = bool(facts["changes"]) and not facts["problems"]
+    # A rebuild the target cannot do (no builder, no such python) stops the fact pass before anything changes.
+    missing = build_problem(spec, answer, label, facts["expected_python"]) if facts["rebuild"] else None
+    if missing:
+        facts["problems"].append(missing)
+        facts["rebuild"] = False
     # Retention: old versions beyond keep go, never the current one nor one a live process uses.
     version_users = node.get("version_users") or {}
     prune, kept = [], []
@@ -659,8 +724,10 @@ def prune_line(path, keep):
 
 # -- the fact pass ---------------------------------------------------------------------------------------------
 def probe_payload(spec, timeout=60):
-    """What the probe part reads inside the target: ``{"path": "/opt/venvs/train", "timeout": 60}``."""
-    return {"path": spec["path"], "timeout": timeout}
+    """What the probe part reads inside the target: ``{"path": "/opt/venvs/train", "timeout": 60, "uv": "uv",
+    "python": "3.11"}`` (``python``: :func:`expected_python`, what a build would ask for)."""
+    python = expected_python(spec, parse_lock(spec["lock"]))
+    return {"path": spec["path"], "timeout": timeout, "uv": spec.get("uv") or "uv", "python": python}
 
 
 def read_node(spec, target, answer, context):

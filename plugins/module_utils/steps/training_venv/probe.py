@@ -16,6 +16,8 @@ does a ``sitecustomize``/``usercustomize`` module; a package directory no RECORD
 So the probe also names, from one listing of site-packages, every such start-up hook with the distributions whose
 RECORD lists it (``hooks``), and every importable top-level entry that no RECORD owns (``unowned``).
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 import csv
 import os
@@ -267,7 +269,8 @@ def start_up_and_unowned(site_packages, listing, distributions):
 
 
 def probe(payload):
-    """Answer ``{"path": venv, "timeout": s}`` with the venv's interpreter, distributions and torch build.
+    """Answer ``{"path": venv, "timeout": s, "uv": name or path, "python": minor or None}`` with the venv's
+    interpreter, distributions and torch build, and what a build of it would use.
 
     ``{"path", "exists" (pyvenv.cfg read), "directory" (the path is a directory), "real_path" (where it resolves,
     only when it exists), "python" ("3.11"),
@@ -277,7 +280,8 @@ def probe(payload):
     site-packages, with the Names of the distributions whose RECORD lists it; ``text``, the start of an unowned
     ``.pth``), "unowned" (importable top-level entries no RECORD or top_level.txt owns),
     "torch_version_py" (parse_torch_version_py() or None), "versions" (:func:`finished_versions`), "errors" (what
-    could not be read), "unsafe" (``pve_ct_venv.venv_unsafe``)}``.
+    could not be read), "unsafe" (``pve_ct_venv.venv_unsafe``), "build" (``pve_ct_venv.build_needs``: what a
+    build would use, for the ``uv`` and ``python`` of the payload, on this process's PATH, the build's own)}``.
     """
     path = payload["path"]
     deadline = time.monotonic() + float(payload.get("timeout", 60))
@@ -299,6 +303,9 @@ def probe(payload):
         "errors": [],
         # Why a user other than root could change the venv (its python runs as root), or None.
         "unsafe": pve_ct_venv.venv_unsafe(path),
+        # What a build would run (uv, or python -m venv with ensurepip), so that one it cannot do fails the fact
+        # pass before any step changes anything.
+        "build": pve_ct_venv.build_needs(payload.get("uv") or "uv", payload.get("python"), os.environ.get("PATH")),
     }
     text = _read(os.path.join(path, "pyvenv.cfg"))
     if text is None:

@@ -32,6 +32,9 @@ one runs from the current venv (a job started while the new one was built), the 
 is left as it was and the answer is ``{"needs_window": {"path", "users": [{"pid", "name"}]}, "cleaned",
 "left_behind"}``, not an error: swapping it needs a window.
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# Runs in the target from its source (standard library only), where no AnsibleModule.run_command exists.
+# pylint: disable=disallowed-name,ansible-bad-function
 
 import contextlib
 import os
@@ -41,9 +44,11 @@ import subprocess
 import tempfile
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_venv
 
-SHARED = (pve_ct_act,)  # container-side modules Target.run_probes ships with this part
+# Container-side modules Target.run_probes ships with this part; pve_ct_venv decides what builds the venv, as the
+# probe part's fact pass did before anything changed.
+SHARED = (pve_ct_act, pve_ct_venv)
 MARKER = ".pve-gpu-recover-building"
 STAMP = re.compile(r"^\d{8}T\d{6}Z$")
 _STAMP = r"\d{8}T\d{6}Z"
@@ -562,17 +567,14 @@ class Build:
                 _remove(full)  # the lock of a version that is gone
 
     def builder(self):
-        """``("uv", path)`` when uv can be run, else ``("venv+pip", why uv is not used)``."""
-        if "/" in self.uv:
-            usable = os.path.isfile(self.uv) and os.access(self.uv, os.X_OK)
-            return ("uv", self.uv) if usable else ("venv+pip", f"{self.uv} is not an executable file")
-        found = shutil.which(self.uv, path=self.env.get("PATH"))
-        return ("uv", found) if found else ("venv+pip", f"{self.uv} is not on PATH ({self.env.get('PATH', '')})")
+        """``("uv", path)`` when uv can be run, else ``("venv+pip", why uv is not used)`` (pve_ct_venv.builder, what
+        the fact pass's probe part found beforehand)."""
+        return pve_ct_venv.builder(self.uv, self.env.get("PATH"))
 
     def base_python(self):
         """The interpreter ``-m venv`` runs with: ``python3.X`` for a pinned minor, else ``python3``."""
-        name = f"python{self.python}" if self.python else "python3"
-        found = shutil.which(name, path=self.env.get("PATH"))
+        name = pve_ct_venv.python_name(self.python)
+        found = pve_ct_venv.base_python(self.python, self.env.get("PATH"))
         if not found:
             raise pve_ct_act.ActError(
                 "python",
