@@ -52,7 +52,7 @@ def part_answer(parts, name, label):
 
 def wrong_option(step, params):
     """Why the options cannot work (one sentence), or ``""``: the step's ``check_spec`` on its settings, then each
-    minimum of ``at_least`` (an option left unset, None, is not checked).
+    minimum of ``at_least`` (an option left unset, None, is not checked), then the step's ``check_params``.
 
     ``at_least = {"build_timeout": (1, "give the build at least 1 second")}`` and ``build_timeout: 0`` ->
     ``"build_timeout is 0; give the build at least 1 second"``."""
@@ -62,7 +62,7 @@ def wrong_option(step, params):
     for name, (least, what) in step.at_least.items():
         if params.get(name) is not None and params[name] < least:
             return f"{name} is {params[name]}; {what}"
-    return ""
+    return step.check_params(params)
 
 
 def leftover(facts, ignore=()):
@@ -137,6 +137,10 @@ class ActingStep:
 
     def check_spec(self, spec):
         return self.facts.check_spec(spec)
+
+    def check_params(self, params):
+        """Why the module's other options (not settings of the step) cannot work, or ``""``."""
+        return ""
 
     # -- read ----------------------------------------------------------------------------------------------------
     def payload(self, run):

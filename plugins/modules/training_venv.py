@@ -78,9 +78,42 @@ options:
     description:
       - The lock's TEXT (not a file name), as C(uv pip compile --generate-hashes) writes it. Every line must be an
         exact C(name==version) pin with hashes; its C(--index-url)/C(--extra-index-url) lines are the only indexes.
+      - Or a PEP 751 C(pylock.toml) (C(uv pip compile --format pylock.toml)), read into the same pins; it is
+        installed by uv only (C(uv pip sync pylock.toml)), so a target without uv needs I(uv_wheel). Reading it
+        needs Python 3.11 (C(tomllib)) on the node.
+      - A URL with credentials in the lock (C(https://user:token@host/simple)) is refused; give them as
+        I(index_credentials).
       - The roles read it on the controller, C(lookup('file', training_venv_lock_file)).
+      - Exactly one of I(lock) and I(lock_from_repo).
     type: str
-    required: true
+  lock_from_repo:
+    description:
+      - The lock committed in the training repository instead of I(lock), read inside the target at the pinned
+        commit (C(git cat-file) from the object database - the work tree, local changes and HEAD do not matter),
+        so the code and its venv move together. git runs as the training code step runs it (none of the
+        repository's config, no hook, no filter).
+      - A commit the repository does not have yet is compared later in check mode (the training code step fetches
+        it first); a real run fails then, as it does when the path is not in that commit.
+      - The role fills it from C(training_code_path), C(training_code_commit), C(training_code_git) and
+        C(training_venv_lock_from_repo).
+    type: dict
+    suboptions:
+      repo:
+        description: The repository's work tree inside the target (C(training_code_path)).
+        type: path
+        required: true
+      commit:
+        description: The pinned commit, its full sha (C(training_code_commit)).
+        type: str
+        required: true
+      path:
+        description: The lock's path relative to the top of the repository (C(requirements/train.lock)).
+        type: str
+        required: true
+      git:
+        description: git inside the target.
+        type: str
+        default: git
   python_version:
     description:
       - Python minor the venv must have (C(3.11)); the build asks uv for it, or runs C(python3.11 -m venv).
@@ -149,9 +182,59 @@ options:
     type: list
     elements: int
     default: []
+  environment:
+    description:
+      - Environment variables of the build's commands (uv, pip) only, e.g. C(HTTPS_PROXY), C(HTTP_PROXY),
+        C(NO_PROXY), C(UV_HTTP_TIMEOUT). C(pct exec --keep-env 0) passes none of the node's.
+      - Not secret - they are shown in the invocation. A proxy URL with a password goes in I(secret_environment).
+      - Index settings (C(UV_INDEX_URL), C(PIP_INDEX_URL), ...) and what the build sets itself (C(UV_NO_CONFIG),
+        C(LC_ALL), ...) are refused; only the lock's indexes count.
+    type: dict
+    default: {}
+  secret_environment:
+    description:
+      - Like I(environment), for values that are secrets (C(HTTPS_PROXY=http://user:password@proxy:3128),
+        C(UV_INDEX_<NAME>_PASSWORD)). C(no_log) - Ansible masks every value in the result and the log, and the
+        build script masks them in what it answers.
+    type: dict
+    default: {}
+  ca_bundle:
+    description:
+      - A PEM file inside the target holding the CA(s) the build must trust - a private index's, or a
+        TLS-intercepting proxy's. Given to uv (C(SSL_CERT_FILE)) and pip (C(REQUESTS_CA_BUNDLE), C(PIP_CERT)).
+      - It replaces uv's and pip's roots for the build; a build that also reaches public hosts directly needs a
+        bundle with the public roots too (C(cat /etc/ssl/certs/ca-certificates.crt corp-ca.pem)).
+    type: path
+  system_certs:
+    description:
+      - uv trusts the target's system certificate store instead of its own roots (C(UV_SYSTEM_CERTS), uv 0.11+;
+        C(UV_NATIVE_TLS) for older uv); pip on Debian and pip 24.2+ use the system store already.
+    type: bool
+    default: false
+  index_credentials:
+    description:
+      - Credentials of the lock's indexes, written to a netrc file (mode 0600) in the build's private directory that
+        C(NETRC) names for uv and pip; removed with it. Never in an argv, the lock, the result or the log (the
+        password is C(no_log)).
+    type: list
+    elements: dict
+    default: []
+    suboptions:
+      host:
+        description: The index's host name (C(pypi.internal)), as netrc matches it.
+        type: str
+        required: true
+      username:
+        description: The user name.
+        type: str
+        required: true
+      password:
+        description: The password or token.
+        type: str
+        required: true
 requirements:
   - In the target, Python 3.9+ and either uv or the C(venv) module with C(ensurepip) (Debian C(python3-venv)).
-  - Network from the target to the lock's indexes.
+  - Network from the target to the lock's indexes (through the proxy of I(environment), trusting I(ca_bundle)).
 seealso:
   - module: pve_gpu.recover.target_facts
 notes:
@@ -177,6 +260,29 @@ EXAMPLES = r"""
     lock: "{{ lookup('file', 'files/lock_cu128.txt') }}"
     uv: /root/.local/bin/uv
     keep: 2
+  delegate_to: pve1
+
+- name: Build behind a TLS-intercepting proxy whose CA is in a file inside the CT, from a private index
+  pve_gpu.recover.training_venv:
+    vmid: 200
+    lock: "{{ lookup('file', 'files/lock_cu128.txt') }}"
+    environment:
+      HTTPS_PROXY: http://proxy.corp:3128
+      NO_PROXY: pypi.internal
+    ca_bundle: /usr/local/share/ca-certificates/corp-ca.crt
+    index_credentials:
+      - host: pypi.internal
+        username: ci
+        password: "{{ vault_pypi_internal_token }}"
+  delegate_to: pve1
+
+- name: Take the lock committed in the training repository at the pinned commit
+  pve_gpu.recover.training_venv:
+    vmid: 200
+    lock_from_repo:
+      repo: /srv/train
+      commit: 0123456789abcdef0123456789abcdef01234567
+      path: requirements/train.lock
   delegate_to: pve1
 
 - name: Only report what a rebuild would change (run with --check --diff)
@@ -300,8 +406,10 @@ error:
     - On failure, what kind of failure it was, stable for code. From the build - C(index_unreachable),
       C(not_on_index), C(hash_mismatch), C(no_space), C(timeout), C(no_builder) (no uv and no working
       C(-m venv)), C(venv_failed), C(python) (the python minor is not in the target), C(not_found), C(check)
-      (the new venv was not the lock), C(layout) (I(path) is a file), C(os_error), C(install_failed).
-      From the module - C(invalid), C(problems) (the venv could not be read, or a user other than root could
+      (the new venv was not the lock), C(layout) (I(path) is a file), C(os_error), C(install_failed), C(tls)
+      (the target does not trust the index's or a proxy's certificate - I(ca_bundle), I(system_certs)),
+      C(index_auth) (the index wants other credentials - I(index_credentials)), C(ca_bundle) (no such file).
+      From the module - C(invalid), C(lock) (the lock of I(lock_from_repo) cannot be read), C(problems) (the venv could not be read, or a user other than root could
       change it - a directory above it they own or may write, a symlink other than the step's own), C(verify) (still out of spec after
       the swap), and the target's (C(stopped), C(missing), C(probe), ...).
   returned: failure
@@ -355,9 +463,15 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_ven
     effective_keep,
     expected_python,
     ignored_tooling,
+    lock_format,
     parse_lock,
     prune_line,
+    resolve_lock,
     window_message,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.network import (
+    network_payload,
+    network_problem,
 )
 
 BUILD = "build"
@@ -376,6 +490,21 @@ ARGUMENT_SPEC = {
     "build_timeout": {"type": "int", "default": 1800},
     **PYTHON_ARGUMENT_SPEC,
     "ending_pids": {"type": "list", "elements": "int", "default": []},
+    # The build's network (steps/training_venv/network.py): what reaches uv and pip, never the report or the log.
+    "environment": {"type": "dict", "default": {}},
+    "secret_environment": {"type": "dict", "default": {}, "no_log": True},
+    "ca_bundle": {"type": "path"},
+    "system_certs": {"type": "bool", "default": False},
+    "index_credentials": {
+        "type": "list",
+        "elements": "dict",
+        "default": [],
+        "options": {
+            "host": {"type": "str", "required": True},
+            "username": {"type": "str", "required": True},
+            "password": {"type": "str", "required": True, "no_log": True},
+        },
+    },
 }
 # What the build script answers on success, and the type of each key (its answer comes from inside the CT).
 BUILT_KEYS = {"current": str, "builder": dict, "lock_file": str, "cleaned": list, "removed": list}
@@ -394,7 +523,7 @@ def build_payload(spec, params, stamp, prune_only=False):
     lock = parse_lock(spec["lock"])
     locked = lock["distributions"]
     exact = spec["tooling"] == "exact"
-    return {
+    payload = {
         "path": spec["path"],
         "lock": spec["lock"],
         "python": expected_python(spec, lock),
@@ -408,6 +537,8 @@ def build_payload(spec, params, stamp, prune_only=False):
         "drop_tooling": sorted(set(TOOLING) - set(locked)) if exact else [],
         "prune_only": prune_only,  # in spec: only old versions beyond keep to remove, nothing built
     } | ({"window_check": True} if spec.get("unattended") else {})
+    payload |= {"lock_format": "pylock"} if lock_format(spec["lock"]) == "pylock" else {}
+    return payload | network_payload(params)
 
 
 def built_of(answer, path):
@@ -533,6 +664,16 @@ class TrainingVenv(ActingStep):
     argument_spec = ARGUMENT_SPEC
     error = VenvError
     at_least = {"build_timeout": (1, "give the build at least 1 second")}
+
+    def check_params(self, params):
+        return network_problem(params)
+
+    def evaluate(self, run, answer, done=None):
+        if done is None:
+            # The lock's text: the option's, or the one the probe read in the training repository at the pinned
+            # commit (the build and the re-read use it too).
+            run.spec = resolve_lock(run.spec, answer, may_defer=run.check_mode)[0]
+        return super().evaluate(run, answer, done)
 
     def act(self, run, before):
         """One pct exec: build and swap (in spec: only remove old versions beyond keep), then the reader part reads

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import training_venv
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git, pve_ct_venv
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import wrong_option
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import PROBES_MAIN, Target, probes_input
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
@@ -362,7 +362,7 @@ def test_ct_check_mode_reports_the_rebuild_and_the_real_run_does_it_in_one_more_
     # What travels on stdin: the shared modules once each, then the build script's and the reader's sources, run in
     # that order in one process.
     given = json.loads(runner.stdin[1])
-    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in (pve_ct_act, pve_ct_venv)}
+    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in (pve_ct_act, pve_ct_venv, pve_ct_git)}
     sources = {"build": inspect.getsource(script), "training_venv": inspect.getsource(venv_probe)}
     assert given["sources"] == sources
 
@@ -754,7 +754,8 @@ def test_an_index_that_drops_a_download_leaves_the_old_venv_and_the_next_run_suc
     assert failed["msg"] == (
         "host gpu1: building the venv failed (index_unreachable): installing the lock with `uv pip sync` failed "
         "(exit 2): Failed to download `idna==3.10`: connection closed before message completed; the target cannot "
-        f"download from the lock's indexes; check its network or proxy and run again; {host.path} was left as it was"
+        "download from the lock's indexes; check its network, or give its proxy as training_venv_environment "
+        f"(HTTPS_PROXY, NO_PROXY), and run again; {host.path} was left as it was"
     )
     assert failed["cmd"][1:3] == ["pip", "sync"] and failed["stderr_tail"]
     assert failed["left_behind"] is None

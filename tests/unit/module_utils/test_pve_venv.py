@@ -460,6 +460,7 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
     assert result.validated_parameters == {
         "path": "/opt/venvs/train",
         "lock": LOCK,
+        "lock_from_repo": None,
         "python_version": None,
         "tooling": "ignore",
         "unattended": False,
@@ -468,7 +469,9 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
         "uv": "uv",
         "uv_wheel": None,
     }
-    assert ArgumentSpecValidator(venv_facts.SPEC).validate({}).error_messages == ["missing required arguments: lock"]
+    # Exactly one of lock and lock_from_repo: check_spec says which (the spec alone cannot).
+    assert ArgumentSpecValidator(venv_facts.SPEC).validate({}).error_messages == []
+    assert venv_facts.check_spec(dict(venv_facts.SPEC_DEFAULTS)).startswith("no lock: give training_venv_lock_file")
     assert (
         "tooling" in ArgumentSpecValidator(venv_facts.SPEC).validate({"lock": LOCK, "tooling": "x"}).error_messages[0]
     )
