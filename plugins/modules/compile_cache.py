@@ -330,6 +330,7 @@ done:
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_progress
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
     TARGET_ARGUMENT_SPEC,
@@ -497,7 +498,11 @@ def main():
             # One pct exec: purge, stamp, warm up, then the reader part reads every root again.
             budget = p["warmup_timeout"] + p["timeout"]
             act = (cache_script, act_payload(spec, before, answer, budget))
-            parts = target.run_probes({ACT: act, NAME: read}, python=p["python_executable"], timeout=budget + GRACE)
+            # Run as an async job (the role, for a warm-up): what it is at goes to the controller as it runs.
+            on_output = pve_progress.follow(NAME, target.label, act[1], "starting the purge and warm-up")
+            parts = target.run_probes(
+                {ACT: act, NAME: read}, python=p["python_executable"], timeout=budget + GRACE, on_output=on_output
+            )
             done = done_of(part_answer(parts, ACT, target.label))
             # Roots the script found in use and left (unattended) stay stale: no reason to fail the check after.
             left = [window["real_path"] for window in done.get("needs_window") or []]

@@ -341,6 +341,7 @@ import zipfile
 from datetime import UTC, datetime
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_progress
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
     TARGET_ARGUMENT_SPEC,
@@ -513,12 +514,15 @@ def rebuild(target, spec, p, read, context, *, prune_only=False):
     just before the swap (unattended: ``built`` then holds ``needs_window``). Still out of spec fails (verify).
     """
     payload = build_payload(spec, p, utc_stamp(), prune_only)
+    # Run as an async job (the role, for a build): what the build is at goes to the controller as it runs.
+    on_output = pve_progress.follow(NAME, target.label, payload, "starting the build")
     if p["uv_wheel"] and not prune_only:
         payload["uv"] = install_uv(target, p["uv_wheel"])
     parts = target.run_probes(
         {BUILD: (venv_script, payload), NAME: read},
         python=p["python_executable"],
         timeout=p["build_timeout"] + CLEANUP_GRACE,
+        on_output=on_output,
     )
     built = built_of(part_answer(parts, BUILD, target.label), spec["path"])
     if "needs_window" in built:

@@ -1,5 +1,6 @@
 """drift/runner.py: the summary from recover_report's reports and ansible-runner's events, the exit code, the
-textfile, the atomic write, the lock, the CLI's errors, and main() with a stand-in ansible-runner."""
+atomic write, the lock, the CLI's errors, and main() with a stand-in ansible-runner (the textfile's families:
+test_metrics.py)."""
 
 import json
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from drift import metrics
 from tests.conftest import ROOT
 from tests.unit.drift.conftest import (
     RUN_ID,
@@ -19,10 +21,12 @@ from tests.unit.drift.conftest import (
     event,
     fact_pass,
     make_report,
+    parse_exposition,
     probe_events,
     project_with_unattended,
     run_main,
     step_facts,
+    summary_of,
     write_report,
 )
 
@@ -211,7 +215,7 @@ def test_a_target_another_run_holds_is_busy_naming_that_run_and_still_fails_the_
     # Busy is a failure: exit 1, counted under its own status, target_failed 1 (but reached: target_up 1).
     assert runner.exit_code(targets) == 1
     assert runner.count_statuses(targets) == {"in_spec": 1, "drift": 0, "failed": 0, "busy": 1, "unreachable": 0}
-    families = parse_exposition(runner.render_textfile(summary_of(runner, targets)))
+    families = parse_exposition(metrics.render_textfile(summary_of(runner, targets))[0])
     failed = {s[0]["target"]: s[1] for s in families["pve_gpu_recover_target_failed"]["samples"]}
     up = {s[0]["target"]: s[1] for s in families["pve_gpu_recover_target_up"]["samples"]}
     assert (failed, up) == ({"train200": 1, "ok201": 0}, {"train200": 1, "ok201": 1})
@@ -412,112 +416,6 @@ def test_a_drifting_target_the_correction_never_reached_is_failed(runner, tmp_pa
         "failed",
         "the correction run did not reach it",
     )
-
-
-# -- the textfile --------------------------------------------------------------------------------------------------
-SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
-LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(,|$)')
-
-
-def parse_exposition(text):
-    """A small parser of Prometheus' text format: {name: {"help", "type", "samples": [(labels, value)]}}.
-
-    Fails on a sample without HELP and TYPE before it, a label value with an unescaped quote or newline, an
-    unknown escape, a value that is not a float, a family declared twice.
-    """
-    families = {}
-    assert text.endswith("\n")
-    for line in text.splitlines():
-        if line.startswith("# HELP ") or line.startswith("# TYPE "):
-            _, kind, name, rest = line.split(" ", 3)
-            family = families.setdefault(name, {"help": None, "type": None, "samples": []})
-            key = kind.lower()
-            assert family[key] is None, f"{key} of {name} twice"
-            assert not family["samples"], f"{key} of {name} after its samples"
-            family[key] = rest
-            continue
-        match = SAMPLE.match(line)
-        assert match, line
-        family = families.get(match["name"])
-        assert family and family["help"] and family["type"] == "gauge", f"no HELP/TYPE before {line}"
-        labels, rest = {}, match["labels"] or ""
-        while rest:
-            label = LABEL.match(rest)
-            assert label, f"bad labels in {line}"
-            assert re.fullmatch(r'(?:[^\\]|\\[\\"n])*', label[2]), f"bad escape in {line}"
-            labels[label[1]] = re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m[1], m[1]), label[2])
-            rest = rest[label.end() :]
-        family["samples"].append((labels, float(match["value"])))
-    return families
-
-
-def summary_of(runner, targets, exit_code=None):
-    return {
-        "targets": targets,
-        "finished_timestamp": 1796371200.5,
-        "duration_seconds": 12.25,
-        "exit_code": runner.exit_code(targets) if exit_code is None else exit_code,
-        "counts": runner.count_statuses(targets),
-    }
-
-
-def test_the_textfile_has_every_family_with_help_and_type_and_escapes_label_values(runner, tmp_path):
-    weird = 'ct "200"\\lab\nsecond'
-    reports = [
-        make_report("train200", fact_pass(gpu_processes=DRIFT["gpu_processes"], training_venv=step_facts())),
-        make_report(
-            weird, fact_pass(training_venv=step_facts(DRIFT["training_venv"]["changes"], needs_window=["a", "b"]))
-        ),
-    ]
-    events = [event("runner_on_unreachable", "down202", task="Read", res={"msg": UNREACHABLE})]
-    targets = summarize(runner, tmp_path, reports, events)
-    for target in targets.values():
-        target["seconds"] = 7.5
-    families = parse_exposition(runner.render_textfile(summary_of(runner, targets)))
-    prefix = "pve_gpu_recover_"
-    drift = {(s[0]["target"], s[0]["step"]): s[1] for s in families[prefix + "drift"]["samples"]}
-    assert drift[("train200", "gpu_processes")] == 1
-    assert drift[("train200", "training_venv")] == 0
-    assert drift[(weird, "training_venv")] == 1  # the name came back exactly, quote, backslash and newline
-    window = {(s[0]["target"], s[0]["step"]): s[1] for s in families[prefix + "needs_window"]["samples"]}
-    assert window[(weird, "training_venv")] == 2
-    up = {s[0]["target"]: s[1] for s in families[prefix + "target_up"]["samples"]}
-    failed = {s[0]["target"]: s[1] for s in families[prefix + "target_failed"]["samples"]}
-    assert up == {"train200": 1, weird: 1, "down202": 0}
-    assert failed == {"train200": 0, weird: 0, "down202": 1}
-    stamps = families[prefix + "last_run_timestamp_seconds"]["samples"]
-    assert {s[0]["target"]: s[1] for s in stamps} == dict.fromkeys(targets, 1796371200.5)
-    assert {s[1] for s in families[prefix + "run_duration_seconds"]["samples"]} == {7.5}
-    assert families[prefix + "runner_exit_code"]["samples"] == [({}, 1.0)]
-    assert families[prefix + "runner_last_run_timestamp_seconds"]["samples"] == [({}, 1796371200.5)]
-    counts = {s[0]["status"]: s[1] for s in families[prefix + "targets"]["samples"]}
-    assert counts == {"in_spec": 0, "drift": 2, "failed": 0, "busy": 0, "unreachable": 1}
-    assert sorted(families) == sorted(
-        prefix + name
-        for name in (
-            "drift",
-            "needs_window",
-            "corrected",
-            "target_up",
-            "target_failed",
-            "last_run_timestamp_seconds",
-            "run_duration_seconds",
-            "runner_last_run_timestamp_seconds",
-            "runner_exit_code",
-            "targets",
-        )
-    )
-
-
-def test_a_run_that_reached_no_target_still_says_so_in_the_textfile(runner):
-    families = parse_exposition(runner.render_textfile(summary_of(runner, {})))
-    assert families["pve_gpu_recover_runner_exit_code"]["samples"] == [({}, 1.0)]
-    assert families["pve_gpu_recover_drift"]["samples"] == []
-
-
-def test_escaping_follows_the_exposition_format(runner):
-    assert runner.escape_label('a\\b"c\nd') == 'a\\\\b\\"c\\nd'
-    assert runner.escape_help("line\\one\ntwo") == "line\\\\one\\ntwo"
 
 
 # -- files: the atomic write, the lock, pruning ---------------------------------------------------------------------
