@@ -4,7 +4,6 @@ test_metrics.py)."""
 
 import json
 import os
-import re
 import stat
 import subprocess
 import sys

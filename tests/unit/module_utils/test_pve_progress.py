@@ -111,7 +111,7 @@ def status(path):
 
 
 def test_the_status_file_gets_the_progress_and_stays_an_unfinished_status(tmp_path):
-    environ, proc, jobs = fake_job(tmp_path, WRAPPER)
+    _, _, jobs = fake_job(tmp_path, WRAPPER)
     path, clock = jobs / JOB, Clock()
     progress = reporter(path, clock)
     progress.phase("starting the build")

@@ -52,12 +52,12 @@ class CallbackModule(CallbackBase):
             json.dump(self.tasks, out)
 '''
 
-FACTS = '''
+FACTS = """
 from ansible.module_utils.basic import AnsibleModule
 
 module = AnsibleModule({"facts": {"type": "dict", "required": True}}, supports_check_mode=True)
 module.exit_json(changed=False, ansible_facts={"pve_gpu_recover": module.params["facts"]})
-'''
+"""
 
 PLAY = """
 - name: The acting roles alone, after stand-in facts
