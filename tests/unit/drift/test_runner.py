@@ -669,3 +669,66 @@ def test_correct_is_refused_when_the_checkout_does_not_pass_unattended_on_and_no
     # Refused before the check: no target was touched, no run directory made.
     assert [call["ident"] for call in fake.calls] == ["unattended"]
     assert [p.name for p in (tmp_path / "r").iterdir()] == ["drift.lock"]
+
+
+# -- what the runner keeps and tells beyond the summary ---------------------------------------------------------------
+def test_a_newer_report_schema_fails_its_target_naming_both_versions(runner, tmp_path):
+    report = dict(make_report("train200", fact_pass()), schema_version=2)
+    target = summarize(runner, tmp_path, [report])["train200"]
+    assert target["status"] == "failed"
+    assert target["reason"] == (
+        f"the report {tmp_path / 'train200' / f'{RUN_ID}.json'} has schema_version 2 and this runner reads 1: update "
+        "the checkout the runner runs from (drift/) to the one the report callback comes from"
+    )
+    # A report from before the field: the same shape, read as it is.
+    old = make_report("train201", fact_pass())
+    del old["schema_version"]
+    assert summarize(runner, tmp_path / "old", [old])["train201"]["status"] == "in_spec"
+
+
+def test_a_long_steps_progress_goes_to_the_journal_as_ansible_polls_it(runner, tmp_path, capsys):
+    project, inventory = project_with_unattended(tmp_path)
+    progress = {
+        "step": "training_venv",
+        "target": "CT 200 on pve1",
+        "phase": "installing the lock with `uv pip sync`",
+        "line": "Downloading torch (846.0MiB)\x1b[2J",  # what the CT printed: escaped, one line
+        "elapsed_seconds": 252.4,
+    }
+    polls = [
+        event("runner_on_async_poll", "train200", res={"started": True, "finished": False, "ansible_job_id": "j1.2"}),
+        event("runner_on_async_poll", "train200", res={"finished": False, "pve_gpu_recover_progress": progress}),
+    ]
+    report = make_report("train200", fact_pass(gpu_processes=step_facts()))
+    fake = FakeAnsibleRunner({"check": ([report], polls, "successful", 0)})
+    argv = ["-i", str(inventory), "--project", str(project), "--reports-dir", str(tmp_path / "r")]
+    code, _, err = run_main(runner, argv, capsys, ansible_runner=fake)
+    assert code == 0
+    lines = [line for line in err.splitlines() if line.startswith("train200: training_venv")]
+    assert lines == [
+        "train200: training_venv: installing the lock with `uv pip sync` (4m12s): Downloading torch (846.0MiB)\\x1b[2J"
+    ]
+
+
+def test_last_success_and_drift_survive_a_run_that_cannot_reach_the_target(runner, tmp_path, capsys):
+    project, inventory = project_with_unattended(tmp_path)
+    textfile = tmp_path / "pve_gpu_recover.prom"
+    argv = ["-i", str(inventory), "--project", str(project), "--reports-dir", str(tmp_path / "r")]
+    argv += ["--textfile", str(textfile)]
+    drifting = make_report("train200", fact_pass(gpu_processes=DRIFT["gpu_processes"]))
+    fake = FakeAnsibleRunner({"check": ([drifting], [], "successful", 0)})
+    assert run_main(runner, argv, capsys, ansible_runner=fake, clock=lambda: 1796371200.0)[0] == 2
+    state = json.loads((tmp_path / "r" / metrics.STATE_FILE).read_text())
+    assert state["targets"]["train200"]["last_success"] == 1796371200.0
+    assert stat.S_IMODE((tmp_path / "r" / metrics.STATE_FILE).stat().st_mode) == 0o640
+
+    down = [event("runner_on_unreachable", "train200", task="Read", res={"msg": UNREACHABLE})]
+    fake = FakeAnsibleRunner({"check": ([], down, "failed", 4)})
+    assert run_main(runner, argv, capsys, ansible_runner=fake, clock=lambda: 1796374800.0)[0] == 1
+    families = parse_exposition(textfile.read_text())
+    drift = {(s[0]["target"], s[0]["step"]): s[1] for s in families["pve_gpu_recover_drift"]["samples"]}
+    assert drift[("train200", "gpu_processes")] == 1  # still there: the alert on it does not resolve
+    last = {s[0]["target"]: s[1] for s in families["pve_gpu_recover_last_success_timestamp_seconds"]["samples"]}
+    assert last == {"train200": 1796371200.0}
+    status = {s[0]["status"]: s[1] for s in families["pve_gpu_recover_target_status"]["samples"]}
+    assert status["unreachable"] == 1
