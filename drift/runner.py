@@ -19,9 +19,10 @@ Exit codes: 0 every target in spec; 2 drift (or, with --correct, something that 
 nothing failed; 1 any target failed, busy or unreachable, the run itself failed, or the runner could not start. A
 failure wins over drift.
 
-Everything that decides (events and reports to a summary, the summary to metrics, the exit code) is a pure function
-of plain data below; ``main()`` wires them to ansible-runner, the lock and the files. docs/design.md, "Scheduled
-drift correction", says why it is built this way.
+Everything that decides (events and reports to a summary, the exit code) is a pure function of plain data below;
+the summary becomes metrics in drift/metrics.py (with the state that keeps each target's last success), one run of
+ansible-playbook is drift/playbook.py, the options drift/cli.py; ``main()`` wires them to ansible-runner, the lock
+and the files. docs/design.md, "Scheduled drift correction", says why it is built this way.
 """
 
 from __future__ import annotations

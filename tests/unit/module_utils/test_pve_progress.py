@@ -286,3 +286,19 @@ def test_the_venv_build_tells_its_phases_and_what_uv_downloads_while_it_runs(tmp
     assert any(seen["line"] == "Downloading torch (846.0MiB)" for seen in installing), progress.seen
     assert max(seen["phase_seconds"] or 0 for seen in installing) >= pve_ct_progress.INTERVAL
     assert not os.path.exists(f"{spec['path']}.20261203T101500Z")
+
+
+def test_the_warm_up_tells_its_latest_output_line_while_it_compiles(monkeypatch):
+    from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script  # noqa: PLC0415
+
+    told = []
+    monkeypatch.setattr(pve_ct_progress, "INTERVAL", 0.0)
+    pve_ct_progress.sink = told.append
+    pve_ct_progress.start(True)
+    code = "import time\nfor i in range(3):\n    print(f'compiling layer {i + 1}/3', flush=True); time.sleep(0.2)\n"
+    warmup = {"argv": [sys.executable, "-c", code], "env": {"PATH": "/usr/bin:/bin"}, "timeout": 30, "cwd": "/"}
+    rc, out, _, _ = script.run_warmup(warmup, time.monotonic() + 30)
+    assert (rc, out.splitlines()[-1]) == (0, "compiling layer 3/3")
+    found = [pve_progress.parse_line(text) for text in told]
+    assert found[0]["phase"].startswith("warming up the compile cache with `")
+    assert "compiling layer 2/3" in [f["line"] for f in found]
