@@ -29,8 +29,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Gauge, Info, generate_latest
+from drift.errors import DriftError
+
+try:
+    from prometheus_client import CollectorRegistry, Gauge, Info, generate_latest
+except ImportError as error:  # require() says how to install it, before the runner runs anything
+    MISSING = str(error)
+else:
+    MISSING = None
 
 PREFIX = "pve_gpu_recover"
 STATE_VERSION = 1
@@ -96,6 +105,17 @@ FAMILIES = {
     "runner_duration_seconds": ("gauge", (), "Seconds the drift runner's last run took, check and correction."),
     "targets": ("gauge", ("status",), "Targets of the drift runner's last run by status."),
 }
+
+
+def require():
+    """Raise DriftError with the fix when prometheus_client cannot be imported (a venv older than the lock)."""
+    if MISSING:
+        lock = Path(__file__).resolve().parent.parent / "requirements" / "dev.lock"
+        raise DriftError(
+            f"prometheus_client is not importable by {sys.executable} ({MISSING}); run the runner with the project's "
+            "venv (.venv/bin/python drift/runner.py ...; `make setup` updates it) or install the pinned one: "
+            f"{sys.executable} -m pip install --require-hashes -r {lock}"
+        )
 
 
 def metric_name(family):

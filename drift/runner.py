@@ -516,6 +516,7 @@ def main(argv=None, *, ansible_runner=None, clock=time.time, monotonic=time.mono
     lock = None
     try:
         check_options(args)
+        metrics.require()
         ansible_runner = ansible_runner or import_ansible_runner()
         private_dir(args.reports_dir)
         lock = acquire_lock(args.lock_file, clock)

@@ -732,3 +732,15 @@ def test_last_success_and_drift_survive_a_run_that_cannot_reach_the_target(runne
     assert last == {"train200": 1796371200.0}
     status = {s[0]["status"]: s[1] for s in families["pve_gpu_recover_target_status"]["samples"]}
     assert status["unreachable"] == 1
+
+
+def test_without_prometheus_client_the_error_gives_the_fix_before_anything_runs(runner, tmp_path, capsys, monkeypatch):
+    (tmp_path / "hosts").write_text("")
+    monkeypatch.setattr(metrics, "MISSING", "No module named 'prometheus_client'")
+    fake = FakeAnsibleRunner({})
+    argv = ["-i", str(tmp_path / "hosts"), "--lock-file", str(tmp_path / "l")]
+    code, _, err = run_main(runner, argv, capsys, ansible_runner=fake)
+    assert code == 1
+    assert "prometheus_client is not importable by" in err
+    assert f"-m pip install --require-hashes -r {ROOT / 'requirements' / 'dev.lock'}" in err
+    assert fake.calls == []
