@@ -1,6 +1,7 @@
 # pve-gpu-recover. Quick start on a fresh Debian 12/13 (or Proxmox VE 8/9) machine, as root:
 #   make lab    set up everything, build the lab, run recover.yml against it
 #   make test   set up everything and pass the whole test suite
+#   make sanity ansible-test sanity on the built collection, both ends (apart from make test: minutes; CI runs it)
 # Supported: ansible-core 2.19 to 2.21. The low end (ansible-core 2.19, the system's Python 3.11+) is .venv, what
 # every target uses; the high end (ansible-core 2.21, Python 3.12+) is .venv-latest, tested by `make test-latest`
 # where a Python 3.12+ exists (skipped loudly where none does; a failure under CI=true).
@@ -24,8 +25,8 @@ endif
 # The high end's tools first: its ansible-playbook is what molecule and the unit tests' subprocesses run.
 LATEST_ENV := PATH=$(CURDIR)/$(LATEST_BIN):$(PATH)
 
-.PHONY: setup setup-latest lock uv-wheel system-deps lab lab-up lab-down lab-status lint unit molecule test test-latest \
-	unit-latest molecule-latest clean
+.PHONY: setup setup-latest lock uv-wheel system-deps lab lab-up lab-down lab-status lint sanity sanity-latest unit molecule \
+	test test-latest unit-latest molecule-latest clean
 
 # $(call venv,DIR,LOCK,MINOR): DIR made (or remade, when its Python is not the one find-python picks) on a Python
 # 3.MINOR+ and given exactly LOCK's packages; DIR/.installed-<the lock's hash> says it is done.
@@ -85,6 +86,22 @@ lint: setup  ## ruff and ansible-lint (production profile)
 	@# ansible.cfg's inventory stops any run without -i; a syntax check needs no inventory (ansible-lint turns the
 	@# setting off for its own check, not for the one that resolves molecule's import_playbook).
 	ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED=false $(BIN)/ansible-lint
+
+# Not part of `test`: 1.5 to 4.5 minutes per end on 2 shared cores (pylint most of it), more than the unit tests
+# and lint together. .ci/run runs it after `make test`. The high end as test-latest: skipped loudly without a
+# Python 3.12+, a failure under CI=true.
+sanity: setup  ## ansible-test sanity on the collection as built: ansible-core 2.19, then 2.21 where a Python 3.12+ is
+	scripts/sanity $(VENV)
+	@if scripts/find-python 12 >/dev/null 2>&1; then \
+	  $(MAKE) --no-print-directory sanity-latest; \
+	elif [ "$${CI:-}" = true ]; then \
+	  echo "sanity: FAILED: CI=true but no Python 3.12+, so ansible-core 2.21's sanity is untested" >&2; exit 1; \
+	else \
+	  echo "sanity: SKIPPED ansible-core 2.21 (no Python 3.12+; PYTHON_LATEST names one): only 2.19 was checked" >&2; \
+	fi
+
+sanity-latest: setup-latest  ## ansible-test sanity on the high end alone, ansible-core 2.21 (tests/sanity/ignore-2.21.txt)
+	scripts/sanity $(LATEST)
 
 unit: setup system-deps  ## pytest unit tests of library/, module_utils/ and the lab stand-ins (seconds, no lab)
 	$(BIN)/python -m pytest tests/unit -q

@@ -24,6 +24,7 @@ from pathlib import Path
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_progress import KEY as PROGRESS_KEY
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_progress import describe
 
+from drift import COLLECTIONS, collections_path
 from drift.errors import DriftError
 from drift.files import load_reports, new_dir
 from drift.text import one_line
@@ -86,6 +87,10 @@ def environment(args, report_dir):
     }
     if (args.project / "ansible.cfg").is_file():
         env["ANSIBLE_CONFIG"] = str(args.project / "ansible.cfg")
+    # recover.yml imports pve_gpu.recover.recover: the project's own collection (a checkout's collections/), else the
+    # one this runner belongs to (an installed copy: AWX, an execution environment), before any other copy.
+    own = args.project / "collections"
+    env["ANSIBLE_COLLECTIONS_PATH"] = collections_path(own if own.is_dir() else COLLECTIONS, args.project)
     return env
 
 

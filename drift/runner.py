@@ -35,9 +35,10 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    # Run as a script (roles/drift_timer calls it by path): its package is the checkout's drift/.
+    # Run as a script (roles/drift_timer calls it by path): its package is the checkout's drift/, imported first
+    # for what it does on import: it puts the collection on sys.path.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import drift  # noqa: F401  (first: it puts the collection on sys.path)
+    import drift  # noqa: F401  # pylint: disable=unused-import
 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES
 

@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from drift import collections_path
+
 PLAYBOOK = "recover.yml"
 UNATTENDED = "recover_unattended"
 # The steps that touch what a live job needs (docs/design.md, "Unattended mode"): their modules must honour it.
@@ -78,11 +80,10 @@ def probe_inventory(python, lock_file):
     """The synthetic target: a CT on a node, both this machine (connection local), every step on."""
     local = {"ansible_connection": "local", "ansible_python_interpreter": python}
     settings = {
-        # Each step that is off unless set: on, so its acting task is templated and run.
+        # Every step on (<step>_enabled), with what a step that is on needs, so its acting task is templated and run.
+        **{f"{step}_enabled": True for step in (*UNATTENDED_STEPS, "verify")},
         "training_code_commit": "0" * 40,
         "training_venv_lock_file": str(lock_file),
-        "compile_cache_enabled": True,
-        "verify_enabled": True,
     }
     return {
         "all": {
@@ -169,6 +170,12 @@ def copy_checkout(project, into):
         return [n for n in names if n in SKIP_ANY or n in hidden or n in stand_ins or (top and n in SKIP_TOP)]
 
     shutil.copytree(project, into, symlinks=True, ignore=skip)
+    # An installed collection has no collections/ link to itself: the copy gets one, so recover.yml's
+    # pve_gpu.recover.recover is the copy's (stand-in modules), never the installed original.
+    link = Path(into) / "collections" / "ansible_collections" / "pve_gpu" / "recover"
+    if not os.path.lexists(link):
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.join("..", "..", ".."))
     # Where a collection finds its modules (plugins/modules, by FQCN) and where a plain project does (library/).
     for stubs in (Path(into) / "plugins" / "modules", Path(into) / "library"):
         stubs.mkdir(parents=True, exist_ok=True)
@@ -197,6 +204,8 @@ def probe(ansible_runner, project, *, timeout=120, cancel=lambda: False, python=
         }
         if (copy / "ansible.cfg").is_file():
             env["ANSIBLE_CONFIG"] = str(copy / "ansible.cfg")
+        # The copy first, whatever collections path this process has (an AWX job's names its own).
+        env["ANSIBLE_COLLECTIONS_PATH"] = collections_path(copy / "collections", copy)
         try:
             done = ansible_runner.run(
                 private_data_dir=str(temp / "runner"),

@@ -29,13 +29,16 @@ description:
     runs - at each of Ansible's polls the progress its module put in the job's status (the phase, the latest line
     of the installer or the warm-up, the elapsed time) is printed as one line.
 version_added: "0.2.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 requirements:
   - Enabled in ansible.cfg (C(callbacks_enabled = pve_gpu.recover.recover_report)), as this project's ansible.cfg does.
 options:
   report_dir:
     description:
-      - Directory on the controller for the reports; relative paths are taken from the playbook's directory.
+      - Directory on the controller for the reports. A relative path is taken from the playbook's directory, or
+        from the current directory for a playbook of this collection run by its name (C(ansible-playbook
+        pve_gpu.recover.recover)), so that no report is written inside an installed collection.
+      - In an ephemeral execution environment (AWX, AAP) point it at storage that outlives the job (docs/awx.md).
     type: path
     default: reports
     env:
@@ -183,6 +186,14 @@ def short_action(action):
 
 
 COLLECTION = "pve_gpu.recover."
+# This collection's playbooks/ (plugins/callback/ is two levels below the collection's root).
+COLLECTION_PLAYBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "playbooks")
+
+
+def is_inside(path, directory):
+    """Whether ``path`` is ``directory`` or lies under it, links resolved (a checkout reaches itself by a link)."""
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory + os.sep)
 
 
 def step_of(role_name):
@@ -254,6 +265,9 @@ class CallbackModule(CallbackBase):
     # -- collecting --------------------------------------------------------------------------------------------
     def v2_playbook_on_start(self, playbook):
         self.basedir = playbook._basedir
+        if is_inside(self.basedir, COLLECTION_PLAYBOOKS):
+            # pve_gpu.recover.recover run by its name: reports beside the user, not in the installed collection.
+            self.basedir = os.getcwd()
         self.started = time.time()
         # The pid of ansible-playbook itself, for the run lock (the target_facts action reads it): forks inherit
         # it, and it lives exactly as long as the run.

@@ -29,6 +29,20 @@ notes:
   - GPUs are matched by UUID between the node and a CT; indexes inside a CT may differ from the node's.
 """
 
+    # The option of the modules that run probe parts or scripts in the target's own Python: one meaning everywhere.
+    PYTHON = r"""
+options:
+  python:
+    description:
+      - The Python interpreter inside the CT that runs this module's probe parts and scripts (a name on the PATH of
+        a non-login root shell, or a path; Python 3.9+). It is the fact pass's interpreter too - the roles pass
+        C(preflight_python) to every module.
+      - Never a venv's python - the training venv's own interpreter is the venv's business (its I(path)).
+      - Ignored for a bare host, where the parts and scripts run in this module's own process.
+    type: str
+    default: python3
+"""
+
     # Attributes of the read-only *_info modules.
     INFO_MODULE = r"""
 attributes:

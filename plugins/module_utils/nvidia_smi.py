@@ -17,6 +17,8 @@ Formats follow real captures from an NVIDIA H200 (driver 580.159.04; tests/fixtu
 Pure functions (``parse_*``, ``classify_failure``) take text and return plain data; :class:`NvidiaSmi` only
 wires them to a ``run(argv) -> CommandResult`` callable (a Target's ``run`` or ``run_on_node``).
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 from __future__ import annotations
 

@@ -8,8 +8,12 @@ library only, Python 3.9+, nothing of ours imported.
 """
 
 import errno
+import re
 
 TAIL_CHARS = 4000
+MASK = "********"  # what a secret becomes in an answer (Ansible's own no_log mask)
+# The user information of a URL (``https://alice:token@host/``): credentials, whoever printed them.
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@")
 
 
 class ActError(Exception):
@@ -40,3 +44,27 @@ def failure(error, lines):
     where = f" ({error.filename})" if error.filename else ""
     found = {"error": kind, "message": f"{error.strerror or error}{where}", "cmd": None, "rc": None}
     return dict(found, stdout_tail="", stderr_tail="")
+
+
+def redact(text, secrets=()):
+    """``text`` without the credentials in it: each of ``secrets`` (passwords, secret environment values) and the
+    user information of any URL replaced by MASK, so that what a tool printed (uv, pip, a proxy's error) can go
+    into an answer, a report and a log.
+
+    ``redact("Failed to fetch https://bob:t0ken@idx/simple (proxy http://u:p@proxy:3128)", ["t0ken"])`` ->
+    ``"Failed to fetch https://********@idx/simple (proxy http://********@proxy:3128)"``; None stays None.
+    """
+    if not isinstance(text, str):
+        return text
+    for secret in sorted({s for s in secrets if isinstance(s, str) and s}, key=len, reverse=True):
+        text = text.replace(secret, MASK)
+    return _URL_USERINFO.sub(lambda m: f"{m.group('scheme')}{MASK}@", text)
+
+
+def redact_answer(answer, secrets=()):
+    """An acting script's answer with :func:`redact` applied to every string in it (the command's argv included)."""
+    if isinstance(answer, dict):
+        return {key: redact_answer(value, secrets) for key, value in answer.items()}
+    if isinstance(answer, list):
+        return [redact_answer(value, secrets) for value in answer]
+    return redact(answer, secrets)

@@ -30,6 +30,9 @@ Python 3.9+, nothing of ours imported.
 * every ``GIT_*`` variable of the environment dropped (``GIT_INDEX_FILE``... would point git elsewhere),
   ``LC_ALL=C`` (messages are matched), ``GIT_TERMINAL_PROMPT=0`` (nothing ever waits for a password).
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# Runs in the target from its source (standard library only), where no AnsibleModule.run_command exists.
+# pylint: disable=disallowed-name,ansible-bad-function
 
 import os
 import re
@@ -37,6 +40,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What an unfinished operation leaves in the git dir, first match wins (rebase-apply/applying is `git am`).
@@ -222,6 +226,16 @@ def parse_config_list(data):
             key, _, value = item.partition("\n")
             entries.append((key, value if "\n" in item else None))
     return entries
+
+
+def remote_names(entries):
+    """The remotes a config defines (a ``remote.<name>.url``; git writes the name as it was given), sorted:
+    ``[("core.bare", "false"), ("remote.origin.url", "/srv/up"), ("remote.Team/x.url", "u")]`` -> ``["Team/x",
+    "origin"]``."""
+    return sorted(
+        {key[len("remote.") : -len(".url")] for key, _ in entries if key.startswith("remote.") and key.endswith(".url")}
+        - {""}
+    )
 
 
 def config_text(entries):
@@ -470,3 +484,88 @@ def collisions(top, tracked, listed, untracked):
         else:
             found.append(path)
     return sorted(set(found))
+
+
+# The most a file read from a commit may weigh (a CUDA torch lock with every hash is about 100 KB).
+BLOB_LIMIT = 4 * 1024 * 1024
+# What ``git ls-tree`` says of a path that is no regular file: a link, a directory, a submodule.
+_NOT_A_FILE = {"120000": "a symlink", "040000": "a directory", "160000": "a submodule"}
+
+
+def read_at_commit(git, top, commit, path, *, deadline, limit=BLOB_LIMIT):
+    """The text of ``path`` (relative to the work tree's top ``top``) in ``commit``, read from git's object
+    database: the work tree, its local changes and HEAD do not matter. ``{"text": str or None, "missing": None,
+    "commit" (not in the repository) or "path" (not in that commit), "error": None or one sentence}``.
+
+    git runs as the code step's probe runs it, in a :class:`View` (none of the owner's config, no hook;
+    ``cat-file blob`` applies no filter) and as root, reading only; every call within ``deadline``
+    (``time.monotonic()``). Only a regular file of at most ``limit`` bytes of UTF-8 is read: a link, a directory or
+    a submodule at ``path`` is an error. ``read_at_commit("git", "/srv/train", "0123...", "env/train.lock",
+    deadline=time.monotonic() + 60)`` -> ``{"text": "six==1.17.0 ...", "missing": None, "error": None}``.
+    """
+    found = {"text": None, "missing": None, "error": None}
+    executable = find_git(git)
+    if executable is None:
+        return dict(found, error=f"{git} is not found in the target (it reads the lock from the repository)")
+    real = os.path.realpath(top)
+    if not os.path.isdir(real):
+        return dict(found, error=f"{top} is not a directory")
+    try:
+        git_dir, common = locate(real)
+    except Untrusted as error:
+        return dict(found, error=str(error))
+    if git_dir is None:
+        return dict(found, error=f"{top} is not a git work tree (it has no .git)")
+    where = f"{path} in commit {commit[:12]} of {top}"
+    view = None
+
+    def run(*args):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise subprocess.TimeoutExpired(args, 0)
+        return subprocess.run(
+            git_argv(executable, real, args),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=view.env,
+            cwd="/",
+            timeout=remaining,
+            check=False,
+        )
+
+    try:
+        view = View(executable, real, git_dir, common)
+        if run("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+            return dict(found, missing="commit")
+        return dict(found, **_blob_at(run, commit, path, where, limit))
+    except UnicodeDecodeError:
+        return dict(found, error=f"{where} is not UTF-8 text: it is no lock")
+    except subprocess.TimeoutExpired:
+        return dict(found, error=f"reading {where} did not finish within the probe's time")
+    except (OSError, ValueError, subprocess.SubprocessError, ViewError) as error:
+        return dict(found, error=f"cannot read {where}: {error}")
+    finally:
+        if view is not None:
+            view.close()
+
+
+def _blob_at(run, commit, path, where, limit):
+    """``{"text"}``, ``{"missing": "path"}`` or ``{"error"}`` of ``path`` in ``commit``; ``run(*args)`` runs git."""
+    listed = run("ls-tree", "-z", "--full-tree", commit, "--", path)
+    if listed.returncode != 0:
+        return {"error": f"cannot list {where}: {first_error(listed.stderr.decode(errors='replace'))}"}
+    entry = listed.stdout.decode("utf-8", "surrogateescape").split("\0")[0]
+    meta, _, name = entry.partition("\t")
+    if not entry or name != path:
+        return {"missing": "path"}
+    mode, _, rest = meta.partition(" ")
+    kind, _, blob = rest.partition(" ")
+    if kind != "blob" or mode not in ("100644", "100755"):
+        return {"error": f"{where} is {_NOT_A_FILE.get(mode, kind)}, not a regular file"}
+    size = run("cat-file", "-s", blob)
+    if size.returncode != 0 or int(size.stdout or b"0") > limit:
+        return {"error": f"{where} is larger than {limit} bytes: it is no lock"}
+    data = run("cat-file", "blob", blob)
+    if data.returncode != 0:
+        return {"error": f"cannot read {where}: {first_error(data.stderr.decode(errors='replace'))}"}
+    return {"text": data.stdout.decode("utf-8")}

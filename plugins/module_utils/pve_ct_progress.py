@@ -14,6 +14,10 @@ to send it) tells anything: :func:`start`.
 Shipped with the acting scripts (``SHARED``) and imported on a node as any module_util: standard library only,
 Python 3.9+, nothing of ours imported. On a bare host the script runs in the module's process, and the module sets
 :data:`sink` to take the lines directly.
+
+A line leaves the target as an answer does: a script whose commands see secrets (the venv build's index
+credentials and secret environment) gives :func:`start` its ``redact`` (``pve_ct_act.redact`` with those secrets),
+applied to each phase and output line before it is cut to LINE_CHARS, so no part of a secret is ever told.
 """
 
 import contextlib
@@ -31,12 +35,25 @@ LINE_CHARS = 240
 READ_CHUNK = 65536
 # Where lines go: None writes them to stderr (in a CT, the pct exec's); a module on a bare host sets a callable.
 sink = None
-_state = {"enabled": False, "phase": None, "since": 0.0, "line": None, "told": 0.0}
+_state = {"enabled": False, "phase": None, "since": 0.0, "line": None, "told": 0.0, "redact": None}
 
 
-def start(enabled):
-    """Tell progress from now on (``enabled``: the payload's ``progress``), or nothing at all."""
-    _state.update(enabled=bool(enabled), phase=None, since=time.monotonic(), line=None, told=0.0)
+def start(enabled, redact=None):
+    """Tell progress from now on (``enabled``: the payload's ``progress``), or nothing at all.
+
+    ``redact(text)``, when given, masks what must not leave the target in each phase and line (see above).
+    """
+    _state.update(enabled=bool(enabled), phase=None, since=time.monotonic(), line=None, told=0.0, redact=redact)
+
+
+def _masked(text):
+    redact = _state["redact"]
+    if redact is None:
+        return text
+    try:
+        return str(redact(text))
+    except Exception:  # progress is never worth failing the work for, nor a secret worth telling
+        return ""
 
 
 def _tell(force=False):
@@ -57,13 +74,13 @@ def _tell(force=False):
 
 def phase(name):
     """A new phase starts (told at once): ``phase("installing the lock with `uv pip sync`")``."""
-    _state.update(phase=str(name)[:LINE_CHARS], since=time.monotonic(), line=None)
+    _state.update(phase=_masked(str(name))[:LINE_CHARS], since=time.monotonic(), line=None)
     _tell(force=True)
 
 
 def note(line):
     """The command's latest output line (told at most every INTERVAL seconds; the newest one wins)."""
-    line = " ".join(str(line).split())[:LINE_CHARS]
+    line = " ".join(_masked(str(line)).split())[:LINE_CHARS]
     if line:
         _state["line"] = line
         _tell()

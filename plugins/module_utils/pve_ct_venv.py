@@ -1,15 +1,19 @@
 # Copyright: pve-gpu-recover contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Container side, shared: who could change a venv whose python runs as root (verify, the venv build's checks).
+"""Container side, shared: who could change a venv whose python runs as root (verify, the venv build's checks), and
+what builds a venv in the target (the venv probe asks before anything changes, the build script uses the same).
 
-The training venv and verify probe parts import it (``SHARED``): ``Target.run_probes`` ships its source with
-theirs in the same ``pct exec``, and on a node it is imported as usual. So: standard library only, Python 3.9+,
-nothing of ours imported.
+The training venv and verify probe parts and the venv build script import it (``SHARED``): ``Target.run_probes``
+ships its source with theirs in the same ``pct exec``, and on a node it is imported as usual. So: standard library
+only, Python 3.9+, nothing of ours imported.
 """
 
 import os
+import pwd
 import re
+import shutil
 import stat
+import sys
 
 _VERSION_NAME = r"\.\d{8}T\d{6}Z"  # <path>.<UTC stamp>: a version the training venv step built
 VENV_INSIDE = ("bin", "pyvenv.cfg", "lib")  # what the venv's python reads or runs at start-up, with lib/pythonX.Y/...
@@ -116,3 +120,145 @@ def venv_unsafe(path):
         return why or _inside(real)
     except _Absent:
         return None
+
+
+# -- what builds a venv: the build script runs it, the probe says beforehand whether it can ------------------------
+_PYTHON_NAME = re.compile(r"^python(\d+\.\d+)$")
+_UV_MANAGED = re.compile(r"^cpython-(\d+\.\d+)\.")  # uv python install: cpython-3.11.9-linux-x86_64-gnu
+
+
+def find_command(name, path):
+    """The executable ``name`` names: itself when it holds a ``/`` (an executable file), else the first one on
+    ``path`` (a PATH string; None: this process's); None when there is none. ``find_command("uv",
+    "/usr/local/bin:/usr/bin")`` -> ``"/usr/bin/uv"`` when only /usr/bin has one."""
+    if "/" in name:
+        return name if os.path.isfile(name) and os.access(name, os.X_OK) else None
+    return shutil.which(name, path=path)
+
+
+def builder(uv, path):
+    """What the build uses: ``("uv", its path)`` when ``uv`` (a name looked up on ``path``, or a path) can be run,
+    else ``("venv+pip", why uv is not used)``: ``builder("uv", "/usr/bin")`` -> ``("venv+pip", "uv is not on PATH
+    (/usr/bin)")`` when /usr/bin has no uv."""
+    found = find_command(uv, path)
+    if found:
+        return "uv", found
+    if "/" in uv:
+        return "venv+pip", f"{uv} is not an executable file"
+    return "venv+pip", f"{uv} is not on PATH ({path or ''})"
+
+
+def python_name(minor):
+    """The interpreter ``-m venv`` runs with: ``python3.11`` for a pinned minor, else ``python3``."""
+    return f"python{minor}" if minor else "python3"
+
+
+def base_python(minor, path):
+    """The path of :func:`python_name` on ``path``, or None."""
+    return find_command(python_name(minor), path)
+
+
+def own_minor():
+    """This interpreter's python minor: ``"3.11"``."""
+    return f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def interpreter_minor(executable):
+    """The python minor of an interpreter, told from its files alone (it is never run): the name it resolves to
+    (``/usr/bin/python3`` -> ``python3.11`` -> ``"3.11"``), or this very interpreter's own; None when unknown (a
+    pyenv shim, a binary named ``python3``)."""
+    real = os.path.realpath(executable)
+    named = _PYTHON_NAME.match(os.path.basename(real))
+    if named:
+        return named.group(1)
+    if sys.executable and real == os.path.realpath(sys.executable):
+        return own_minor()
+    return None
+
+
+def stdlib_has(executable, minor, package):
+    """Whether the standard library of the interpreter ``executable`` (python ``minor``) holds ``package``
+    (``ensurepip``, ``venv``), from its files: this interpreter's own library when it is this one, else
+    ``<prefix>/lib/python<minor>/`` beside its ``<prefix>/bin``. None when that library is not found (not told).
+
+    Debian and Ubuntu leave ``ensurepip`` out of python3.X until ``python3.X-venv`` is installed, and ``python3 -m
+    venv`` then fails: ``stdlib_has("/usr/bin/python3.11", "3.11", "ensurepip")`` -> False there."""
+    real = os.path.realpath(executable)
+    if sys.executable and real == os.path.realpath(sys.executable):
+        library = os.path.dirname(os.__file__)
+    elif minor:
+        library = os.path.join(os.path.dirname(os.path.dirname(real)), "lib", f"python{minor}")
+    else:
+        return None
+    if not os.path.isfile(os.path.join(library, "os.py")):
+        return None
+    return os.path.isfile(os.path.join(library, package, "__init__.py"))
+
+
+def uv_python_dirs(environ=None):
+    """Where uv keeps the pythons it installed (``uv python install``): ``UV_PYTHON_INSTALL_DIR``, else
+    ``$XDG_DATA_HOME/uv/python``, else ``~/.local/share/uv/python`` of ``$HOME`` or of this user's passwd entry."""
+    environ = os.environ if environ is None else environ
+    if environ.get("UV_PYTHON_INSTALL_DIR"):
+        return [environ["UV_PYTHON_INSTALL_DIR"]]
+    if environ.get("XDG_DATA_HOME"):
+        return [os.path.join(environ["XDG_DATA_HOME"], "uv", "python")]
+    home = environ.get("HOME")
+    if not home:
+        try:
+            home = pwd.getpwuid(os.geteuid()).pw_dir
+        except KeyError:
+            return []
+    return [os.path.join(home, ".local", "share", "uv", "python")]
+
+
+def uv_python(minor, path, environ=None):
+    """The interpreter ``uv venv --python <minor>`` would find with downloads off (the build's
+    ``UV_PYTHON_DOWNLOADS=never``), told from files alone: ``python<minor>`` on ``path``, a ``python3`` or ``python``
+    there of that minor (:func:`interpreter_minor`), or one uv installed itself; None when there is none. Without a
+    minor the build asks for ``python3``: the one on ``path``."""
+    if not minor:
+        return find_command("python3", path)
+    found = find_command(f"python{minor}", path)
+    if found:
+        return found
+    for name in ("python3", "python"):
+        found = find_command(name, path)
+        if found and interpreter_minor(found) == minor:
+            return found
+    for directory in uv_python_dirs(environ):
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            managed = _UV_MANAGED.match(name)
+            if managed and managed.group(1) == minor:
+                return os.path.join(directory, name)
+    return None
+
+
+def build_needs(uv, minor, path):
+    """What building the venv would use, read from files alone (nothing is run), for the venv step to say before
+    anything changes whether a build can work.
+
+    ``uv``: the uv setting (name or path); ``minor``: the python the venv must have (None: any ``python3``);
+    ``path``: the PATH the build runs with. Returns ``{"path", "uv" (the uv the build would run, or None),
+    "uv_missing" (why there is none, or None), "python" (the interpreter ``-m venv`` would run: ``python3.11``),
+    "base_python" (its path, or None), "venv" and "ensurepip" (whether its standard library holds them; None: not
+    told), "uv_python" (an interpreter of ``minor`` uv would find, or None), "own" (this interpreter's minor)}``.
+    """
+    kind, found = builder(uv, path)
+    base = base_python(minor, path)
+    base_minor = minor or (interpreter_minor(base) if base else None)
+    return {
+        "path": path,
+        "uv": found if kind == "uv" else None,
+        "uv_missing": None if kind == "uv" else found,
+        "python": python_name(minor),
+        "base_python": base,
+        "venv": stdlib_has(base, base_minor, "venv") if base else None,
+        "ensurepip": stdlib_has(base, base_minor, "ensurepip") if base else None,
+        "uv_python": uv_python(minor, path),
+        "own": own_minor(),
+    }

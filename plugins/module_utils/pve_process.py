@@ -9,10 +9,10 @@ host's own either: :func:`parse_cgroup_owner` names them. ``NSpid:`` in /proc/<p
 every pid namespace from the host's outwards in, so its last value is the pid the CT sees. NVML reports host
 pids, which is why GPU holders are mapped on the node, not inside the CT.
 
-A process's job: its parent (``ppid``, field 4 of stat, as the node's pid namespace numbers it) and its cgroup
-path, from which :func:`systemd_unit` tells the systemd service it runs in (a service with ``Restart=`` starts
-again whatever is ended). :func:`walk_stop`, :func:`is_shell`, :func:`is_interactive_shell` and
-:func:`matches_launcher` are the pure rules the GPU step walks a holder's ancestors by.
+The rules that tell a holder's job from the rest (the parents that restart it, the systemd service it runs in)
+are in pve_process_job; which processes run from a directory (a venv about to be swapped) in
+pve_process_runs_from. This module holds the reads they share: a process's parents (:func:`ancestry`), its
+children (:func:`children_of`) and the members of its service (:func:`read_unit_members`).
 
 Parsing functions are pure; :func:`read_process` reads one pid under a proc root (``/proc`` by default).
 
@@ -27,10 +27,11 @@ driver can hold for ever; it is read by a child process (``head -c``) under run_
 asks the open file's filesystem, which may be a hung NFS or FUSE mount). A file that cannot be read (gone, permission,
 I/O error, garbage) is None, never a traceback; ProcessInfo.read_error says what could not be read.
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import os
 import re
@@ -69,6 +70,8 @@ NVIDIA_MAJOR = 195
 # The device files a GPU process holds, as a /proc/<pid>/fd link names them: /dev/nvidia0, /dev/nvidiactl,
 # /dev/nvidia-uvm, /dev/nvidia-caps/nvidia-cap1 ...
 NVIDIA_DEVICE = re.compile(r"^/dev/nvidia[^/]*(?:/|$)")
+# How the kernel marks a /proc link (an fd, exe, a mapped file) whose file was removed.
+DELETED = " (deleted)"
 STATES = {
     "R": "running",
     "S": "sleeping",
@@ -86,6 +89,9 @@ GONE_STATES = ("Z", "X")  # a task in these states runs no more (a zombie's file
 STATE_ORDER = "DRTt"
 CMDLINE_TIMEOUT = 2  # seconds a cmdline read may take (see the module docstring)
 CMDLINE_LIMIT = 65536  # bytes of a cmdline read; argv beyond that is not needed to name a process
+# Interpreters whose ``-m MODULE`` or script names the program (``python3 -m torch.distributed.run``), and whose
+# argv[0] names the venv it runs from (pve_process_job.program_names, pve_process_runs_from.is_interpreter).
+INTERPRETERS = ("python*", "pypy*")
 
 
 @dataclass(frozen=True)
@@ -315,6 +321,11 @@ def owner_label(owner, node):
     return f"node {node} itself"
 
 
+def owner_of(target):
+    """How /proc ownership names the target's processes: ``ct:<vmid>``, or ``host`` for a bare host."""
+    return f"ct:{target['vmid']}" if target["vmid"] is not None else "host"
+
+
 def parse_proc_devices(text):
     """Majors of NVIDIA character devices from /proc/devices (``195 nvidia-frontend``, ``238 nvidia-uvm``).
 
@@ -418,168 +429,9 @@ def matches_name(info, patterns):
     return None
 
 
-# -- a holder's job: the parents that restart it, the systemd service it runs in -----------------------------
-SHELLS = ("sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "fish", "tcsh", "csh")
-# Interpreters whose ``-m MODULE`` or script names the program (``python3 -m torch.distributed.run``).
-INTERPRETERS = ("python*", "pypy*")
-# Where a walk up a holder's parents stops: what starts sessions, services or containers, never one job's part.
-SESSION_MANAGERS = (
-    "systemd",
-    "init",
-    "sshd",
-    "sshd-session",
-    "sshd-auth",
-    "login",
-    "agetty",
-    "getty",
-    "tmux*",
-    "screen",
-    "SCREEN",
-    "cron",
-    "crond",
-    "atd",
-    "lxc-start",
-    "lxc-attach",
-    "containerd-shim*",
-    "conmon",
-    "tini",
-    "dumb-init",
-    "docker-init",
-    "supervisord",
-    "runsv",
-    "runsvdir",
-    "s6-supervise",
-)
-# Shell options that take the next word as their argument (bash -o pipefail, --rcfile FILE).
-SHELL_OPTIONS_WITH_ARGUMENT = ("-o", "+o", "-O", "+O", "--rcfile", "--init-file")
-# A unit name that may go into advice a person copies into a root shell (a CT is untrusted: its cgroup paths
-# are names it chose).
-UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.@-]+\.service$")
-UNIT_NAME_LIMIT = 256
-USER_MANAGER = re.compile(r"^user@(\d+)\.service$")
-# Services that run login sessions or jobs of many people: a process in one is not that service's job.
-SESSION_UNITS = (
-    "ssh.service",
-    "sshd.service",
-    "sshd@*.service",
-    "cron.service",
-    "crond.service",
-    "atd.service",
-    "getty@*.service",
-    "serial-getty@*.service",
-    "console-getty.service",
-    "container-getty@*.service",
-)
+# -- a holder's job as the node shows it: its parents, its children, its service's members ---------------------
 CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd")
 UNIT_MEMBERS_LIMIT = 4096
-
-
-def _argv0_base(info):
-    return os.path.basename(info.cmdline[0]).lstrip("-") if info.cmdline else ""
-
-
-def is_shell(info):
-    """A POSIX-ish shell, by comm or argv[0] (``-bash`` is a login bash)."""
-    return info.comm in SHELLS or _argv0_base(info) in SHELLS
-
-
-def is_interactive_shell(info):
-    """A shell a person types into: a login shell (argv[0] ``-bash``), or one with neither ``-c`` nor a script.
-
-    A shell whose argv cannot be read counts as interactive: what cannot be told apart is never ended.
-
-    >>> def sh(*argv): return is_interactive_shell(ProcessInfo(1, 1, "bash", "S", "host", list(argv), 1))
-    >>> sh("-bash"), sh("bash"), sh("bash", "-l"), sh("bash", "-c", "x"), sh("sh", "run.sh")
-    (True, True, True, False, False)
-    """
-    argv = info.cmdline
-    if not argv or argv[0].startswith("-"):
-        return True
-    words = iter(argv[1:])
-    for word in words:
-        if word == "--":
-            return next(words, None) is None
-        if word in SHELL_OPTIONS_WITH_ARGUMENT:
-            next(words, None)
-            continue
-        if word.startswith("-") and not word.startswith("--") and "c" in word[1:]:
-            return False  # -c, -ec, -lc: runs a command string
-        if not word.startswith(("-", "+")):
-            return False  # a script
-    return True
-
-
-def program_names(info):
-    """The names a process goes by: comm, argv[0] and its basename, and for an interpreter the module of
-    ``-m`` and the script's basename.
-
-    >>> argv = ["python3", "-u", "-m", "torch.distributed.run"]
-    >>> sorted(program_names(ProcessInfo(1, 1, "python3", "S", "host", argv, 1)))
-    ['python3', 'torch.distributed.run']
-    """
-    names = {info.comm}
-    if info.cmdline:
-        names.update({info.cmdline[0], os.path.basename(info.cmdline[0])})
-        if any(fnmatch.fnmatchcase(os.path.basename(info.cmdline[0]), p) for p in INTERPRETERS):
-            words = iter(info.cmdline[1:])
-            for word in words:
-                if word == "-m":
-                    names.add(next(words, ""))
-                    break
-                if word.startswith("-m"):
-                    names.add(word[2:])
-                    break
-                if word in ("-c", "-"):
-                    break
-                if word in ("-W", "-X", "-Q"):
-                    next(words, None)
-                    continue
-                if not word.startswith("-"):
-                    names.add(os.path.basename(word))
-                    break
-    names.discard("")
-    return names
-
-
-def matches_launcher(info, patterns):
-    """The first of ``patterns`` (fnmatch) naming this process by :func:`program_names`; else None.
-
-    ``torchrun``, ``python3 -m torch.distributed.run`` and ``python3 /usr/local/bin/accelerate`` all match their
-    launcher's name. comm is cut to 15 characters by the kernel; patterns are compared cut the same way.
-    """
-    names = program_names(info)
-    for pattern in patterns:
-        for name in names:
-            if fnmatch.fnmatchcase(name, pattern) or (name == info.comm and fnmatch.fnmatchcase(name, pattern[:15])):
-                return pattern
-    return None
-
-
-def walk_stop(info, owner, protected=(), own=()):
-    """Why a walk up a holder's parents stops at ``info`` (it is not part of the holder's job), or None.
-
-    It stops at a process of another owner (another CT, the node), the init of a pid namespace (the CT's init,
-    the host's pid 1), a process of this recover run (``own``: ``(pid, start_time)`` of the module, the controller
-    and their parents, :func:`ancestry`), an interactive shell (a person's login or terminal: what is beyond it is
-    their session, not the job), a session or service manager (sshd, tmux, cron, systemd...), and a protected
-    process.
-    """
-    if info is None:
-        return "is gone"
-    # First, whatever it is named: ending the shell that runs ansible-playbook ends the run itself.
-    if (info.pid, info.start_time) in own:
-        return "runs this recover run"
-    if info.owner != owner:
-        return "belongs to another owner"
-    if info.pid <= 1 or info.ns_pid == 1:
-        return "is the init of its pid namespace"
-    if is_shell(info) and is_interactive_shell(info):
-        return "is an interactive shell"
-    if matches_name(info, SESSION_MANAGERS):
-        return "starts sessions or services"
-    if matches_name(info, protected):
-        return "is protected"
-    return None
 
 
 def ancestry(pid, proc_root="/proc", limit=64):
@@ -614,45 +466,6 @@ def children_of(parents, proc_root="/proc"):
     return found
 
 
-def systemd_unit(path, owner):
-    """The systemd service a cgroup path lies in (its innermost ``*.service``), or None.
-
-    Returns ``{"name", "valid", "path", "user"}``: ``name`` as the path has it (untrusted: shown only after
-    ``valid`` says it is a plain unit name), ``path`` the unit's cgroup, ``user`` the uid of a user manager's
-    unit (None for a system service). For a CT only the part under ``/lxc/<vmid>/ns`` counts (the CT's own
-    systemd); another owner's processes have none (they are never ended). Login and job services (ssh, cron,
-    getty: SESSION_UNITS) are not a job's service.
-
-    >>> systemd_unit("/lxc/200/ns/system.slice/train.service", "ct:200")["name"]
-    'train.service'
-    >>> systemd_unit("/lxc/200/ns/.lxc", "ct:200") is None
-    True
-    """
-    kind, _, vmid = owner.partition(":")
-    if kind == "ct":
-        prefix = f"/lxc/{vmid}/ns"
-        if not path.startswith(prefix + "/"):
-            return None
-    elif owner == "host":
-        prefix = ""
-    else:
-        return None
-    parts = path[len(prefix) :].strip("/").split("/")
-    units = [i for i, part in enumerate(parts) if part.endswith(".service")]
-    if not units:
-        return None
-    name = parts[units[-1]]
-    user = next((USER_MANAGER.match(p).group(1) for p in parts[: units[-1]] if USER_MANAGER.match(p)), None)
-    if USER_MANAGER.match(name) or any(fnmatch.fnmatchcase(name, p) for p in SESSION_UNITS):
-        return None
-    return {
-        "name": name,
-        "valid": len(name) <= UNIT_NAME_LIMIT and bool(UNIT_NAME.match(name)),
-        "path": "/".join([prefix, *parts[: units[-1] + 1]]) if prefix else "/" + "/".join(parts[: units[-1] + 1]),
-        "user": int(user) if user is not None else None,
-    }
-
-
 def read_unit_members(path, cgroup_roots=CGROUP_ROOTS, proc_root="/proc"):
     """``[(pid, start_time)]`` of every process in the cgroup ``path`` and below it (host pids), or None when the
     cgroup cannot be found under any of ``cgroup_roots``."""
@@ -673,131 +486,3 @@ def read_unit_members(path, cgroup_roots=CGROUP_ROOTS, proc_root="/proc"):
                 members.append((pid, stat[2]))
         return members
     return None
-
-
-def unit_is_job(members, job):
-    """Whether a service is the job's own: its oldest process (its main one, or what started the rest) is one of
-    the job's processes (``job``: the holder and its parents up to where the walk stopped); pure.
-
-    A service whose members cannot be read counts as the job's (the step then fails naming it: nothing is ended
-    that a service may start again). A holder left in a service that runs other things (a CI runner's job, a
-    process that was started from a service and outlived its parent) is not the service's job.
-    """
-    if not members:
-        return True
-    oldest = min(members, key=lambda m: (m[1], m[0]))
-    return any((info.pid, info.start_time) == tuple(oldest) for info in job)
-
-
-# -- processes running from a directory (a venv about to be swapped) ----------------------------------------
-MAPS_LIMIT = 4 * 1024 * 1024  # bytes of /proc/<pid>/maps read: a big torch job maps a few thousand files (~1 MB)
-DELETED = " (deleted)"
-
-
-def under(path, roots):
-    """The first of ``roots`` (absolute directories) that ``path`` is or lies below, or None; pure.
-
-    >>> under("/opt/venvs/train.2/lib/libtorch.so", ["/opt/venvs/train", "/opt/venvs/train.2"])
-    '/opt/venvs/train.2'
-    """
-    if not path or not path.startswith("/"):
-        return None
-    path = path[: -len(DELETED)] if path.endswith(DELETED) else path
-    for root in roots:
-        top = root.rstrip("/") or "/"
-        if path == top or path.startswith(top.rstrip("/") + "/"):
-            return top
-    return None
-
-
-def parse_maps_paths(text):
-    """The files a /proc/<pid>/maps maps (its sixth field when it is a path), in order, once each; pure.
-
-    >>> parse_maps_paths("7f00-7f01 r-xp 00000000 00:2a 12 /opt/v/lib/x.so\\n7f02-7f03 rw-p 00000000 00:00 0 [heap]\\n")
-    ['/opt/v/lib/x.so']
-    """
-    found = {}
-    for line in (text or "").splitlines():
-        fields = line.split(None, 5)
-        if len(fields) == 6 and fields[5].startswith("/"):
-            found.setdefault(fields[5], None)
-    return list(found)
-
-
-def is_interpreter(path):
-    """Whether an executable's basename is a Python interpreter's (``python3.11``, ``pypy3``)."""
-    name = os.path.basename(path or "")
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in INTERPRETERS)
-
-
-def runs_from(pid, roots, proc_root="/proc", cwd=False):
-    """``(how, path, error)``: how process ``pid`` runs from one of ``roots`` (paths as ITS mount namespace names
-    them), cheapest read first; ``how`` is None when it does not, ``error`` says what could not be read.
-
-    1. ``exe``: /proc/<pid>/exe lies in a root (a binary of the venv). No lock is taken, nothing can block.
-       ``cwd`` (only with ``cwd``): its working directory does (no lock either). A shell cd'd into a directory
-       does not run from it, but removing that directory pulls it from under the shell.
-    2. ``argv0``: for a Python interpreter only, argv[0] lies in a root (``/opt/venvs/train/bin/python train.py``:
-       a venv's bin/python links to the base interpreter, so exe alone never names the venv).
-    3. ``mapped``: a file it maps lies in a root (a C extension, ``libtorch.so``: a job activated by PATH).
-
-    ``cmdline`` and ``maps`` take the process's mmap lock, which a thread stuck in the driver can hold for ever:
-    both are read by a child process under a deadline (:func:`read_bounded`). The kernel writes these paths as the
-    process's own mount namespace names them, so a CT's paths read on the node compare with paths inside the CT.
-    """
-    base = os.path.join(proc_root, str(pid))
-    try:
-        exe = os.readlink(os.path.join(base, "exe"))
-    except FileNotFoundError:
-        return None, None, None  # a kernel thread, a zombie or gone: it runs from no file
-    except OSError as error:
-        return None, None, f"could not read {os.path.join(base, 'exe')}: {error.strerror}"
-    if under(exe, roots):
-        return "exe", exe[: -len(DELETED)] if exe.endswith(DELETED) else exe, None
-    if cwd:
-        with contextlib.suppress(OSError):
-            directory = os.readlink(os.path.join(base, "cwd"))
-            if under(directory, roots):
-                return "cwd", directory[: -len(DELETED)] if directory.endswith(DELETED) else directory, None
-    errors = []
-    if is_interpreter(exe[: -len(DELETED)] if exe.endswith(DELETED) else exe):
-        text, error = read_bounded(os.path.join(base, "cmdline"))
-        argv0 = (text or "").split("\0", 1)[0]
-        if under(argv0, roots):
-            return "argv0", argv0, None
-        if error:
-            errors.append(error)
-    text, error = read_bounded(os.path.join(base, "maps"), limit=MAPS_LIMIT)
-    for path in parse_maps_paths(text):
-        if under(path, roots):
-            return "mapped", path[: -len(DELETED)] if path.endswith(DELETED) else path, None
-    if error:
-        errors.append(error)
-    return None, None, "; ".join(errors) or None
-
-
-def processes_running_from(owner, roots, proc_root="/proc", exclude=(), cwd=False):
-    """Node-side: the processes of ``owner`` (``ct:<vmid>``, ``host``) that run from one of ``roots``.
-
-    Returns ``(users, unreadable)``: ``users`` ``[(ProcessInfo, how, path)]`` (:func:`runs_from`),
-    ``unreadable`` ``[(ProcessInfo, error)]`` of those whose files could not be read (gone ones are skipped): a
-    caller that must not act under a user counts them as users it cannot rule out. ``cwd``: a process whose working
-    directory lies in a root counts too (before removing a directory, not before swapping a link).
-    The owner is told by each process's cgroup (one small read), so another CT's processes cost nothing more.
-    """
-    users, unreadable = [], []
-    for pid in list_pids(proc_root):
-        # pid 1 is the node's (the host's) init: it runs from no venv. A CT's init has another host pid.
-        if pid <= 1 or pid in exclude or pid == os.getpid() or read_owner(pid, proc_root) != owner:
-            continue
-        how, path, error = runs_from(pid, roots, proc_root, cwd)
-        if how is None and error is None:
-            continue
-        info = read_process(pid, proc_root)
-        if info is None:
-            continue  # it ended while we looked
-        if how is not None:
-            users.append((info, how, path))
-        else:
-            unreadable.append((info, error))
-    return users, unreadable

@@ -279,7 +279,7 @@ def lock_who(lock):
     return {key: lock.get(key) for key in ("owner", "controller", "controller_pid")}
 
 
-def fact_pass(target, specs, *, lock, python="python3", check_mode=False, warn=None, clock=time.monotonic):
+def fact_pass(target, specs, *, lock, python=None, check_mode=False, warn=None, clock=time.monotonic):
     """The fact pass of one target: take its run lock, read every step's facts in ONE probe, decide the lock.
 
     ``specs`` come from :func:`validate_specs`; ``lock`` holds ``lock_dir``, ``run_id``, ``owner`` and ``ttl``

@@ -16,6 +16,8 @@ is a TargetError of kind ``too_large``). The vmid is an integer in Proxmox's ran
 Failures of ``pct`` itself (container missing or stopped, ``pct`` missing, a command missing inside) become
 :class:`TargetError` with one line that says what was found and what to do.
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 from __future__ import annotations
 
@@ -47,7 +49,12 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Messages of Proxmox's pct (pve-container: src/PVE/CLI/pct.pm, src/PVE/LXC/Config.pm) and of lxc-attach.
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running!")
 PCT_NO_CONFIG = re.compile(r"Configuration file '([^']+)' does not exist")
+PCT_CONFIG_NODE = re.compile(r"(?:^|/)nodes/([^/]+)/lxc/")  # the node pct looked on, in its config path
 PCT_PARAM_ERROR = re.compile(r"400 Parameter verification failed")
+# pmxcfs, the cluster file system: every node of a cluster sees every node's CT configs here, as
+# <node>/lxc/<vmid>.conf. Read only when pct says a CT is not on its node (a CT migrated since the inventory was
+# written), never in a run that finds its CT.
+PVE_NODES = "/etc/pve/nodes"
 # pct before pve-container 5.0.9 (Proxmox VE 8.1, March 2024) has no --keep-env: Getopt::Long warns about it and
 # the CLI handler fails with "400 unable to parse option" before anything runs in the CT.
 PCT_NO_KEEP_ENV = re.compile(r"Unknown option: keep-env")
@@ -79,13 +86,16 @@ TARGET_ARGUMENT_SPEC = {
     "node_name": {"type": "str"},
     "timeout": {"type": "int", "default": DEFAULT_TIMEOUT},
 }
+# The option of the modules that run probe parts or scripts in the target's own Python (doc fragment
+# pve_target.python): the same interpreter everywhere, the fact pass's (the roles pass preflight_python).
+PYTHON_ARGUMENT_SPEC = {"python": {"type": "str", "default": "python3"}}
 
 
 class TargetError(RecoverError):
     """A command could not be run where it should, or failed.
 
-    ``kind`` is stable for code (``invalid``, ``missing``, ``stopped``, ``no_pct``, ``not_found``, ``timeout``,
-    ``failed``, ``probe``, ``too_large``); ``str(error)`` is the message for ``fail_json(msg=...)``.
+    ``kind`` is stable for code (``invalid``, ``missing``, ``moved``, ``stopped``, ``no_pct``, ``not_found``,
+    ``timeout``, ``failed``, ``probe``, ``too_large``); ``str(error)`` is the message for ``fail_json(msg=...)``.
     """
 
     @classmethod
@@ -106,6 +116,19 @@ class CommandResult:
     timed_out: bool = field(default=False)
     truncated: bool = field(default=False)  # a stream was longer than run_local's output_cap: only its head is kept
     abandoned: bool = field(default=False)  # it outlived SIGKILL (state D) and was left behind unreaped
+
+
+def nodes_holding(vmid, nodes_dir=None):
+    """The cluster nodes whose configuration holds CT ``vmid``, sorted: ``<nodes_dir>/<node>/lxc/<vmid>.conf``
+    exists (``nodes_dir``: :data:`PVE_NODES`, which every node of a cluster sees whole). ``[]`` off a cluster.
+
+    ``nodes_holding(200)`` -> ``["pve2"]`` once CT 200 migrated to pve2, seen from pve1 as from pve2."""
+    nodes_dir = PVE_NODES if nodes_dir is None else nodes_dir
+    try:
+        names = os.listdir(nodes_dir)
+    except OSError:
+        return []
+    return sorted(name for name in names if os.path.isfile(os.path.join(nodes_dir, name, "lxc", f"{vmid}.conf")))
 
 
 def validate_vmid(value):
@@ -146,7 +169,8 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap
     full_env.update(C_LOCALE)
     full_env.update(env or {})
     data = stdin.encode() if isinstance(stdin, str) else stdin
-    proc = subprocess.Popen(  # not a `with`: Popen.__exit__ would wait without a deadline
+    # Not run_command, which waits without a deadline; not a `with`: Popen.__exit__ would wait without one too.
+    proc = subprocess.Popen(  # pylint: disable=ansible-bad-function
         argv,
         stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -279,10 +303,10 @@ class Target:
     """A Proxmox CT seen from its node (``vmid`` given) or a bare host (``vmid`` None).
 
     ``runner`` executes an argv on the node and returns a CommandResult (tests inject a fake that asserts the
-    exact argvs); ``node`` names the node in messages.
+    exact argvs); ``node`` names the node in messages; ``python`` is the CT's interpreter that runs probe parts.
     """
 
-    def __init__(self, vmid=None, *, node=None, runner=None, pct="pct", timeout=DEFAULT_TIMEOUT):
+    def __init__(self, vmid=None, *, node=None, runner=None, pct="pct", timeout=DEFAULT_TIMEOUT, python="python3"):
         self.vmid = validate_vmid(vmid)
         if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
             # timeout(1) reads 0 as "no deadline": a hung command would then hang the run.
@@ -291,13 +315,15 @@ class Target:
         self.runner = runner or run_local
         self.pct = pct
         self.timeout = timeout
+        self.python = python
         # Whether this node's pct takes --keep-env (pve-container 5.0.9+); learnt from its answer, once per Target.
         self.pct_keep_env = True
 
     @classmethod
     def from_params(cls, params):
-        """The target a module's TARGET_ARGUMENT_SPEC options name."""
-        return cls(params["vmid"], node=params["node_name"], timeout=params["timeout"])
+        """The target a module's TARGET_ARGUMENT_SPEC (and PYTHON_ARGUMENT_SPEC) options name."""
+        python = params.get("python") or "python3"
+        return cls(params["vmid"], node=params["node_name"], timeout=params["timeout"], python=python)
 
     @property
     def is_container(self):
@@ -408,7 +434,7 @@ class Target:
         script = 'umask 077 && t="$1.tmp.$$" && cat > "$t" && chmod "$2" "$t" && mv -f "$t" "$1"'
         self.run(["sh", "-c", script, "sh", path, f"{mode:o}"], stdin=content, timeout=timeout)
 
-    def run_probe(self, probe_module, payload, *, python="python3", timeout=None):
+    def run_probe(self, probe_module, payload, *, python=None, timeout=None):
         """Run ``probe_module.probe(payload)`` in the target and return its JSON-able answer (one ``pct exec``)."""
         name = probe_name(probe_module)
         part = self.run_probes({name: (probe_module, payload)}, python=python, timeout=timeout)[name]
@@ -416,7 +442,7 @@ class Target:
             raise TargetError(f"{self.label}: the {name} probe failed: {part['error']}", kind="probe")
         return part["answer"]
 
-    def run_probes(self, parts, *, python="python3", timeout=None, on_output=None):
+    def run_probes(self, parts, *, python=None, timeout=None, on_output=None):
         """Run several probe parts in the target in ONE process and return ``{name: {"answer"|"error", "seconds"}}``.
 
         ``parts`` maps a name to ``(probe_module, payload)``. In a CT the modules' sources and their payloads
@@ -426,12 +452,14 @@ class Target:
         reports its error without stopping the others. On a bare host the parts run in this process, in a thread
         waited for ``timeout`` + KILL_GRACE seconds at most: a part stuck on a hung mount or in the driver is an
         error of kind ``wedged`` instead of a hung run. The answer of a CT is untrusted: anything but the expected
-        JSON shape is a TargetError naming what came back.
+        JSON shape is a TargetError naming what came back. ``python``: the CT's interpreter, the target's own when
+        None.
 
         ``on_output(stream, chunk)`` gets the parts' output as it comes: their progress lines (pve_ct_progress),
         which an error's message then leaves out. On a bare host the parts run here, and their lines go to it
         through ``pve_ct_progress.sink``.
         """
+        python = python or self.python
         if not self.is_container:
             if on_output is None:
                 return run_parts_bounded(parts, int(timeout or self.timeout) + KILL_GRACE, self.label)
@@ -517,6 +545,7 @@ class Target:
             )
         missing = PCT_NO_CONFIG.search(err)
         if missing:
+            self._raise_if_moved(missing.group(1), result)
             raise TargetError.of(
                 f"CT {self.vmid} does not exist on node {self.node} ({missing.group(1)} is missing); "
                 f"check pve_vmid and pve_node in the inventory (`pct list` on the node shows its CTs)",
@@ -529,6 +558,23 @@ class Target:
                 result,
                 kind="invalid",
             )
+
+    def _raise_if_moved(self, config, result):
+        """A CT pct does not find on this node but another node of the cluster holds (:func:`nodes_holding`; ``config``
+        is the path pct names, ``nodes/<this node>/lxc/<vmid>.conf``) has migrated: say where it lives now."""
+        here = PCT_CONFIG_NODE.search(config)
+        elsewhere = [node for node in nodes_holding(self.vmid) if not here or node != here.group(1)]
+        if not elsewhere:
+            return
+        where = " and ".join(elsewhere)
+        one = len(elsewhere) == 1
+        raise TargetError.of(
+            f"CT {self.vmid} lives on {'node' if one else 'nodes'} {where} now (moved from {self.node}): set "
+            f"pve_node to {where if one else 'the one it runs on'} or use the community.proxmox.proxmox inventory "
+            f"plugin",
+            result,
+            kind="moved",
+        )
 
     def _raise_for_wrapper(self, result, argv, seconds):
         self._raise_for_pct(result)

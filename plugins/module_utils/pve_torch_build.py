@@ -5,6 +5,8 @@
 Its own small module because the venv, compile-cache and verify steps all read it, and the fact pass imports
 (compiles, on the node, every run) only the modules of the steps it runs: verify must not pull in the others.
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 from __future__ import annotations
 

@@ -56,10 +56,11 @@ description:
     in the same call by a new read; a root still out of spec then fails the task. A converged run costs one
     C(pct exec), the read.
 version_added: "0.4.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
+  - pve_gpu.recover.pve_target.python
 attributes:
   check_mode:
     support: full
@@ -140,12 +141,6 @@ options:
     type: list
     elements: int
     default: []
-  python_executable:
-    description:
-      - Interpreter inside the target that runs the reader and the purge script (not the venv's python).
-        Ignored for a bare host, where both run in this module's own process.
-    type: str
-    default: python3
   unattended:
     description:
       - The scheduled drift corrector's mode - a stale root in use by a live process is left for a maintenance
@@ -155,9 +150,9 @@ options:
 requirements:
   - In the target, Python 3.9+ and, for the GPU models, C(nvidia-smi) (without it, no GPU is assumed).
 seealso:
-  - module: target_facts
-  - module: training_venv
-  - module: gpu_processes
+  - module: pve_gpu.recover.target_facts
+  - module: pve_gpu.recover.training_venv
+  - module: pve_gpu.recover.gpu_processes
 notes:
   - The stamp is what makes a cache trusted. A cache this module did not stamp is adopted once (the step assumes
     it was built for the venv as it is) unless the venv is rebuilt in the same run.
@@ -271,7 +266,8 @@ warmup:
       C(stdout_tail), C(stderr_tail).
   returned: always
   type: dict
-  sample: {argv: [/opt/venvs/train/bin/python, /srv/train/warmup.py], planned: true, ran: true, rc: 0, seconds: 19.2, size_before: 0, size_after: 151000000, filled: true}
+  sample: {argv: [/opt/venvs/train/bin/python, /srv/train/warmup.py], planned: true, ran: true, rc: 0, seconds: 19.2,
+           size_before: 0, size_after: 151000000, filled: true}
 size_before:
   description: Bytes in every root before the run.
   returned: always
@@ -330,31 +326,27 @@ done:
   type: dict
 """
 
-import time
-
-from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_progress
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import (
+    ActingStep,
+    leftover,
+    run_step_module,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
+    PYTHON_ARGUMENT_SPEC,
     TARGET_ARGUMENT_SPEC,
-    Target,
-    TargetError,
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script as cache_script
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.facts import (
-    NAME,
     SPEC,
     CacheError,
     act_payload,
-    check_spec,
     module_facts,
     probe_payload,
     window_line,
 )
 
-ACT = "act"
 # The pct exec that acts gets this much more than its script's own deadline, so the script answers first.
 GRACE = 60
 ARGUMENT_SPEC = {
@@ -363,24 +355,11 @@ ARGUMENT_SPEC = {
     **SPEC,
     "venv_pending": {"type": "bool", "default": False},
     "ending_pids": {"type": "list", "elements": "int", "default": []},
-    "python_executable": {"type": "str", "default": "python3"},
+    **PYTHON_ARGUMENT_SPEC,
 }
 DONE_KEYS = {"roots": list, "fingerprint": (dict, type(None))}
 WINDOW_KEYS = {"path": str, "real_path": str, "users": list}
 DONE_ROOT_KEYS = {"path": str, "stamped": bool, "size_before": (int, type(None)), "size_after": (int, type(None))}
-
-
-def check_options(params):
-    """Why the options cannot work (one sentence), or ``""``."""
-    return check_spec({name: params[name] for name in SPEC})
-
-
-def part_answer(parts, name, label):
-    """The answer of one part of a run_probes call; a part that raised is a TargetError naming it."""
-    part = parts[name]
-    if "error" in part:
-        raise TargetError(f"{label}: the {name} part failed: {part['error']}", kind="probe")
-    return part["answer"]
 
 
 def done_of(answer):
@@ -424,9 +403,9 @@ def script_windows(before, done, label):
     return lines
 
 
-def out_of_spec(facts):
+def unproven(facts):
     """Why the caches are not fresh after acting (one sentence), or ``""``."""
-    reasons = facts["problems"] + facts["changes"]
+    reasons = leftover(facts)
     if not reasons:
         return ""
     return f"the compile caches are still not in spec after the purge: {'; '.join(reasons[:5])}"
@@ -449,73 +428,70 @@ def warmup_result(before, done):
     return dict(before["warmup"], ran=ran is not None, **(ran or {}))
 
 
-def result_of(before, after, done, seconds, label=""):
-    """``changed``, changes and diff from the first read (identical in check mode), the sizes after from the last;
-    ``needs_window`` from the first read and from the acting script."""
-    return {
-        "changed": before["pending"],
-        "needs_window": before["needs_window"] + script_windows(before, done, label),
-        "cache_roots": roots_result(before, done),
-        "expected": before["expected"],
-        "venv": before["venv"],
-        "user": before["user"],
-        "refused": before["refused"],
-        "warmup": warmup_result(before, done),
-        "size_before": before["size_bytes"],
-        "size_after": after["size_bytes"] if after else None,
-        "changes": before["changes"],
-        "diff": before["diff"],
-        "seconds": round(seconds, 3),
-    }
+class CompileCache(ActingStep):
+    """Read every root, and when one is stale or unstamped: purge, stamp, warm up, read every root again."""
+
+    facts = cache_facts
+    argument_spec = ARGUMENT_SPEC
+    error = CacheError
+    script = cache_script
+    progress = "starting the purge and warm-up"  # run as an async job (the role, for a warm-up): followed as it runs
+
+    def payload(self, run):
+        return probe_payload(run.spec, run.params["timeout"], gpus=True)
+
+    def read(self, run):
+        before = super().read(run)
+        for warning in before["warnings"]:  # roots refused alone: the run goes on without them
+            run.warn(warning)
+        purging = any(root["verdict"] == "stale" for root in before["roots"])
+        if purging and before["processes_unreadable"] and not before["problems"]:
+            run.warn(
+                f"{run.target.label}: {before['processes_unreadable']} processes could not be inspected (another "
+                "user namespace?); the purge cannot vouch that none of them uses a cache root"
+            )
+        return before
+
+    def evaluate(self, run, answer, done=None):
+        if done is None:
+            return module_facts(
+                run.spec, answer, run.target.label, venv_pending=run.params["venv_pending"], ending=run.ending_pids()
+            )
+        # Roots the script found in use and left (unattended) stay stale: no reason to fail the check after.
+        left = [window["real_path"] for window in done.get("needs_window") or []]
+        return module_facts(run.spec, answer, run.target.label, window=left)
+
+    def problem_details(self, before):
+        return {"cache_roots": before["roots"], "refused": before["refused"]}
+
+    def act_payload(self, run, before):
+        # One pct exec: purge, stamp, warm up, then the reader part reads every root again.
+        budget = run.params["warmup_timeout"] + run.params["timeout"]
+        return act_payload(run.spec, before, run.answer, budget), budget + GRACE
+
+    def done(self, run, answer):
+        return done_of(answer)
+
+    def prove(self, run, after, done):
+        return unproven(after), {"cache_roots": roots_result(after, done)}
+
+    def result(self, run, before, after, done):
+        """The sizes after from the last read; ``needs_window`` from the first read and from the acting script."""
+        return {
+            "needs_window": before["needs_window"] + script_windows(before, done, run.target.label),
+            "cache_roots": roots_result(before, done),
+            "expected": before["expected"],
+            "venv": before["venv"],
+            "user": before["user"],
+            "refused": before["refused"],
+            "warmup": warmup_result(before, done),
+            "size_before": before["size_bytes"],
+            "size_after": after["size_bytes"] if after else None,
+        }
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
-    started = time.monotonic()
-    p = module.params
-    spec = {name: p[name] for name in SPEC}
-    target = None
-    try:
-        wrong = check_options(p)
-        if wrong:
-            raise CacheError(f"{wrong}; fix the compile_cache_* variable of that name", kind="invalid")
-        target = Target.from_params(p)
-        read = (cache_probe, probe_payload(spec, p["timeout"], gpus=True))
-        answer = target.run_probe(read[0], read[1], python=p["python_executable"])
-        # Check mode: the GPU step ended nothing, so the processes it would end still run; a real run sees them gone.
-        ending = p["ending_pids"] if module.check_mode else []
-        before = module_facts(spec, answer, target.label, venv_pending=p["venv_pending"], ending=ending)
-        for warning in before["warnings"]:  # roots refused alone: the run goes on without them
-            module.warn(warning)
-        if before["problems"]:
-            details = {"cache_roots": before["roots"], "refused": before["refused"]}
-            raise CacheError("; ".join(before["problems"]), kind="problems", details=details)
-        purging = any(root["verdict"] == "stale" for root in before["roots"])
-        if purging and before["processes_unreadable"]:
-            module.warn(
-                f"{target.label}: {before['processes_unreadable']} processes could not be inspected (another user "
-                "namespace?); the purge cannot vouch that none of them uses a cache root"
-            )
-        done = after = None
-        if before["pending"] and not module.check_mode:
-            # One pct exec: purge, stamp, warm up, then the reader part reads every root again.
-            budget = p["warmup_timeout"] + p["timeout"]
-            act = (cache_script, act_payload(spec, before, answer, budget))
-            # Run as an async job (the role, for a warm-up): what it is at goes to the controller as it runs.
-            on_output = pve_progress.follow(NAME, target.label, act[1], "starting the purge and warm-up")
-            parts = target.run_probes(
-                {ACT: act, NAME: read}, python=p["python_executable"], timeout=budget + GRACE, on_output=on_output
-            )
-            done = done_of(part_answer(parts, ACT, target.label))
-            # Roots the script found in use and left (unattended) stay stale: no reason to fail the check after.
-            left = [window["real_path"] for window in done.get("needs_window") or []]
-            after = module_facts(spec, part_answer(parts, NAME, target.label), target.label, window=left)
-            if out_of_spec(after):
-                raise CacheError(out_of_spec(after), kind="verify", details={"cache_roots": roots_result(after, done)})
-        result = result_of(before, after, done, time.monotonic() - started, target.label)
-    except RecoverError as error:
-        module.fail_json(**error.to_result(prefix=f"{target.label}: " if target else ""))
-    module.exit_json(**result)
+    run_step_module(CompileCache())
 
 
 if __name__ == "__main__":

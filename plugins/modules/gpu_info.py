@@ -16,7 +16,7 @@ description:
     (C(ct:<vmid>) for a Proxmox CT, C(host) for the node itself) and C(NSpid) gives its pid inside the CT.
   - Read-only; never changes anything.
 version_added: "0.1.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
@@ -30,7 +30,7 @@ options:
 requirements:
   - C(nvidia-smi) on the node and inside the target (the NVIDIA userspace driver).
 seealso:
-  - module: target_facts
+  - module: pve_gpu.recover.target_facts
 """
 
 EXAMPLES = r"""

@@ -61,10 +61,11 @@ description:
   - Attended (the default) the guard changes nothing - the operator asked for recovery - but I(guarded) still
     names the holders it matches.
 version_added: "0.1.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
+  - pve_gpu.recover.pve_target.python
 attributes:
   check_mode:
     support: full
@@ -184,7 +185,7 @@ options:
 requirements:
   - Runs as root on the node (or the bare host); C(nvidia-smi) on the node and inside the CT.
 seealso:
-  - module: gpu_info
+  - module: pve_gpu.recover.gpu_info
 notes:
   - Processes are signalled from the node by host pid, after checking the pid still names the same process
     (its start time), so a pid reused in the meantime is never hit.
@@ -347,10 +348,13 @@ polls:
   returned: always
   type: int
 error:
-  description: On failure, what kind of failure it was, stable for code (e.g. C(stopped), C(missing), C(timeout), C(locked)).
+  description:
+    - On failure, what kind of failure it was, stable for code - C(invalid) (an option that cannot work, before
+      anything runs), C(gpu_processes) (the GPUs cannot be freed - I(blockers), I(survivors), I(held),
+      I(restarted), I(new_holders) say why), and the target's (C(stopped), C(missing), C(timeout), C(probe), ...).
   returned: failure
   type: str
-  sample: stopped
+  sample: gpu_processes
 cmd:
   description: On failure of a command, the argv that ran (the C(pct exec) wrapper included).
   returned: failure of a command
@@ -369,7 +373,8 @@ stderr_tail:
   returned: failure of a command that printed
   type: str
 blockers:
-  description: On failure, the processes that keep the target's GPUs from being freed (another CT's, the node's, a protected one), each with its reason; nothing was ended.
+  description: On failure, the processes that keep the target's GPUs from being freed (another CT's, the node's, a
+    protected one), each with its reason; nothing was ended.
   returned: failure
   type: list
   elements: dict
@@ -397,33 +402,46 @@ new_holders:
   elements: dict
 """
 
-from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import NvidiaSmi
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import SPEC, check_spec, cleanup
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import ActingStep, run_step_module
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
+    PYTHON_ARGUMENT_SPEC,
+    TARGET_ARGUMENT_SPEC,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.acting import end_planned, survey
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import SPEC
+
+ARGUMENT_SPEC = {
+    **TARGET_ARGUMENT_SPEC,
+    "state": {"type": "str", "choices": ["absent"], "default": "absent"},
+    **SPEC,
+    **PYTHON_ARGUMENT_SPEC,
+}
+
+
+class GpuProcesses(ActingStep):
+    """Read the target's GPU holders on the node and plan; a real run ends them, waits until their memory is free
+    and watches for restarts, proving the GPUs free as it goes (it fails naming what outlived it)."""
+
+    facts = gpu_facts
+    argument_spec = ARGUMENT_SPEC
+
+    def read(self, run):
+        node_smi = NvidiaSmi(run.target.run_on_node, timeout=run.params["timeout"])
+        found, result = survey(run.target, node_smi, run.params, check_mode=run.check_mode, warn=run.warn)
+        plan = {"pending": result["changed"], "problems": [], "changes": result["changes"], "diff": result["diff"]}
+        return dict(plan, found=found, node_smi=node_smi, result=result)
+
+    def act(self, run, before):
+        return end_planned(run.target, before["node_smi"], run.params, before["found"], before["result"]), None
+
+    def result(self, run, before, after, done):
+        return before["result"]  # what acting learnt is in it (changes, killed, memory, watched...)
 
 
 def main():
-    module = AnsibleModule(
-        argument_spec={
-            **TARGET_ARGUMENT_SPEC,
-            "state": {"type": "str", "choices": ["absent"], "default": "absent"},
-            **SPEC,
-        },
-        supports_check_mode=True,
-    )
-    target = None
-    try:
-        wrong = check_spec(module.params)
-        if wrong:
-            raise RecoverError(f"{wrong}; fix the gpu_processes_* variable of that name", kind="invalid")
-        target = Target.from_params(module.params)
-        node_smi = NvidiaSmi(target.run_on_node, timeout=module.params["timeout"])
-        result = cleanup(target, node_smi, module.params, check_mode=module.check_mode, warn=module.warn)
-    except RecoverError as error:
-        module.fail_json(**error.to_result(prefix=f"{target.label}: " if target else ""))
-    module.exit_json(**result)
+    run_step_module(GpuProcesses())
 
 
 if __name__ == "__main__":

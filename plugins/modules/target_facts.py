@@ -21,11 +21,12 @@ description:
     run makes no further remote call. Otherwise C(lock.held) is true and the run releases it after its last step.
   - Changes nothing in the target; the lock file on the node is run bookkeeping and C(changed) is always false.
 version_added: "0.2.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - ansible.builtin.action_common_attributes.facts
   - pve_gpu.recover.pve_target
+  - pve_gpu.recover.pve_target.python
 attributes:
   check_mode:
     support: full
@@ -79,12 +80,6 @@ options:
       - Directory on the node that holds the lock files.
     type: path
     default: /run/lock/pve-gpu-recover
-  python:
-    description:
-      - Python interpreter inside the CT that runs the probe (ignored for a bare host, where the probe runs in this
-        module's own process).
-    type: str
-    default: python3
   steps:
     description:
       - The settings of each step whose facts are read, by step name; each is checked against the step's own
@@ -113,9 +108,9 @@ requirements:
   - On the node, C(pct) (for a CT), coreutils C(timeout) and C(nvidia-smi).
   - In the target, Python 3.9+ and C(nvidia-smi).
 seealso:
-  - module: target_lock
-  - module: gpu_processes
-  - module: gpu_info
+  - module: pve_gpu.recover.target_lock
+  - module: pve_gpu.recover.gpu_processes
+  - module: pve_gpu.recover.gpu_info
 notes:
   - Its action plugin (C(plugins/action/target_facts.py)) runs on the controller first, with no remote call. It
     fails the task, before any connection, with C(error=inventory) when the inventory names the target wrongly
@@ -243,20 +238,24 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_lock import DEFAULT_LOCK_DIR, DEFAULT_TTL
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES, fact_pass, validate_specs
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import TARGET_ARGUMENT_SPEC, Target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
+    PYTHON_ARGUMENT_SPEC,
+    TARGET_ARGUMENT_SPEC,
+    Target,
+)
 
 
 def main():
     module = AnsibleModule(
         argument_spec={
             **TARGET_ARGUMENT_SPEC,
+            **PYTHON_ARGUMENT_SPEC,
             "run_id": {"type": "str", "required": True},
             "owner": {"type": "str", "default": "unknown"},
             "controller": {"type": "str"},
             "controller_pid": {"type": "int"},
             "lock_ttl": {"type": "int", "default": DEFAULT_TTL},
             "lock_dir": {"type": "path", "default": DEFAULT_LOCK_DIR},
-            "python": {"type": "str", "default": "python3"},
             "steps": {"type": "dict", "default": {}},
             "fail_on_problems": {"type": "bool", "default": True},
             "check_run": {"type": "bool", "default": False},

@@ -25,7 +25,7 @@ description:
   - I(state=absent) releases the lock of the run; a lock of another run is left alone.
   - The lock lives on the node in C(/run/lock), so a node reboot clears it.
 version_added: "0.1.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
 attributes:
@@ -81,7 +81,7 @@ notes:
     when a run has nothing to do or a step found a problem. Otherwise this module releases it after the last
     step, in the C(always:) section of the steps, whether they succeeded or failed."
 seealso:
-  - module: target_facts
+  - module: pve_gpu.recover.target_facts
 """
 
 EXAMPLES = r"""

@@ -48,10 +48,11 @@ description:
     merge/rebase/cherry-pick/revert/bisect, a conflict, an untracked git repository inside, I(commit) missing and
     no I(remote), ignored files that the checkout would overwrite, a backup that would not fit.
 version_added: "0.4.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
+  - pve_gpu.recover.pve_target.python
 attributes:
   check_mode:
     support: full
@@ -126,16 +127,10 @@ options:
         killed (with what it started) and the task fails. Before the checkout, nothing is changed then.
     type: int
     default: 600
-  python_executable:
-    description:
-      - Interpreter inside the target that runs the reader and the reset script. Ignored for a bare host, where
-        both run in this module's own process.
-    type: str
-    default: python3
 requirements:
   - In the target, Python 3.9+ and git (2.5+, for C(GIT_COMMON_DIR)).
 seealso:
-  - module: target_facts
+  - module: pve_gpu.recover.target_facts
 notes:
   - git runs as root but reads none of the repository's config beyond an allowlist - nothing the repository's
     owner names runs as root. Clean/smudge filters therefore never run - git-lfs files are compared and checked out
@@ -310,32 +305,27 @@ stderr_tail:
 """
 
 import re
-import time
-from datetime import UTC, datetime
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import (
+    ActingStep,
+    leftover,
+    run_step_module,
+    utc_stamp,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
+    PYTHON_ARGUMENT_SPEC,
     TARGET_ARGUMENT_SPEC,
-    Target,
-    TargetError,
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import facts as code_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import script as code_script
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code.facts import (
-    NAME,
     SPEC,
     CodeError,
-    check_spec,
-    evaluate_step,
-    probe_payload,
-    read_node,
     reset_answer_shape,
     short,
 )
 
-RESET = "reset"
 # The pct exec of a reset gets reset_timeout, the re-read's timeout and this much more, so that the script's own
 # deadline fires first and it can still answer: 10 s, and the grace a checkout started in time gets beyond it.
 GRACE = 10 + int(code_script.GRACE)
@@ -349,24 +339,12 @@ ARGUMENT_SPEC = {
     "ending_pids": {"type": "list", "elements": "int", "default": []},
     "backup_keep": {"type": "int"},
     "reset_timeout": {"type": "int", "default": 600},
-    "python_executable": {"type": "str", "default": "python3"},
+    **PYTHON_ARGUMENT_SPEC,
 }
 # What the reset script answers on success, and the type of each key (its answer comes from inside the CT).
 ERROR_KIND = re.compile(r"[a-z_]{1,32}")
 DONE_KEYS = {"head": str, "fetched": bool, "removed": list, "pruned": list, "backup": (dict, type(None))}
 DONE_KEYS.update({"kept_ref": (str, type(None)), "head_before": (str, type(None)), "branch_before": (str, type(None))})
-
-
-def check_options(params):
-    """Why the options cannot work (one sentence), or ``""``."""
-    wrong = check_spec({name: params[name] for name in SPEC})
-    if wrong:
-        return wrong
-    if params["reset_timeout"] < 1:
-        return f"reset_timeout is {params['reset_timeout']}; give the reset at least 1 second"
-    if (params.get("backup_keep") or 0) < 0:
-        return f"backup_keep is {params['backup_keep']}; give how many backups to keep (0: every one)"
-    return ""
 
 
 def backups_kept(params):
@@ -393,14 +371,6 @@ def reset_payload(spec, params, stamp):
         "timeout": params["reset_timeout"],
         "keep": backups_kept(params),
     }
-
-
-def part_answer(parts, name, label):
-    """The answer of one part of a run_probes call; a part that raised is a TargetError naming it."""
-    part = parts[name]
-    if "error" in part:
-        raise TargetError(f"{label}: the {name} part failed: {part['error']}", kind="probe")
-    return part["answer"]
 
 
 def failure_tail(answer, path):
@@ -437,9 +407,9 @@ def done_of(answer, path):
     return answer
 
 
-def out_of_spec(facts, done):
+def unproven(facts, done):
     """Why the repository is not at the commit and clean after the reset (one sentence), or ``""``."""
-    reasons = facts["problems"] + facts["changes"]
+    reasons = leftover(facts)
     if not reasons:
         return ""
     saved = f"; the local changes are saved in {printable(done['backup']['dir'])}" if done.get("backup") else ""
@@ -451,77 +421,54 @@ def out_of_spec(facts, done):
     )
 
 
-def result_of(before, after, done, seconds):
-    """The module's result: ``changed``, the changes and the diff from the first read (identical in check mode),
-    the state from the last read, what the reset did."""
-    facts = after or before
-    done = done or {}
-    return {
-        "changed": before["pending"],
-        "needs_window": before["needs_window"],
-        "in_use": before["in_use"],
-        "repo": before["path"],  # not "path": exit_json would add stats of the node's file of that name
-        "commit": before["commit"],
-        "head": facts["head"],
-        "branch": facts["branch"],
-        "head_before": before["head"],
-        "branch_before": before["branch"],
-        "dirty": facts["dirty"],
-        "fetched": done.get("fetched", False),
-        "backup": done.get("backup"),
-        "kept_ref": done.get("kept_ref"),
-        "removed": done.get("removed", []),
-        "pruned": done.get("pruned", []),
-        "changes": before["changes"],
-        "diff": before["diff"],
-        "seconds": round(seconds, 3),
+class TrainingCode(ActingStep):
+    """Read the repository, and when it is not at the commit and clean: save, fetch, check out, read again."""
+
+    facts = code_facts
+    argument_spec = ARGUMENT_SPEC
+    error = CodeError
+    at_least = {
+        "reset_timeout": (1, "give the reset at least 1 second"),
+        "backup_keep": (0, "give how many backups to keep (0: every one)"),
     }
+    script = code_script
+    act_part = "reset"
 
+    def act_payload(self, run, before):
+        timeout = run.params["reset_timeout"] + run.params["timeout"] + GRACE
+        return reset_payload(run.spec, run.params, utc_stamp()), timeout
 
-def utc_stamp():
-    """The name of a backup: ``20261203T101500Z`` (UTC, so names sort by time on every target)."""
-    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    def done(self, run, answer):
+        return done_of(answer, run.spec["path"])
+
+    def prove(self, run, after, done):
+        saved = {"saved_in": done["backup"]["dir"]} if done["backup"] else {}
+        return unproven(after, done), saved
+
+    def result(self, run, before, after, done):
+        """The state from the last read (the first in check mode), what the reset did."""
+        facts = after or before
+        done = done or {}
+        return {
+            "needs_window": before["needs_window"],
+            "in_use": before["in_use"],
+            "repo": before["path"],  # not "path": exit_json would add stats of the node's file of that name
+            "commit": before["commit"],
+            "head": facts["head"],
+            "branch": facts["branch"],
+            "head_before": before["head"],
+            "branch_before": before["branch"],
+            "dirty": facts["dirty"],
+            "fetched": done.get("fetched", False),
+            "backup": done.get("backup"),
+            "kept_ref": done.get("kept_ref"),
+            "removed": done.get("removed", []),
+            "pruned": done.get("pruned", []),
+        }
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
-    started = time.monotonic()
-    p = module.params
-    spec = {name: p[name] for name in SPEC}
-    target = None
-    try:
-        wrong = check_options(p)
-        if wrong:
-            raise CodeError(f"{wrong}; fix the training_code_* variable of that name", kind="invalid")
-        target = Target.from_params(p)
-        vmid = target.vmid if target.is_container else None
-        context = {"target": {"label": target.label, "vmid": vmid, "node": target.node}, "steps": {}}
-        read = (code_probe, probe_payload(spec, p["timeout"]))
-        answer = target.run_probe(read[0], read[1], python=p["python_executable"])
-        # Unattended with a reset due: who uses the repository, read on the node (nothing otherwise). Check mode:
-        # the GPU step ended nothing, so the processes it would end still run; a real run sees them gone.
-        node = dict(read_node(spec, target, answer, context), ending=p["ending_pids"] if module.check_mode else [])
-        before = evaluate_step(spec, answer, node, dict(context, check_mode=module.check_mode))
-        if before["problems"]:
-            raise CodeError("; ".join(before["problems"]), kind="problems")
-        done = after = None
-        if before["pending"] and not module.check_mode:
-            # One pct exec: save, fetch, check out, then the reader part reads the repository again.
-            reset = (code_script, reset_payload(spec, p, utc_stamp()))
-            parts = target.run_probes(
-                {RESET: reset, NAME: read},
-                python=p["python_executable"],
-                timeout=p["reset_timeout"] + p["timeout"] + GRACE,
-            )
-            done = done_of(part_answer(parts, RESET, target.label), spec["path"])
-            after = evaluate_step(spec, part_answer(parts, NAME, target.label), {}, dict(context, check_mode=False))
-            if out_of_spec(after, done):
-                saved = {"saved_in": done["backup"]["dir"]} if done["backup"] else {}
-                raise CodeError(out_of_spec(after, done), kind="verify", details=saved)
-        result = result_of(before, after, done, time.monotonic() - started)
-    except RecoverError as error:
-        module.fail_json(**error.to_result(prefix=f"{target.label}: " if target else ""))
-    module.exit_json(**result)
+    run_step_module(TrainingCode())
 
 
 if __name__ == "__main__":

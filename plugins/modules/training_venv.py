@@ -46,10 +46,11 @@ description:
     more inside the target just before the swap, in the build's own C(pct exec), for a job started during the
     build (the new version is then removed). Either way the module does not fail - it builds nothing (or swaps
     nothing), returns C(changed=false) and names the processes in I(needs_window).
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
+  - pve_gpu.recover.pve_target.python
 attributes:
   check_mode:
     support: full
@@ -77,13 +78,47 @@ options:
     description:
       - The lock's TEXT (not a file name), as C(uv pip compile --generate-hashes) writes it. Every line must be an
         exact C(name==version) pin with hashes; its C(--index-url)/C(--extra-index-url) lines are the only indexes.
+      - Or a PEP 751 C(pylock.toml) (C(uv pip compile --format pylock.toml)), read into the same pins; it is
+        installed by uv only (C(uv pip sync pylock.toml)), so a target without uv needs I(uv_wheel). Reading it
+        needs Python 3.11 (C(tomllib)) on the node.
+      - A URL with credentials in the lock (C(https://user:token@host/simple)) is refused; give them as
+        I(index_credentials).
       - The roles read it on the controller, C(lookup('file', training_venv_lock_file)).
+      - Exactly one of I(lock) and I(lock_from_repo).
     type: str
-    required: true
-  python:
+  lock_from_repo:
+    description:
+      - The lock committed in the training repository instead of I(lock), read inside the target at the pinned
+        commit (C(git cat-file) from the object database - the work tree, local changes and HEAD do not matter),
+        so the code and its venv move together. git runs as the training code step runs it (none of the
+        repository's config, no hook, no filter).
+      - A commit the repository does not have yet is compared later in check mode (the training code step fetches
+        it first); a real run fails then, as it does when the path is not in that commit.
+      - The role fills it from C(training_code_path), C(training_code_commit), C(training_code_git) and
+        C(training_venv_lock_from_repo).
+    type: dict
+    suboptions:
+      repo:
+        description: The repository's work tree inside the target (C(training_code_path)).
+        type: path
+        required: true
+      commit:
+        description: The pinned commit, its full sha (C(training_code_commit)).
+        type: str
+        required: true
+      path:
+        description: The lock's path relative to the top of the repository (C(requirements/train.lock)).
+        type: str
+        required: true
+      git:
+        description: git inside the target.
+        type: str
+        default: git
+  python_version:
     description:
       - Python minor the venv must have (C(3.11)); the build asks uv for it, or runs C(python3.11 -m venv).
-      - Unset, the C(--python-version) in the lock's uv header is used; without one, C(python3) of the target.
+      - Unset, the C(--python-version) in the lock's uv header is used; without one, the one of I(python) in the
+        target.
     type: str
   tooling:
     description:
@@ -132,12 +167,6 @@ options:
         The C(pct exec) gets 60 more seconds for that cleanup.
     type: int
     default: 1800
-  python_executable:
-    description:
-      - Interpreter inside the target that runs the reader and the build script (not the venv's python).
-        Ignored for a bare host, where both run in this module's own process.
-    type: str
-    default: python3
   unattended:
     description:
       - Never swap the venv under a live process of the target; name the processes in I(needs_window) instead
@@ -153,11 +182,61 @@ options:
     type: list
     elements: int
     default: []
+  environment:
+    description:
+      - Environment variables of the build's commands (uv, pip) only, e.g. C(HTTPS_PROXY), C(HTTP_PROXY),
+        C(NO_PROXY), C(UV_HTTP_TIMEOUT). C(pct exec --keep-env 0) passes none of the node's.
+      - Not secret - they are shown in the invocation. A proxy URL with a password goes in I(secret_environment).
+      - Index settings (C(UV_INDEX_URL), C(PIP_INDEX_URL), ...) and what the build sets itself (C(UV_NO_CONFIG),
+        C(LC_ALL), ...) are refused; only the lock's indexes count.
+    type: dict
+    default: {}
+  secret_environment:
+    description:
+      - Like I(environment), for values that are secrets (C(HTTPS_PROXY=http://user:password@proxy:3128),
+        C(UV_INDEX_<NAME>_PASSWORD)). C(no_log) - Ansible masks every value in the result and the log, and the
+        build script masks them in what it answers.
+    type: dict
+    default: {}
+  ca_bundle:
+    description:
+      - A PEM file inside the target holding the CA(s) the build must trust - a private index's, or a
+        TLS-intercepting proxy's. Given to uv (C(SSL_CERT_FILE)) and pip (C(REQUESTS_CA_BUNDLE), C(PIP_CERT)).
+      - It replaces uv's and pip's roots for the build; a build that also reaches public hosts directly needs a
+        bundle with the public roots too (C(cat /etc/ssl/certs/ca-certificates.crt corp-ca.pem)).
+    type: path
+  system_certs:
+    description:
+      - uv trusts the target's system certificate store instead of its own roots (C(UV_SYSTEM_CERTS), uv 0.11+;
+        C(UV_NATIVE_TLS) for older uv); pip on Debian and pip 24.2+ use the system store already.
+    type: bool
+    default: false
+  index_credentials:
+    description:
+      - Credentials of the lock's indexes, written to a netrc file (mode 0600) in the build's private directory that
+        C(NETRC) names for uv and pip; removed with it. Never in an argv, the lock, the result or the log (the
+        password is C(no_log)).
+    type: list
+    elements: dict
+    default: []
+    suboptions:
+      host:
+        description: The index's host name (C(pypi.internal)), as netrc matches it.
+        type: str
+        required: true
+      username:
+        description: The user name.
+        type: str
+        required: true
+      password:
+        description: The password or token.
+        type: str
+        required: true
 requirements:
   - In the target, Python 3.9+ and either uv or the C(venv) module with C(ensurepip) (Debian C(python3-venv)).
-  - Network from the target to the lock's indexes.
+  - Network from the target to the lock's indexes (through the proxy of I(environment), trusting I(ca_bundle)).
 seealso:
-  - module: target_facts
+  - module: pve_gpu.recover.target_facts
 notes:
   - A job started through I(path) (C(<path>/bin/python)) reads files through the symlink; after a swap, what it
     imports later comes from the new version. Console scripts of a version (C(<path>/bin/torchrun)) name that
@@ -175,7 +254,7 @@ EXAMPLES = r"""
   pve_gpu.recover.training_venv:
     vmid: 200
     lock: "{{ lookup('file', 'files/lock_cu128.txt') }}"
-    python: "3.11"
+    python_version: "3.11"
   delegate_to: pve1
 
 - name: Use the uv installed in root's home, keep the current and one older version
@@ -184,6 +263,29 @@ EXAMPLES = r"""
     lock: "{{ lookup('file', 'files/lock_cu128.txt') }}"
     uv: /root/.local/bin/uv
     keep: 2
+  delegate_to: pve1
+
+- name: Build behind a TLS-intercepting proxy whose CA is in a file inside the CT, from a private index
+  pve_gpu.recover.training_venv:
+    vmid: 200
+    lock: "{{ lookup('file', 'files/lock_cu128.txt') }}"
+    environment:
+      HTTPS_PROXY: http://proxy.corp:3128
+      NO_PROXY: pypi.internal
+    ca_bundle: /usr/local/share/ca-certificates/corp-ca.crt
+    index_credentials:
+      - host: pypi.internal
+        username: ci
+        password: "{{ vault_pypi_internal_token }}"
+  delegate_to: pve1
+
+- name: Take the lock committed in the training repository at the pinned commit
+  pve_gpu.recover.training_venv:
+    vmid: 200
+    lock_from_repo:
+      repo: /srv/train
+      commit: 0123456789abcdef0123456789abcdef01234567
+      path: requirements/train.lock
   delegate_to: pve1
 
 - name: Only report what a rebuild would change (run with --check --diff)
@@ -307,8 +409,10 @@ error:
     - On failure, what kind of failure it was, stable for code. From the build - C(index_unreachable),
       C(not_on_index), C(hash_mismatch), C(no_space), C(timeout), C(no_builder) (no uv and no working
       C(-m venv)), C(venv_failed), C(python) (the python minor is not in the target), C(not_found), C(check)
-      (the new venv was not the lock), C(layout) (I(path) is a file), C(os_error), C(install_failed).
-      From the module - C(invalid), C(problems) (the venv could not be read, or a user other than root could
+      (the new venv was not the lock), C(layout) (I(path) is a file), C(os_error), C(install_failed), C(tls)
+      (the target does not trust the index's or a proxy's certificate - I(ca_bundle), I(system_certs)),
+      C(index_auth) (the index wants other credentials - I(index_credentials)), C(ca_bundle) (no such file).
+      From the module - C(invalid), C(lock) (the lock of I(lock_from_repo) cannot be read), C(problems) (the venv could not be read, or a user other than root could
       change it - a directory above it they own or may write, a symlink other than the step's own), C(verify) (still out of spec after
       the swap), and the target's (C(stopped), C(missing), C(probe), ...).
   returned: failure
@@ -339,36 +443,38 @@ left_behind:
 """
 
 import re
-import time
 import zipfile
-from datetime import UTC, datetime
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_progress
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import (
+    ActingStep,
+    leftover,
+    run_step_module,
+    utc_stamp,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
+    PYTHON_ARGUMENT_SPEC,
     TARGET_ARGUMENT_SPEC,
-    Target,
-    TargetError,
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import script as venv_script
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.facts import (
     NAME,
     SPEC,
     TOOLING,
     VenvError,
-    check_spec,
     effective_keep,
-    evaluate_step,
     expected_python,
     ignored_tooling,
+    lock_format,
     parse_lock,
-    probe_payload,
     prune_line,
-    read_node,
+    resolve_lock,
     window_message,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.network import (
+    network_payload,
+    network_problem,
 )
 
 BUILD = "build"
@@ -385,28 +491,33 @@ ARGUMENT_SPEC = {
     "uv": {"type": "str", "default": "uv"},
     "uv_wheel": {"type": "path"},
     "build_timeout": {"type": "int", "default": 1800},
-    "python_executable": {"type": "str", "default": "python3"},
+    **PYTHON_ARGUMENT_SPEC,
     "ending_pids": {"type": "list", "elements": "int", "default": []},
+    # The build's network (steps/training_venv/network.py): what reaches uv and pip, never the report or the log.
+    "environment": {"type": "dict", "default": {}},
+    "secret_environment": {"type": "dict", "default": {}, "no_log": True},
+    "ca_bundle": {"type": "path"},
+    "system_certs": {"type": "bool", "default": False},
+    "index_credentials": {
+        "type": "list",
+        "elements": "dict",
+        "default": [],
+        "options": {
+            "host": {"type": "str", "required": True},
+            "username": {"type": "str", "required": True},
+            "password": {"type": "str", "required": True, "no_log": True},
+        },
+    },
 }
 # What the build script answers on success, and the type of each key (its answer comes from inside the CT).
 BUILT_KEYS = {"current": str, "builder": dict, "lock_file": str, "cleaned": list, "removed": list}
 BUILT_KEYS.update({"retention_skipped": list, "previous": (dict, type(None))})
 
 
-def check_options(params):
-    """Why the options cannot work (one sentence), or ``""``."""
-    wrong = check_spec({name: params.get(name) for name in SPEC})
-    if wrong:
-        return wrong
-    if params["build_timeout"] < 1:
-        return f"build_timeout is {params['build_timeout']}; give the build at least 1 second"
-    return ""
-
-
 def build_payload(spec, params, stamp, prune_only=False):
     """What the build script needs, the lock's meaning included (the script parses nothing of ours).
 
-    ``build_payload({"path": "/opt/venvs/train", "lock": "six==1.17.0 --hash=sha256:ab\\n", "python": None,
+    ``build_payload({"path": "/opt/venvs/train", "lock": "six==1.17.0 --hash=sha256:ab\\n", "python_version": None,
     "tooling": "ignore", "keep": None}, {"uv": "uv", "build_timeout": 1800}, "20261203T101500Z")`` ->
     ``{"path": "/opt/venvs/train", "lock": ..., "python": None, "stamp": "20261203T101500Z", "uv": "uv", "keep":
     None, "timeout": 1800, "expected": {"six": "1.17.0"}, "ignore": ["pip", "setuptools", "wheel"],
@@ -415,7 +526,7 @@ def build_payload(spec, params, stamp, prune_only=False):
     lock = parse_lock(spec["lock"])
     locked = lock["distributions"]
     exact = spec["tooling"] == "exact"
-    return {
+    payload = {
         "path": spec["path"],
         "lock": spec["lock"],
         "python": expected_python(spec, lock),
@@ -429,14 +540,8 @@ def build_payload(spec, params, stamp, prune_only=False):
         "drop_tooling": sorted(set(TOOLING) - set(locked)) if exact else [],
         "prune_only": prune_only,  # in spec: only old versions beyond keep to remove, nothing built
     } | ({"window_check": True} if spec.get("unattended") else {})
-
-
-def part_answer(parts, name, label):
-    """The answer of one part of a run_probes call; a part that raised is a TargetError naming it."""
-    part = parts[name]
-    if "error" in part:
-        raise TargetError(f"{label}: the {name} part failed: {part['error']}", kind="probe")
-    return part["answer"]
+    payload |= {"lock_format": "pylock"} if lock_format(spec["lock"]) == "pylock" else {}
+    return payload | network_payload(params)
 
 
 def built_of(answer, path):
@@ -470,25 +575,41 @@ def built_of(answer, path):
     return answer
 
 
-def out_of_spec(facts):
+def unproven(facts):
     """Why the venv is not the lock (one sentence), or ``""``: a venv that was just built must have no changes.
 
     Retention's lines do not count: a version a process started to use since is kept (``retention_skipped``)."""
-    pruning = {prune_line(path, facts["keep"]) for path in facts["prune"]}
-    reasons = facts["problems"] + [change for change in facts["changes"] if change not in pruning]
+    reasons = leftover(facts, ignore={prune_line(path, facts["keep"]) for path in facts["prune"]})
     if not reasons:
         return ""
     more = f" (and {len(reasons) - 5} more)" if len(reasons) > 5 else ""
     return f"the venv at {facts['path']} is still not the lock after the build: {'; '.join(reasons[:5])}{more}"
 
 
-def result_of(before, after, built, seconds):
-    """The module's result: ``changed`` and the diff from the first read (identical in check mode), what is
-    installed from the last read, what the build did."""
+def swap_refused(before, built, label):
+    """The result when the build script found a live process on the current venv just before the swap: nothing
+    was swapped (the new version was removed), no change, the processes in ``needs_window``."""
+    users = [
+        {"pid": u["pid"], "ns_pid": u["pid"], "name": str(u.get("name")), "inside": True}
+        for u in built["needs_window"]["users"]
+    ]
+    when = " (found when the new version was ready; that version was removed, nothing swapped)"
+    sentence = window_message(label, before["path"], before["changes"], users, when)
+    stays = before["diff"]["before"]
+    return {
+        **built_result(dict(before, in_use=users, needs_window=[sentence]), None, None),
+        "changed": False,
+        "changes": [],
+        "diff": {"before": stays, "after": stays},
+        "cleaned": built.get("cleaned") or [],
+    }
+
+
+def built_result(before, after, built):
+    """What is installed from the last read (the first in check mode), what the build did."""
     facts = after or before
     built = built or {}
     return {
-        "changed": before["pending"],
         "needs_window": before["needs_window"],
         "in_use": before["in_use"],
         "venv": before["path"],  # not "path": exit_json would add stats of the node's file of that name
@@ -503,53 +624,7 @@ def result_of(before, after, built, seconds):
         "missing": facts["missing"],
         "extra": facts["extra"],
         "wrong": facts["wrong"],
-        "changes": before["changes"],
-        "diff": before["diff"],
-        "seconds": round(seconds, 3),
     }
-
-
-def rebuild(target, spec, p, read, context, *, prune_only=False):
-    """One pct exec: build and swap (``prune_only``: only remove old versions beyond keep), then the reader part
-    reads the venv again through the new symlink.
-
-    Returns ``(built, after)``; ``after`` is None when the build script found a live process on the current venv
-    just before the swap (unattended: ``built`` then holds ``needs_window``). Still out of spec fails (verify).
-    """
-    payload = build_payload(spec, p, utc_stamp(), prune_only)
-    # Run as an async job (the role, for a build): what the build is at goes to the controller as it runs.
-    on_output = pve_progress.follow(NAME, target.label, payload, "starting the build")
-    if p["uv_wheel"] and not prune_only:
-        payload["uv"] = install_uv(target, p["uv_wheel"])
-    parts = target.run_probes(
-        {BUILD: (venv_script, payload), NAME: read},
-        python=p["python_executable"],
-        timeout=p["build_timeout"] + CLEANUP_GRACE,
-        on_output=on_output,
-    )
-    built = built_of(part_answer(parts, BUILD, target.label), spec["path"])
-    if "needs_window" in built:
-        return built, None
-    after = evaluate_step(spec, part_answer(parts, NAME, target.label), {}, dict(context, check_mode=False))
-    if out_of_spec(after):
-        details = {key: built.get(key) for key in ("current", "previous", "builder", "lock_file")}
-        details.update({key: after[key] for key in ("installed", "missing", "extra", "wrong")})
-        raise VenvError(out_of_spec(after), kind="verify", details=details)
-    return built, after
-
-
-def swap_refused(before, built, label, seconds):
-    """The result when the build script found a live process on the current venv just before the swap: nothing
-    was swapped (the new version was removed), no change, the processes in ``needs_window``."""
-    users = [
-        {"pid": u["pid"], "ns_pid": u["pid"], "name": str(u.get("name")), "inside": True}
-        for u in built["needs_window"]["users"]
-    ]
-    when = " (found when the new version was ready; that version was removed, nothing swapped)"
-    sentence = window_message(label, before["path"], before["changes"], users, when)
-    result = result_of(dict(before, pending=False, in_use=users, needs_window=[sentence]), None, None, seconds)
-    stays = before["diff"]["before"]
-    return dict(result, changes=[], diff={"before": stays, "after": stays}, cleaned=built.get("cleaned") or [])
 
 
 def uv_from_wheel(wheel_path):
@@ -584,43 +659,53 @@ def install_uv(target, wheel_path):
     return path
 
 
-def utc_stamp():
-    """The name of a new version: ``20261203T101500Z`` (UTC, so names sort by time on every target)."""
-    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+class TrainingVenv(ActingStep):
+    """Read the venv, and when it is not the lock: build a new version beside it, check it, swap it in, read again
+    (or only remove old versions beyond keep)."""
+
+    facts = venv_facts
+    argument_spec = ARGUMENT_SPEC
+    error = VenvError
+    at_least = {"build_timeout": (1, "give the build at least 1 second")}
+    progress = "starting the build"  # run as an async job (the role, for a build): followed as it runs
+
+    def check_params(self, params):
+        return network_problem(params)
+
+    def evaluate(self, run, answer, done=None):
+        if done is None:
+            # The lock's text: the option's, or the one the probe read in the training repository at the pinned
+            # commit (the build and the re-read use it too).
+            run.spec = resolve_lock(run.spec, answer, may_defer=run.check_mode)[0]
+        return super().evaluate(run, answer, done)
+
+    def act(self, run, before):
+        """One pct exec: build and swap (in spec: only remove old versions beyond keep), then the reader part reads
+        the venv again through the new symlink. ``after`` is None when the build script found a live process on the
+        current venv just before the swap (unattended: ``built`` then holds ``needs_window``)."""
+        rebuild = before["rebuild"]
+        payload = build_payload(run.spec, run.params, utc_stamp(), prune_only=not rebuild)
+        if run.params["uv_wheel"] and rebuild:
+            payload["uv"] = install_uv(run.target, run.params["uv_wheel"])
+        parts = run.act_and_reread(BUILD, venv_script, payload, run.params["build_timeout"] + CLEANUP_GRACE)
+        built = built_of(run.part(parts, BUILD), run.spec["path"])
+        if "needs_window" in built:
+            return built, None
+        return built, self.evaluate(run, run.part(parts, NAME), built)
+
+    def prove(self, run, after, done):
+        details = {key: done.get(key) for key in ("current", "previous", "builder", "lock_file")}
+        details.update({key: after[key] for key in ("installed", "missing", "extra", "wrong")})
+        return unproven(after), details
+
+    def result(self, run, before, after, done):
+        if done is not None and "needs_window" in done:
+            return swap_refused(before, done, run.target.label)
+        return built_result(before, after, done)
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
-    started = time.monotonic()
-    p = module.params
-    spec = {name: p[name] for name in SPEC}
-    target = None
-    try:
-        wrong = check_options(p)
-        if wrong:
-            raise VenvError(f"{wrong}; fix the training_venv_* variable of that name", kind="invalid")
-        target = Target.from_params(p)
-        vmid = target.vmid if target.is_container else None
-        context = {"target": {"label": target.label, "vmid": vmid, "node": target.node}, "steps": {}}
-        read = (venv_probe, probe_payload(spec, p["timeout"]))
-        answer = target.run_probe(read[0], read[1], python=p["python_executable"])
-        # Unattended with a rebuild due: who runs from the venv, read on the node (nothing otherwise). Check mode:
-        # the GPU step ended nothing, so the processes it would end still run; a real run sees them gone.
-        node = dict(read_node(spec, target, answer, context), ending=p["ending_pids"] if module.check_mode else [])
-        before = evaluate_step(spec, answer, node, dict(context, check_mode=module.check_mode))
-        if before["problems"]:
-            raise VenvError("; ".join(before["problems"]), kind="problems")
-        built = after = None
-        if before["pending"] and not module.check_mode:
-            built, after = rebuild(target, spec, p, read, context, prune_only=not before["rebuild"])
-        seconds = time.monotonic() - started
-        if built is not None and "needs_window" in built:
-            result = swap_refused(before, built, target.label, seconds)
-        else:
-            result = result_of(before, after, built, seconds)
-    except RecoverError as error:
-        module.fail_json(**error.to_result(prefix=f"{target.label}: " if target else ""))
-    module.exit_json(**result)
+    run_step_module(TrainingVenv())
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ description:
   - It never changes anything and never reports C(changed). In recover.yml the fact pass (M(pve_gpu.recover.target_facts)) makes
     every check it can without importing torch; this module runs only when verify is pending there (I(import_torch)).
 version_added: "0.5.0"
-author: pve-gpu-recover contributors
+author: pve-gpu-recover contributors (@pve-gpu-recover)
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - pve_gpu.recover.pve_target
@@ -148,9 +148,9 @@ options:
 requirements:
   - C(nvidia-smi) inside the target; the venv at I(venv) with its python (3.9+) and torch.
 seealso:
-  - module: target_facts
-  - module: training_venv
-  - module: gpu_processes
+  - module: pve_gpu.recover.target_facts
+  - module: pve_gpu.recover.training_venv
+  - module: pve_gpu.recover.gpu_processes
 notes:
   - Never pastes what the target printed into advice - errors and GPU names are quoted and shortened, versions are
     checked against a pattern, and the commands it suggests name only GPU UUIDs the C(nvidia-smi) parser validated.
@@ -242,6 +242,12 @@ expected:
            torch_version: 2.11.0+cu128, cuda_version: "12.8",
            health: {ecc: fail, remapped_rows: fail, recovery_action: fail, pcie_width: warn, pcie_gen: ignore,
                     persistence_mode: warn}}
+changes:
+  description: What the run changed - nothing, ever (a read-only step); the key every acting module returns.
+  returned: always
+  type: list
+  elements: str
+  sample: []
 seconds:
   description: Seconds the module took.
   returned: always
@@ -288,29 +294,24 @@ bad_row:
 """
 
 import inspect
-import time
 
-from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import NvidiaSmi
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
-    TARGET_ARGUMENT_SPEC,
-    Target,
-    TargetError,
-)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import ActingStep, run_step_module
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import TARGET_ARGUMENT_SPEC, TargetError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts as verify_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.facts import (
-    SPEC,
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.answers import (
     VerifyError,
-    check_spec,
-    expected_gpus,
-    gpu_checks,
-    health_levels,
-    outcome,
     torch_answer,
-    torch_checks,
     torch_failure,
 )
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.facts import (
+    SPEC,
+    expected_gpus,
+    outcome,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.gpu_checks import gpu_checks, health_levels
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.torch_checks import torch_checks
 
 ARGUMENT_SPEC = {
     **TARGET_ARGUMENT_SPEC,
@@ -318,16 +319,6 @@ ARGUMENT_SPEC = {
     "torch_timeout": {"type": "int", "default": 180},
     "memory_kept_gpus": {"type": "list", "elements": "int", "default": []},
 }
-
-
-def check_options(params):
-    """Why the options cannot work (one sentence), or ``""``."""
-    wrong = check_spec({name: params[name] for name in SPEC})
-    if wrong:
-        return wrong
-    if params["torch_timeout"] < 1:
-        return f"torch_timeout is {params['torch_timeout']}; give torch at least 1 second"
-    return ""
 
 
 def torch_argv(venv):
@@ -386,41 +377,45 @@ def assert_all(spec, gpus, torch, label, memory_kept=()):
     return checks, expected
 
 
-def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
-    started = time.monotonic()
-    p = module.params
-    spec = {name: p[name] for name in SPEC}
-    target = None
-    try:
-        wrong = check_options(p)
-        if wrong:
-            raise VerifyError(f"{wrong}; fix the verify_* variable of that name", kind="invalid")
-        target = Target.from_params(p)
-        smi = NvidiaSmi(target.run, timeout=p["timeout"])
+class Verify(ActingStep):
+    """Read-only: read the GPUs and (unless never) torch, assert them; a failed assertion fails the module with
+    its whole result. It never acts, so check mode runs the same."""
+
+    facts = verify_facts
+    argument_spec = ARGUMENT_SPEC
+    error = VerifyError
+    at_least = {"torch_timeout": (1, "give torch at least 1 second")}
+
+    def read(self, run):
+        smi = NvidiaSmi(run.target.run, timeout=run.params["timeout"])
         gpus = smi.gpus()  # before torch: the memory it reads is the jobs', not the script's
-        torch = read_torch(target, spec["venv"], p["torch_timeout"]) if spec["import_torch"] != "never" else None
-        checks, expected = assert_all(spec, gpus, torch, target.label, p["memory_kept_gpus"])
-    except RecoverError as error:
-        # The target's own errors name it already ("CT 200 on pve1 is not running"); the others get its label.
-        named = target is None or str(error).startswith(target.label)
-        module.fail_json(**error.to_result(prefix="" if named else f"{target.label}: "))
-    for notice in smi.notices:
-        module.warn(f"{target.label}: {notice['message'][:300]}")
-    failed, warnings = outcome(checks)
-    for warning in warnings:
-        module.warn(warning)
-    result = {
-        "checks": checks,
-        "torch": torch,
-        "gpus": gpus,
-        "venv": spec["venv"],
-        "expected": expected,
-        "seconds": round(time.monotonic() - started, 3),
-    }
-    if failed:
-        module.fail_json(msg=" | ".join(failed), error="verify", **result)
-    module.exit_json(changed=False, **result)
+        import_torch = run.spec["import_torch"] != "never"
+        torch = read_torch(run.target, run.spec["venv"], run.params["torch_timeout"]) if import_torch else None
+        checks, expected = assert_all(run.spec, gpus, torch, run.target.label, run.params["memory_kept_gpus"])
+        facts = {"checks": checks, "torch": torch, "gpus": gpus, "expected": expected, "notices": smi.notices}
+        return dict(facts, pending=False, problems=[], changes=[], diff=None)
+
+    def result(self, run, before, after, done):
+        return {
+            "checks": before["checks"],
+            "torch": before["torch"],
+            "gpus": before["gpus"],
+            "venv": run.spec["venv"],
+            "expected": before["expected"],
+        }
+
+    def verdict(self, run, before, result):
+        """Every failed assertion at once, `` | ``-joined (each names the target); warnings as warnings."""
+        for notice in before["notices"]:
+            run.warn(f"{run.target.label}: {notice['message'][:300]}")
+        failed, warnings = outcome(result["checks"])
+        for warning in warnings:
+            run.warn(warning)
+        return " | ".join(failed)
+
+
+def main():
+    run_step_module(Verify())
 
 
 if __name__ == "__main__":

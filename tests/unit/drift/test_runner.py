@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -502,6 +503,30 @@ def test_host_key_checking_stays_as_ansible_playbook_alone_would_have_it(runner,
     assert runner.host_key_checking(tmp_path) == "False"
     monkeypatch.setenv("ANSIBLE_HOST_KEY_CHECKING", "True")
     assert runner.host_key_checking(tmp_path) == "True"
+
+
+def test_the_nested_run_finds_the_projects_own_collection_first(runner, tmp_path, monkeypatch):
+    """recover.yml imports pve_gpu.recover.recover: a checkout's collections/ (its link to itself), else the copy the
+    runner belongs to (installed: AWX, an execution environment), then what the run would have used anyway."""
+    import drift  # noqa: PLC0415 (after ROOT is on sys.path)
+    from drift import playbook  # noqa: PLC0415 (after ROOT is on sys.path)
+
+    monkeypatch.delenv("ANSIBLE_COLLECTIONS_PATH", raising=False)
+    (tmp_path / "ansible.cfg").write_text("[defaults]\ncollections_path = collections:/opt/more\n")
+    args = types.SimpleNamespace(project=tmp_path)
+    installed = playbook.environment(args, tmp_path / "reports")["ANSIBLE_COLLECTIONS_PATH"]
+    assert installed == f"{drift.COLLECTIONS}:{tmp_path}/collections:/opt/more"
+    (tmp_path / "collections").mkdir()
+    assert playbook.environment(args, tmp_path)["ANSIBLE_COLLECTIONS_PATH"] == f"{tmp_path}/collections:/opt/more"
+    # An AWX job's path (relative entries are its project's, the directory it runs in) replaces ansible.cfg's.
+    monkeypatch.setenv("ANSIBLE_COLLECTIONS_PATH", "/runner/requirements_collections:collections")
+    monkeypatch.chdir(tmp_path)
+    assert playbook.environment(args, tmp_path)["ANSIBLE_COLLECTIONS_PATH"] == (
+        f"{tmp_path}/collections:/runner/requirements_collections"
+    )
+    (tmp_path / "ansible.cfg").unlink()
+    monkeypatch.delenv("ANSIBLE_COLLECTIONS_PATH")
+    assert drift.collections_path("/x", tmp_path) == "/x:~/.ansible/collections:/usr/share/ansible/collections"
 
 
 def test_only_the_oldest_run_directories_are_pruned(runner, tmp_path):

@@ -156,9 +156,9 @@ def read_call(answer, payload=READ_PAYLOAD):
     return [*PCT, "60", *WRAPPER, json.dumps({"compile_cache": payload})], (0, out, "")
 
 
-def act_call(done, reread, payload=ACT_PAYLOAD, seconds="1020"):
+def act_call(done, reread, payload=ACT_PAYLOAD, seconds="1020", read_payload=READ_PAYLOAD):
     # warmup_timeout (900) + timeout (60) + 60 s so the script answers before the pct exec is killed.
-    payloads = {"act": payload, "compile_cache": READ_PAYLOAD}
+    payloads = {"act": payload, "compile_cache": read_payload}
     out = json.dumps({"act": {"answer": done, "seconds": 0.8}, "compile_cache": {"answer": reread, "seconds": 0.02}})
     return [*PCT, seconds, *WRAPPER, json.dumps(payloads)], (0, out, "")
 
@@ -254,6 +254,27 @@ def test_ct_a_process_the_gpu_step_ends_first_counts_as_gone_in_check_mode_only(
     assert "cannot purge /tmp/torchinductor_root: in use by pid 41 (python3: mapped)" in real["msg"]
 
 
+WARMUP_PATH = "/opt/venvs/train/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_a_warm_up_that_cannot_start_fails_before_anything_is_purged(check_mode, monkeypatch, capsys):
+    warmup = ["warmup-train", "--steps", "1"]
+    read = dict(READ_PAYLOAD, warmup={"command": "warmup-train", "path": WARMUP_PATH})
+    found = {"command": "warmup-train", "file": None, "state": "missing", "mode": None}
+    answer = dict(STALE, warmup=dict(found, interpreter=None, interpreter_state=None))
+    runner = FakeRunner(read_call(answer, read))  # the read, and no act: nothing is purged
+    result = run_module(
+        compile_cache, dict(CT_PARAMS, warmup=warmup), runner, monkeypatch, capsys, check_mode=check_mode
+    )
+    assert (result["failed"], result["error"]) == (True, "problems")
+    assert result["msg"] == (
+        f"CT 200 on pve1: the warm-up command warmup-train is not on the PATH it runs with ({WARMUP_PATH}); install "
+        "it in the target or give compile_cache_warmup its full path, or set compile_cache_warmup to [] (no warm-up)"
+    )
+
+
 @pytest.mark.usefixtures("on_pve1")
 def test_ct_a_failed_warm_up_names_its_exit_code_and_stderr_and_what_was_done(monkeypatch, capsys):
     warmup = ["/opt/venvs/train/bin/python", "/srv/train/warmup.py"]
@@ -287,7 +308,9 @@ def test_ct_a_failed_warm_up_names_its_exit_code_and_stderr_and_what_was_done(mo
         "uid": 0,
         "gid": 0,
     }
-    runner = FakeRunner(read_call(STALE), act_call(failed, CONVERGED, payload))
+    # The read also says how the warm-up's command would be found.
+    read = dict(READ_PAYLOAD, warmup={"command": warmup[0], "path": payload["warmup"]["env"]["PATH"]})
+    runner = FakeRunner(read_call(STALE, read), act_call(failed, CONVERGED, payload, read_payload=read))
     result = run_module(compile_cache, dict(CT_PARAMS, warmup=warmup), runner, monkeypatch, capsys)
     assert (result["failed"], result["error"], result["rc"], result["cmd"]) == (True, "warmup_failed", 1, warmup)
     assert result["msg"] == f"CT 200 on pve1: {failed['message']}"
@@ -320,17 +343,6 @@ def test_ct_options_that_cannot_work_fail_before_any_call(monkeypatch, capsys):
     result = run_module(compile_cache, dict(CT_PARAMS, roots=["cache"]), FakeRunner(), monkeypatch, capsys)
     assert (result["failed"], result["error"]) == (True, "invalid")
     assert result["msg"].startswith("the root 'cache' is not an absolute path")
-
-
-def test_the_documented_options_are_the_argument_spec():
-    import yaml  # noqa: PLC0415
-
-    options = yaml.safe_load(compile_cache.DOCUMENTATION)["options"]
-    assert sorted(options) == sorted(set(compile_cache.ARGUMENT_SPEC) - {"vmid", "node_name", "timeout"})
-    for name, rules in compile_cache.ARGUMENT_SPEC.items():
-        if name in options:
-            assert options[name]["type"] == rules["type"], name
-            assert options[name].get("default") == rules.get("default"), name
 
 
 # -- real directories on a bare host ---------------------------------------------------------------------------

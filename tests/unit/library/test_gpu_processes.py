@@ -9,8 +9,12 @@ from types import SimpleNamespace
 import gpu_processes
 import pytest
 import yaml
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_act_runner
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import acting as gpu_acting
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import ending as gpu_ending
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import plan as gpu_plan
 
 from tests.fakes import FakeRunner, run_module
 
@@ -73,12 +77,17 @@ class FakeProcesses:
         }
 
     def patch(self, monkeypatch):
-        """Give gpu_facts this process table and a clock that sleeping only moves (no real waits)."""
-        names = ("read_process", "device_holders", "still_there", "signal_process", "read_unit_members", "read_stat")
-        for name in (*names, "children_of"):
+        """Give the step this process table, in each of its modules that reads or signals (facts: the node reads
+        that the module shares with the fact pass; acting: the rest), and a clock that sleeping only moves (no real
+        waits)."""
+        for name in ("read_process", "device_holders", "read_unit_members"):
             monkeypatch.setattr(gpu_facts, name, getattr(self, name))
+        for name in ("read_process", "device_holders", "still_there", "signal_process", "read_stat", "children_of"):
+            monkeypatch.setattr(gpu_acting, name, getattr(self, name))
         clock = FakeClock()
-        monkeypatch.setattr(gpu_facts, "time", SimpleNamespace(monotonic=clock, sleep=clock.sleep))
+        monkeypatch.setattr(gpu_acting, "time", SimpleNamespace(monotonic=clock, sleep=clock.sleep))
+        # The runner times the module (its `seconds`) on the same clock.
+        monkeypatch.setattr(pve_act_runner, "time", SimpleNamespace(monotonic=clock))
 
 
 @pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
@@ -112,7 +121,7 @@ def test_collect_merges_nvml_and_device_holders_and_skips_other_gpus_and_the_dea
         {"pid": 2, "used_memory_mib": 10, "gpu_uuid": "GPU-z"},  # not the target's GPU
         {"pid": 3, "used_memory_mib": 10, "gpu_uuid": "GPU-a"},  # gone before it could be read
     ]
-    holders = gpu_facts.collect_holders(apps, gpus, {1: info(1), 2: info(2), 3: None}, [(info(4), [(195, 0)])])
+    holders = gpu_plan.collect_holders(apps, gpus, {1: info(1), 2: info(2), 3: None}, [(info(4), [(195, 0)])])
     assert {pid: (h["gpus"], sorted(h["found_by"])) for pid, h in holders.items()} == {
         1: ({0: 100, 1: 50}, ["nvml"]),
         4: ({}, ["device"]),
@@ -143,7 +152,7 @@ def test_escalation_waits_only_as_long_as_needed():
             alive.discard(process.pid)
 
     entries = [{"info": info(1)}, {"info": info(2)}]
-    killed, survivors = gpu_facts.end_processes(
+    killed, survivors = gpu_ending.end_processes(
         entries,
         grace=1.0,
         kill_timeout=1.0,
@@ -163,7 +172,7 @@ def test_escalation_waits_only_as_long_as_needed():
 def test_memory_wait_stops_at_the_first_free_poll():
     clock = FakeClock()
     answers = [[{"uuid": "GPU-a", "memory_used_mib": 500}], [{"uuid": "GPU-a", "memory_used_mib": 0}]]
-    rows, polls, free = gpu_facts.wait_for_memory(
+    rows, polls, free = gpu_ending.wait_for_memory(
         lambda: answers.pop(0), {"GPU-a"}, threshold=0, timeout=30, poll_interval=0.02, clock=clock, sleep=clock.sleep
     )
     assert (polls, free, rows[0]["memory_used_mib"]) == (2, True, 0)
@@ -173,7 +182,7 @@ def test_memory_wait_stops_at_the_first_free_poll():
 def test_memory_wait_gives_up_at_the_timeout():
     clock = FakeClock()
     busy = [{"uuid": "GPU-a", "memory_used_mib": 500}]
-    _, polls, free = gpu_facts.wait_for_memory(
+    _, polls, free = gpu_ending.wait_for_memory(
         lambda: busy, {"GPU-a"}, threshold=100, timeout=1, poll_interval=0.25, clock=clock, sleep=clock.sleep
     )
     assert (polls, free) == (5, False)
@@ -181,8 +190,8 @@ def test_memory_wait_gives_up_at_the_timeout():
 
 def test_threshold_and_other_gpus():
     rows = [{"uuid": "GPU-a", "memory_used_mib": 5}, {"uuid": "GPU-z", "memory_used_mib": 9000}]
-    assert gpu_facts.busy_gpus(rows, {"GPU-a"}, 5) == []
-    assert gpu_facts.busy_gpus(rows, {"GPU-a"}, 4) == [rows[0]]
+    assert gpu_plan.busy_gpus(rows, {"GPU-a"}, 5) == []
+    assert gpu_plan.busy_gpus(rows, {"GPU-a"}, 4) == [rows[0]]
 
 
 @pytest.mark.parametrize(
@@ -213,6 +222,21 @@ def test_a_run_says_what_it_changed_how_long_it_took_and_how_long_it_watched(mon
     ]
     assert result["watched"] == pytest.approx(10.0, abs=0.05)  # the default settle window, on the fake clock
     assert result["seconds"] >= result["watched"]
+
+
+def test_check_mode_says_what_a_run_would_change_and_how_long_it_took(monkeypatch, capsys):
+    case = next(c for c in CASES if c["id"] == "ends_own_holders_sigterm_then_sigkill")
+    runner = FakeRunner(*[(c["argv"], (c["rc"], c.get("stdout", ""), c.get("stderr", ""))) for c in case["calls"]])
+    FakeProcesses(case["procs"], case.get("units")).patch(monkeypatch)
+    monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
+    result = run_module(gpu_processes, case["params"], runner, monkeypatch, capsys, check_mode=True)
+    # The same lines as the real run (the result shape the acting modules' runner gives every module).
+    assert result["changes"] == [
+        "end pid 516 (python3, pid 41 inside) on GPU 0, 20000 MiB",
+        "end pid 517 (python3, pid 42 inside) on GPU 1, 5000 MiB",
+    ]
+    assert (result["changed"], result["killed"], result["watched"]) == (True, [], 0.0)
+    assert isinstance(result["seconds"], float)
 
 
 def test_check_mode_warns_about_a_process_stuck_in_d(monkeypatch, capsys):

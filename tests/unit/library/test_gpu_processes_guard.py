@@ -101,9 +101,9 @@ def run(params, calls, procs, monkeypatch, capsys, *, check_mode=False):
     return result, table.signals
 
 
-def pid_file_call(answer, files=("/run/train.pid",)):
+def pid_file_call(answer, files=("/run/train.pid",), python="python3"):
     """The module's own read of the guard's pid files, inside the CT: one more pct exec."""
-    argv = [*PCT, "python3", "-I", "-", json.dumps({"gpu_processes": {"pid_files": list(files)}})]
+    argv = [*PCT, python, "-I", "-", json.dumps({"gpu_processes": {"pid_files": list(files)}})]
     return argv, (0, json.dumps({"gpu_processes": {"answer": {"pid_files": answer}, "seconds": 0.01}}), "")
 
 
@@ -168,6 +168,15 @@ def test_unattended_a_pid_file_read_by_the_module_guards_the_job_through_its_lau
         "in /run/train.pid (gpu_processes_guard)"
     )
     assert signals == ([] if check_mode else [[600, "SIGTERM"]])
+
+
+def test_the_pid_file_is_read_by_the_cts_python_the_option_names(monkeypatch, capsys):
+    # `python` is the CT's interpreter of every probe part (the role passes preflight_python, the fact pass's).
+    read = pid_file_call({"/run/train.pid": {"state": "ok", "pid": 12, "reason": None}}, python="/usr/bin/python3.11")
+    params = {"unattended": True, "guard": [{"pid_file": "/run/train.pid"}], "python": "/usr/bin/python3.11"}
+    result, signals = run(params, [CT_MEMORY, read, NODE_APPS], job(), monkeypatch, capsys, check_mode=True)
+    assert (result["changed"], signals) == (True, [])
+    assert [g["pid"] for g in result["guarded"]] == [516]
 
 
 def test_unattended_with_only_the_guarded_job_nothing_is_ended_and_nothing_fails(monkeypatch, capsys):

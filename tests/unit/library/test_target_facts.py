@@ -337,8 +337,8 @@ def test_the_lock_records_the_controller_so_a_later_run_can_tell_why_it_holds(tm
     assert "if that run was cut off (its node unreachable, its controller laptop gone)" in other["msg"]
 
 
-def test_the_pass_imports_only_the_steps_it_reads():
-    # Every import is paid on the node on every run: steps that are off must not be imported at all.
+def loaded_by(call):
+    """The module_utils that ``call`` (Python, on ``pve_steps``) imports, in a fresh interpreter."""
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
@@ -347,14 +347,30 @@ def test_the_pass_imports_only_the_steps_it_reads():
     script = (
         f"import sys; sys.path.insert(0, {str(ROOT / 'collections')!r});"
         "from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps;"
-        "pve_steps.validate_specs({'gpu_processes': {}});"
+        f"{call};"
         "prefix = 'ansible_collections.pve_gpu.recover.plugins.module_utils.';"
-        "print(sorted(m[len(prefix):] for m in sys.modules if m.startswith(prefix)))"
+        "print(' '.join(sorted(m[len(prefix):] for m in sys.modules if m.startswith(prefix))))"
     )
-    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    assert "'steps.gpu_processes.facts'" in loaded and "'steps.preflight.facts'" in loaded, loaded
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_the_pass_imports_only_the_steps_it_reads():
+    # Every import is paid on the node on every run: steps that are off must not be imported at all.
+    loaded = loaded_by("pve_steps.validate_specs({'gpu_processes': {}})")
+    gpu = [m for m in loaded if m.startswith("steps.gpu_processes.")]
+    # The step's fact-pass modules; its acting half (acting, ending) is the gpu_processes module's alone.
+    assert gpu == [f"steps.gpu_processes.{m}" for m in ("facts", "guard", "messages", "plan", "probe")], loaded
+    assert "steps.preflight.facts" in loaded, loaded
     for off in ("compile_cache", "training_code", "training_venv", "verify"):
-        assert f"steps.{off}." not in loaded, loaded
+        assert not any(m.startswith(f"steps.{off}.") for m in loaded), loaded
+
+
+def test_the_steps_after_the_gpu_step_import_only_its_handoff():
+    # The venv, code and cache steps read the pids the GPU step ends: with the GPU step off, that costs one small
+    # module, not the step.
+    loaded = loaded_by("pve_steps.steps_in(dict.fromkeys(['training_code', 'training_venv', 'compile_cache']))")
+    assert [m for m in loaded if m.startswith("steps.gpu_processes.")] == ["steps.gpu_processes.handoff"], loaded
+    assert "pve_process_job" not in loaded, loaded  # the GPU step's rules for a holder's job
 
 
 def test_fail_on_problems_false_returns_the_facts_without_failing(tmp_path, monkeypatch, capsys):

@@ -9,7 +9,6 @@ a second repository as the remote. No network, no sleep.
 """
 
 import hashlib
-import importlib.util
 import inspect
 import json
 import os
@@ -22,12 +21,11 @@ from pathlib import Path
 
 import pytest
 import training_code
-import yaml
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import script
 
-from tests.conftest import ROOT, unavailable
+from tests.conftest import unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
 
 PINNED = "4f3c2a1b0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b"
@@ -134,6 +132,17 @@ def test_ct_a_converged_repository_costs_one_pct_exec_and_changes_nothing(monkey
         assert (result["changed"], result["changes"], result["backup"], result["removed"]) == (False, [], None, [])
         assert result["diff"] == {"before": f"HEAD {PINNED}\n", "after": f"HEAD {PINNED}\n"}
         assert (result["repo"], result["head"], result["branch"]) == ("/srv/train", PINNED, "main")
+
+
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_the_reader_and_the_reset_run_on_the_cts_python_the_option_names(monkeypatch, capsys):
+    # `python`: the CT's interpreter of every probe part and script, the fact pass's (the role passes
+    # preflight_python); the venv's python is never it.
+    python = "/usr/bin/python3.11"
+    calls = [read_call(DIRTY), reset_call(DONE, RESET_DONE)]
+    calls = [([python if arg == "python3" else arg for arg in argv], answer) for argv, answer in calls]
+    result = run_module(training_code, dict(CT_PARAMS, python=python), FakeRunner(*calls), monkeypatch, capsys)
+    assert (result["changed"], result["head"]) == (True, PINNED)
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -257,22 +266,6 @@ def test_ct_options_that_cannot_work_fail_before_any_call(monkeypatch, capsys, c
     assert (result["failed"], result["error"]) == (True, "invalid")
     assert result["msg"].startswith(message)
     assert result["msg"].endswith("; fix the training_code_* variable of that name")
-
-
-def test_the_documented_options_are_the_argument_spec():
-    found = importlib.util.spec_from_file_location("pve_target_fragment", ROOT / "plugins/doc_fragments/pve_target.py")
-    fragment = importlib.util.module_from_spec(found)
-    found.loader.exec_module(fragment)
-    options = yaml.safe_load(training_code.DOCUMENTATION)["options"]
-    options.update(yaml.safe_load(fragment.ModuleDocFragment.DOCUMENTATION)["options"])
-    assert sorted(options) == sorted(training_code.ARGUMENT_SPEC)
-    for name, rules in training_code.ARGUMENT_SPEC.items():
-        documented = options[name]
-        assert (documented["type"], documented.get("default"), documented.get("choices")) == (
-            rules.get("type", "str"),
-            rules.get("default"),
-            rules.get("choices"),
-        ), name
 
 
 # -- real repositories on a bare host --------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import base64
 import errno
 import hashlib
 import http.server
-import importlib.util
 import inspect
 import json
 import os
@@ -27,13 +26,14 @@ from pathlib import Path
 
 import pytest
 import training_venv
-import yaml
 from ansible_collections.pve_gpu.recover.plugins.module_utils import (
     pve_ct_act,
+    pve_ct_git,
     pve_ct_progress,
     pve_ct_venv,
     pve_progress,
 )
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import wrong_option
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import PROBES_MAIN, Target, probes_input
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
@@ -180,7 +180,7 @@ def test_the_script_imports_only_the_standard_library_and_what_it_ships():
 
 
 def test_the_payload_carries_what_the_lock_means():
-    spec = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore", "keep": 2}
+    spec = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python_version": None, "tooling": "ignore", "keep": 2}
     params = {"uv": "/root/.local/bin/uv", "build_timeout": 900}
     assert training_venv.build_payload(spec, params, "20261203T101500Z") == {
         "path": "/opt/venvs/train",
@@ -195,7 +195,7 @@ def test_the_payload_carries_what_the_lock_means():
         "drop_tooling": [],
         "prune_only": False,
     }
-    exact = training_venv.build_payload(dict(spec, tooling="exact", python="3.11"), params, "20261203T101500Z")
+    exact = training_venv.build_payload(dict(spec, tooling="exact", python_version="3.11"), params, "20261203T101500Z")
     assert (exact["ignore"], exact["drop_tooling"]) == ([], ["pip", "setuptools", "wheel"])
 
 
@@ -207,30 +207,15 @@ def test_the_payload_carries_what_the_lock_means():
         ({"unattended_keep": 0}, "unattended_keep is 0; the current venv counts, so unattended_keep is at least 1"),
         ({"build_timeout": 0}, "build_timeout is 0; give the build at least 1 second"),
         ({"lock": "torch>=2\n"}, "the lock, line 1: `torch>=2` is not an exact pin"),
-        ({"python": "3.12"}, "python is 3.12 but the lock was compiled for 3.11"),
+        ({"python_version": "3.12"}, "python_version is 3.12 but the lock was compiled for 3.11"),
     ],
 )
 def test_options_that_cannot_work_are_named(changed, message):
-    params = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python": None, "tooling": "ignore"}
+    params = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python_version": None, "tooling": "ignore"}
     params.update({"keep": None, "unattended_keep": 3, "unattended": False, "build_timeout": 1800, **changed})
-    assert training_venv.check_options(params).startswith(message)
-    assert bool(training_venv.check_options(params)) == bool(message)
-
-
-def test_the_documented_options_are_the_argument_spec():
-    found = importlib.util.spec_from_file_location("pve_target_fragment", ROOT / "plugins/doc_fragments/pve_target.py")
-    fragment = importlib.util.module_from_spec(found)
-    found.loader.exec_module(fragment)
-    options = yaml.safe_load(training_venv.DOCUMENTATION)["options"]
-    options.update(yaml.safe_load(fragment.ModuleDocFragment.DOCUMENTATION)["options"])
-    assert sorted(options) == sorted(training_venv.ARGUMENT_SPEC)
-    for name, rules in training_venv.ARGUMENT_SPEC.items():
-        documented = options[name]
-        assert (documented["type"], documented.get("default"), documented.get("choices")) == (
-            rules.get("type", "str"),
-            rules.get("default"),
-            rules.get("choices"),
-        ), name
+    wrong = wrong_option(training_venv.TrainingVenv(), params)
+    assert wrong.startswith(message)
+    assert bool(wrong) == bool(message)
 
 
 # -- the module on a CT, replayed ------------------------------------------------------------------------------
@@ -246,7 +231,7 @@ CT_PATH = "/opt/venvs/train"
 CT_PARAMS = {"vmid": 200, "lock": SMALL_LOCK}
 PCT = ["pct", "exec", "200", "--keep-env", "0", "--", "timeout", "-k", "5"]
 WRAPPER = ["env", "LC_ALL=C", "LANG=C", "python3", "-I", "-"]
-READ_PAYLOAD = {"path": CT_PATH, "timeout": 60}
+READ_PAYLOAD = {"path": CT_PATH, "timeout": 60, "uv": "uv", "python": "3.11"}
 STAMP = "20261203T101500Z"
 BUILD_PAYLOAD = {
     "path": CT_PATH,
@@ -383,7 +368,8 @@ def test_ct_check_mode_reports_the_rebuild_and_the_real_run_does_it_in_one_more_
     # What travels on stdin: the shared modules once each, then the build script's and the reader's sources, run in
     # that order in one process.
     given = json.loads(runner.stdin[1])
-    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in (pve_ct_act, pve_ct_progress, pve_ct_venv)}
+    shared = (pve_ct_act, pve_ct_progress, pve_ct_venv, pve_ct_git)
+    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in shared}
     sources = {"build": inspect.getsource(script), "training_venv": inspect.getsource(venv_probe)}
     assert given["sources"] == sources
 
@@ -461,6 +447,27 @@ def test_ct_what_the_reader_could_not_read_stops_before_any_build(monkeypatch, c
     result = run_module(training_venv, CT_PARAMS, FakeRunner(read_call(unreadable)), monkeypatch, capsys)
     assert (result["failed"], result["error"]) == (True, "problems")
     assert "Permission denied" in result["msg"]
+
+
+@pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
+@pytest.mark.usefixtures("on_pve1")
+def test_ct_a_venv_the_target_cannot_build_fails_before_the_build(check_mode, monkeypatch, capsys):
+    # Called alone, the module reads what a build would use as the fact pass does, and stops the same way.
+    path = "/usr/sbin:/usr/bin"
+    build = {"path": path, "uv": None, "uv_missing": f"uv is not on PATH ({path})", "python": "python3.11"}
+    build.update(base_python="/usr/bin/python3.11", venv=True, ensurepip=False, uv_python=None, own="3.11")
+    runner = FakeRunner(read_call(dict(POLLUTED, build=build)))  # the read, no build
+    result = run_module(training_venv, CT_PARAMS, runner, monkeypatch, capsys, check_mode=check_mode)
+    assert (result["failed"], result["error"]) == (True, "problems")
+    assert result["msg"].startswith(
+        "CT 200 on pve1: the venv at /opt/venvs/train needs a rebuild but the target cannot build it: no uv (uv is "
+        "not on PATH (/usr/sbin:/usr/bin)) and `python3.11 -m venv` fails there"
+    )
+    # With the role's uv wheel the same target can: the build would run (check mode: planned only).
+    if check_mode:
+        wheel = dict(CT_PARAMS, uv_wheel="/var/cache/pve-gpu-recover/uv-0.9.0-py3-none-manylinux_2_28_x86_64.whl")
+        runner = FakeRunner(read_call(dict(POLLUTED, build=dict(build, uv_python="/usr/bin/python3.11"))))
+        assert run_module(training_venv, wheel, runner, monkeypatch, capsys, check_mode=True)["changed"] is True
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -612,7 +619,7 @@ class Host:
         self.monkeypatch = monkeypatch
 
     def run(self, capsys, pins=GOOD, *, check_mode=False, **params):
-        args = {"path": str(self.path), "lock": self.indexes.lock(pins), "python": "3.11", "uv": UV, **params}
+        args = {"path": str(self.path), "lock": self.indexes.lock(pins), "python_version": "3.11", "uv": UV, **params}
         return run_module(training_venv, args, FakeRunner(), self.monkeypatch, capsys, check_mode=check_mode)
 
     def version(self, stamp):
@@ -754,7 +761,8 @@ def test_an_index_that_drops_a_download_leaves_the_old_venv_and_the_next_run_suc
     assert failed["msg"] == (
         "host gpu1: building the venv failed (index_unreachable): installing the lock with `uv pip sync` failed "
         "(exit 2): Failed to download `idna==3.10`: connection closed before message completed; the target cannot "
-        f"download from the lock's indexes; check its network or proxy and run again; {host.path} was left as it was"
+        "download from the lock's indexes; check its network, or give its proxy as training_venv_environment "
+        f"(HTTPS_PROXY, NO_PROXY), and run again; {host.path} was left as it was"
     )
     assert failed["cmd"][1:3] == ["pip", "sync"] and failed["stderr_tail"]
     assert failed["left_behind"] is None
@@ -777,7 +785,7 @@ def test_an_interrupted_build_is_removed_by_the_next_run(host, capsys):
     # Target.run_probes ships it, let it hang on one wheel, then SIGKILL its group.
     requested, release = threading.Event(), threading.Event()
     host.indexes.server.hang["idna-3.10-py3-none-any.whl"] = (requested, release)
-    spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
+    spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python_version": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[1])
     program = probes_input({"build": (script, payload)})
     build = subprocess.Popen(
@@ -950,7 +958,7 @@ def test_the_script_runs_as_shipped_on_python_3_9(host, capsys):
     python = next((str(p) for p in candidates if p.exists()), None)
     if python is None or subprocess.run([python, "-c", "pass"], check=False).returncode != 0:
         unavailable("no python3.9 here")
-    spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python": "3.11", "tooling": "ignore"}
+    spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python_version": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[0])
     answer = run_probes_program(python, {"build": (script, payload)})["build"]["answer"]
     assert answer["current"] == str(host.version(STAMPS[0])), answer

@@ -26,6 +26,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps, 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import query_gpu_argv
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts as verify_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import gpu_checks as verify_gpu_checks
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
 
 from tests.conftest import FIXTURES, ROOT
@@ -92,7 +93,7 @@ def test_the_known_good_state_passes_in_two_pct_execs_and_changes_nothing(check_
     )
     assert torch["python"] == "/opt/venvs/train/bin/python"
     assert len(result["gpus"]) == 8 and result["gpus"][0]["name"] == "NVIDIA H200"
-    assert result["expected"]["health"] == verify_facts.HEALTH_DEFAULTS
+    assert result["expected"]["health"] == verify_gpu_checks.HEALTH_DEFAULTS
     assert "warnings" not in result
     # nvidia-smi first (the memory it reads is the jobs', not the script's), no stdin; then the script on stdin.
     assert runner.stdin == [None, inspect.getsource(verify_probe)]
@@ -329,13 +330,15 @@ def test_every_setting_has_a_role_variable_with_the_same_default_and_an_argument
     options = load("meta/argument_specs.yml")["argument_specs"]["main"]["options"]
     for name, rules in verify_facts.SPEC.items():
         want = verify_facts.SPEC_DEFAULTS[name]
+        if name == "venv":  # one venv variable: the training venv's path, the module's default without it
+            want = f"{{{{ training_venv_path | default('{want}') }}}}"
         assert defaults[f"verify_{name}"] == want, name
         assert options[f"verify_{name}"]["type"] == rules["type"], name
         assert options[f"verify_{name}"].get("default") == want, name
         assert options[f"verify_{name}"].get("choices") == rules.get("choices"), name
     health = options["verify_health"]["options"]
-    assert {k: v["default"] for k, v in health.items()} == verify_facts.HEALTH_DEFAULTS
-    assert all(v["choices"] == list(verify_facts.LEVELS) for v in health.values())
+    assert {k: v["default"] for k, v in health.items()} == verify_gpu_checks.HEALTH_DEFAULTS
+    assert all(v["choices"] == list(verify_gpu_checks.LEVELS) for v in health.values())
     for name in ("torch_timeout", "timeout"):
         assert (
             defaults[f"verify_{name}"] == verify.ARGUMENT_SPEC[name]["default"] == options[f"verify_{name}"]["default"]

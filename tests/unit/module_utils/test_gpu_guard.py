@@ -10,7 +10,8 @@ import pytest
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as cleanup
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import messages as gpu_messages
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import probe as gpu_probe
 
 from tests.unit.module_utils.test_gpu_jobs import fake_proc
@@ -27,7 +28,7 @@ CONTEXT = {
         }
     },
 }
-DEFAULTS = {name: option["default"] for name, option in cleanup.SPEC.items()}
+DEFAULTS = {name: option["default"] for name, option in gpu_facts.SPEC.items()}
 TRAIN_SENTENCE = (
     f"{LABEL}: pid 516 (python3, pid 116 inside) on GPU 0, 20000 MiB, running 'python3 train.py', is left running: "
     "it matches gpu_processes_guard {match: 'train\\\\.py'}; ending it needs a window (run recover.yml without "
@@ -55,7 +56,7 @@ def node(tmp_path, monkeypatch):
     """CT 200 as the node sees it: tmux runs a login shell, which runs a `while true` loop around torchrun, which
     runs the worker (GPU 0) and its DataLoader child (device files); a stray run left on GPU 1."""
     root = tmp_path / "proc"
-    monkeypatch.setattr(cleanup, "read_process", functools.partial(pp.read_process, proc_root=str(root)))
+    monkeypatch.setattr(gpu_facts, "read_process", functools.partial(pp.read_process, proc_root=str(root)))
     fake_proc(root, 300, ppid=100, comm="systemd", argv=["/sbin/init"], nspid=1, cgroup="/lxc/200/ns/init.scope")
     fake_proc(root, 460, ppid=300, comm="tmux: server", argv=["tmux", "new", "-s", "train"])
     fake_proc(root, 480, ppid=460, comm="bash", argv=["-bash"])
@@ -67,10 +68,10 @@ def node(tmp_path, monkeypatch):
     fake_proc(root, 600, ppid=590, comm="python3", argv=["python3", "leftover.py"])
 
     def device_holders(owner, proc_root="/proc", exclude=()):
-        return [(cleanup.read_process(517), [(195, 0)])] if owner == "ct:200" else []
+        return [(gpu_facts.read_process(517), [(195, 0)])] if owner == "ct:200" else []
 
-    monkeypatch.setattr(cleanup, "device_holders", device_holders)
-    monkeypatch.setattr(cleanup, "NvidiaSmi", FakeSmi)
+    monkeypatch.setattr(gpu_facts, "device_holders", device_holders)
+    monkeypatch.setattr(gpu_facts, "NvidiaSmi", FakeSmi)
     return root
 
 
@@ -81,8 +82,8 @@ class Target:
 
 def facts(guard, unattended, answer=None, context=CONTEXT, **spec):
     settings = dict(DEFAULTS, guard=guard, unattended=unattended, **spec)
-    node = cleanup.read_node(settings, Target, answer, context)
-    return cleanup.evaluate_step(settings, answer, node, context)
+    node = gpu_facts.read_node(settings, Target, answer, context)
+    return gpu_facts.evaluate_step(settings, answer, node, context)
 
 
 def pids(entries):
@@ -170,7 +171,7 @@ def test_an_unreadable_pid_file_stops_an_unattended_run_and_not_an_attended_one(
     ]
     assert found["pending"] is False
     assert facts([{"pid_file": "/run/train.pid"}], unattended=False, answer=answer)["problems"] == []
-    with pytest.raises(cleanup.GpuProcessesError, match="answered no 'pid_files' object"):
+    with pytest.raises(gpu_messages.GpuProcessesError, match="answered no 'pid_files' object"):
         facts([{"pid_file": "/run/train.pid"}], unattended=True, answer={"pid_file": []})
 
 
@@ -211,8 +212,8 @@ def test_a_holder_sharing_the_guarded_job_or_parent_of_a_guarded_one_is_left_run
     )
     # ... and the evaluation's own worker, holding device files: it goes with what it descends from.
     fake_proc(node, 521, ppid=520, comm="python3", argv=["python3", "-c", "eval worker"])
-    devices = [(cleanup.read_process(517), [(195, 0)]), (cleanup.read_process(521), [(195, 1)])]
-    monkeypatch.setattr(cleanup, "device_holders", lambda owner, proc_root="/proc", exclude=(): devices)
+    devices = [(gpu_facts.read_process(517), [(195, 0)]), (gpu_facts.read_process(521), [(195, 1)])]
+    monkeypatch.setattr(gpu_facts, "device_holders", lambda owner, proc_root="/proc", exclude=(): devices)
     found = facts([{"match": r"^python3 train\.py$"}], unattended=True)
     kept = {int(s.split("pid ")[1].split(" ")[0]): s for s in found["needs_window"]}
     assert sorted(kept) == [516, 517, 520, 521]
@@ -243,13 +244,13 @@ def test_a_holder_sharing_the_guarded_job_or_parent_of_a_guarded_one_is_left_run
     ],
 )
 def test_a_guard_of_the_wrong_shape_is_named_before_anything_runs(guard, message):
-    assert cleanup.check_spec(dict(DEFAULTS, guard=guard)).startswith(message)
+    assert gpu_facts.check_spec(dict(DEFAULTS, guard=guard)).startswith(message)
     with pytest.raises(pve_steps.StepSpecError, match=re.escape(f"settings of step gpu_processes: {message}")):
         pve_steps.validate_specs({"gpu_processes": {"guard": guard}})
 
 
 def test_a_guard_entry_that_is_no_dict_is_named_too():
-    assert cleanup.check_spec(dict(DEFAULTS, guard=["train.py"])).startswith(
+    assert gpu_facts.check_spec(dict(DEFAULTS, guard=["train.py"])).startswith(
         "gpu_processes_guard[0] is 'train.py', not a dict; each entry is {match: REGEX}"
     )
     # The fact pass (and the module) check the types first: Ansible names the option and what it wanted.
@@ -262,7 +263,7 @@ def test_the_settings_validate_and_default_to_attended_without_a_guard():
     assert (specs["gpu_processes"]["unattended"], specs["gpu_processes"]["guard"]) == (True, [{"match": "train"}])
     defaults = pve_steps.validate_specs({"gpu_processes": {}})["gpu_processes"]
     assert (defaults["unattended"], defaults["guard"]) == (False, [])
-    assert cleanup.check_spec(defaults) is None
+    assert gpu_facts.check_spec(defaults) is None
 
 
 # -- the pid files, read inside the target ---------------------------------------------------------------------
@@ -274,7 +275,7 @@ def test_the_fact_pass_reads_pid_files_in_its_one_probe_only_when_the_guard_name
     )
     part = pve_steps.probe_parts(guarded, 60)[probe_name(gpu_probe)]
     assert part == (gpu_probe, {"pid_files": ["/run/a.pid"]})
-    assert probe_name(gpu_probe) == cleanup.NAME
+    assert probe_name(gpu_probe) == gpu_facts.NAME
 
 
 @pytest.mark.parametrize(

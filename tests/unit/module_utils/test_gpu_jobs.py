@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as cleanup
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import ending as gpu_ending
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import plan as gpu_plan
 
 SESSION = "/lxc/200/ns/user.slice/user-0.slice/session-3.scope"
 
@@ -32,9 +34,9 @@ def proc(tmp_path, monkeypatch):
     """A fake node /proc under tmp_path (and its cgroup tree), read by gpu_facts instead of the real one."""
     root = tmp_path / "proc"
     cgroups = tmp_path / "cgroup"
-    monkeypatch.setattr(cleanup, "read_process", functools.partial(pp.read_process, proc_root=str(root)))
+    monkeypatch.setattr(gpu_facts, "read_process", functools.partial(pp.read_process, proc_root=str(root)))
     monkeypatch.setattr(
-        cleanup,
+        gpu_facts,
         "read_unit_members",
         functools.partial(pp.read_unit_members, cgroup_roots=(str(cgroups),), proc_root=str(root)),
     )
@@ -56,20 +58,20 @@ def holder(info, memory=0):
 
 def plan(to_end, ancestors, units, protected=()):
     holders = {e["info"].pid: e for e in to_end}
-    return cleanup.plan_jobs(
+    return gpu_plan.plan_jobs(
         to_end,
         holders,
         ancestors,
         units,
         owner="ct:200",
-        launchers=cleanup.DEFAULT_LAUNCHERS,
+        launchers=gpu_facts.DEFAULT_LAUNCHERS,
         protected=list(protected),
     )
 
 
 def test_the_walk_reads_parents_up_to_the_interactive_login_shell_and_not_beyond(proc):
-    worker = cleanup.read_process(516)
-    ancestors, units = cleanup.read_jobs([worker], "ct:200")
+    worker = gpu_facts.read_process(516)
+    ancestors, units = gpu_facts.read_jobs([worker], "ct:200")
     # 480 is read (that is how the walk knows to stop) but nothing above it: not sshd, not the CT's init.
     assert sorted(ancestors) == [480, 490, 500]
     assert units == {}
@@ -83,8 +85,8 @@ def test_the_walk_reads_parents_up_to_the_interactive_login_shell_and_not_beyond
 
 
 def test_a_forked_child_holding_the_gpu_is_no_launcher_and_shares_its_parents_launchers(proc):
-    worker, child = cleanup.read_process(516), cleanup.read_process(517)
-    ancestors, units = cleanup.read_jobs([worker, child], "ct:200")
+    worker, child = gpu_facts.read_process(516), gpu_facts.read_process(517)
+    ancestors, units = gpu_facts.read_jobs([worker, child], "ct:200")
     restarters, _ = plan([holder(worker, 20000), holder(child)], ancestors, units)
     # The child's parent is a holder (ended anyway): its walk stops there; the launchers are the worker's.
     assert [(r["info"].pid, r["restarts"]) for r in restarters] == [(490, [516]), (500, [516])]
@@ -98,8 +100,8 @@ def test_the_walk_never_crosses_into_the_node_or_another_ct(proc):
     # A parent in CT 201 (a pid namespace shared by mistake, or a forged ppid): never part of CT 200's job.
     fake_proc(root, 800, ppid=1, comm="bash", argv=["bash", "-c", "loop"], cgroup="/lxc/201/ns/.lxc")
     fake_proc(root, 816, ppid=800, comm="python3", argv=["python3", "t.py"], cgroup="/lxc/200/ns/.lxc")
-    infos = [cleanup.read_process(716), cleanup.read_process(816)]
-    ancestors, _ = cleanup.read_jobs(infos, "ct:200")
+    infos = [gpu_facts.read_process(716), gpu_facts.read_process(816)]
+    ancestors, _ = gpu_facts.read_jobs(infos, "ct:200")
     assert sorted(ancestors) == [700, 800]  # read, and the walk stopped at each
     restarters, _ = plan([holder(i) for i in infos], ancestors, {})
     assert restarters == []
@@ -112,8 +114,8 @@ def test_the_walk_stops_at_the_cts_init_and_at_a_protected_parent(proc):
     fake_proc(root, 600, ppid=590, comm="nv-hostengine", argv=["nv-hostengine"])
     fake_proc(root, 616, ppid=600, comm="bash", argv=["bash", "-c", "python3 t.py"])
     fake_proc(root, 617, ppid=616, comm="python3", argv=["python3", "t.py"])
-    worker = cleanup.read_process(617)
-    ancestors, units = cleanup.read_jobs([worker], "ct:200")
+    worker = gpu_facts.read_process(617)
+    ancestors, units = gpu_facts.read_jobs([worker], "ct:200")
     restarters, _ = plan([holder(worker)], ancestors, units, protected=["nv-hostengine"])
     assert [r["info"].pid for r in restarters] == [616]  # the protected daemon above it is never ended
 
@@ -125,8 +127,8 @@ def test_a_holder_in_its_own_service_is_found_with_the_services_members(proc):
     fake_proc(root, 916, ppid=900, comm="python3", argv=["python3", "train.py"], cgroup=unit)
     (cgroups / unit.lstrip("/")).mkdir(parents=True)
     (cgroups / unit.lstrip("/") / "cgroup.procs").write_text("900\n916\n")
-    worker = cleanup.read_process(916)
-    ancestors, units = cleanup.read_jobs([worker], "ct:200")
+    worker = gpu_facts.read_process(916)
+    ancestors, units = gpu_facts.read_jobs([worker], "ct:200")
     assert units == {unit: [(900, 900), (916, 916)]}
     restarters, services = plan([holder(worker, 1000)], ancestors, units)
     assert [r["info"].pid for r in restarters] == [900]
@@ -134,16 +136,16 @@ def test_a_holder_in_its_own_service_is_found_with_the_services_members(proc):
 
 
 def test_check_mode_facts_list_the_launchers_a_run_would_end(proc):
-    worker = cleanup.read_process(516)
-    ancestors, units = cleanup.read_jobs([worker], "ct:200")
+    worker = gpu_facts.read_process(516)
+    ancestors, units = gpu_facts.read_jobs([worker], "ct:200")
     apps = [{"pid": 516, "used_memory_mib": 20000, "gpu_uuid": "GPU-a"}]
     node = {"apps": apps, "infos": {516: worker}, "devices": [], "ancestors": ancestors, "units": units}
     context = {
         "target": {"label": "CT 200 on pve1", "vmid": 200, "node": "pve1"},
         "steps": {"preflight": {"gpus": [{"index": 0, "uuid": "GPU-a", "memory_used_mib": 20009}]}},
     }
-    spec = {key: value["default"] for key, value in cleanup.SPEC.items()}
-    facts = cleanup.evaluate_step(spec, None, node, context)
+    spec = {key: value["default"] for key, value in gpu_facts.SPEC.items()}
+    facts = gpu_facts.evaluate_step(spec, None, node, context)
     assert [launcher["pid"] for launcher in facts["launchers"]] == [490, 500]
     assert facts["changes"] == [
         "end launcher pid 490 (bash, pid 90 inside: 'bash -c while true; do torchrun train.py; done'), a shell "
@@ -153,7 +155,7 @@ def test_check_mode_facts_list_the_launchers_a_run_would_end(proc):
         "end pid 516 (python3, pid 116 inside) on GPU 0, 20000 MiB",
     ]
     assert (facts["problems"], facts["pending"]) == ([], True)
-    refused = cleanup.evaluate_step(dict(spec, end_launchers=False), None, node, context)
+    refused = gpu_facts.evaluate_step(dict(spec, end_launchers=False), None, node, context)
     assert refused["pending"] is False
     assert refused["problems"][0].startswith("CT 200 on pve1: the processes holding its GPUs are restarted when")
 
@@ -204,7 +206,7 @@ def loop():
 
 def test_ending_only_the_worker_of_a_real_loop_gets_a_new_worker(loop):
     first = wait_for(lambda: children(loop.pid))[0]
-    cleanup.signal_process(pp.read_process(first), signal.SIGTERM)
+    gpu_ending.signal_process(pp.read_process(first), signal.SIGTERM)
     second = wait_for(lambda: [c for c in children(loop.pid) if c != first])[0]
     assert pp.read_process(second).comm == "sleep"  # what the step saw before issue 8: a new holder
 
@@ -212,26 +214,26 @@ def test_ending_only_the_worker_of_a_real_loop_gets_a_new_worker(loop):
 def test_a_real_loop_is_found_as_the_workers_restarter_and_ended_first_so_nothing_restarts(loop):
     worker = pp.read_process(wait_for(lambda: children(loop.pid))[0])
     owner = worker.owner
-    ancestors, units = cleanup.read_jobs([worker], owner)
-    restarters, _ = cleanup.plan_jobs(
+    ancestors, units = gpu_facts.read_jobs([worker], owner)
+    restarters, _ = gpu_plan.plan_jobs(
         [holder(worker)],
         {worker.pid: holder(worker)},
         ancestors,
         units,
         owner=owner,
-        launchers=cleanup.DEFAULT_LAUNCHERS,
+        launchers=gpu_facts.DEFAULT_LAUNCHERS,
         protected=[],
     )
     # Only the loop is ended here: what is above it belongs to whoever runs the tests.
     mine = [r for r in restarters if r["info"].pid == loop.pid]
     assert [(r["why"], r["restarts"]) for r in mine] == [("a shell running the job", [worker.pid])]
-    killed, survivors = cleanup.end_processes(
+    killed, survivors = gpu_ending.end_processes(
         [*mine, holder(worker)],
         grace=2,
         kill_timeout=2,
         poll_interval=0.01,
         alive=pp.still_there,
-        send=cleanup.signal_process,
+        send=gpu_ending.signal_process,
     )
     assert survivors == []
     assert sorted(k["pid"] for k in killed) == sorted([loop.pid, worker.pid])

@@ -21,7 +21,10 @@ from types import SimpleNamespace
 
 import pytest
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as cleanup
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import acting as gpu_acting
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import messages as gpu_messages
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import plan as gpu_plan
 
 UUID = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 INIT = 3.0  # seconds from a worker's start to its first "GPU allocation"
@@ -80,7 +83,7 @@ TARGET = SimpleNamespace(label="localhost", node="localhost", vmid=None, is_cont
 
 
 def settings(**changes):
-    p = {name: option["default"] for name, option in cleanup.SPEC.items()}
+    p = {name: option["default"] for name, option in gpu_facts.SPEC.items()}
     p.update(grace=2, kill_timeout=2, memory_timeout=5, poll_interval=0.05, **changes)
     return p
 
@@ -91,10 +94,10 @@ def gpu(tmp_path, monkeypatch):
     directory = tmp_path / "gpu"
     directory.mkdir()
     smi = FakeSmi(str(directory))
-    monkeypatch.setattr(cleanup, "NvidiaSmi", smi)
+    monkeypatch.setattr(gpu_acting, "NvidiaSmi", smi)
     # This machine's processes are the host's: the step's owner for a bare host.
     monkeypatch.setattr(
-        cleanup,
+        gpu_acting,
         "device_holders",
         lambda owner, proc_root="/proc", exclude=(): [(i, [(195, 0)]) for i in holders(smi.gpu)],
     )
@@ -142,31 +145,31 @@ def test_a_name_and_command_line_a_ct_chose_cannot_forge_a_line_or_drive_the_ter
     parent = {"info": info, "of": [517]}
     restarter = dict(entry, why="a shell running the job", restarts=[517])
     texts = [
-        cleanup.diff_cleanup([entry], [restarter])["before"].rstrip("\n"),
-        *cleanup.plan_changes([entry], [restarter]),
-        cleanup.window_message("CT 200 on pve1", entry, "why"),
-        str(cleanup.as_result(entry)),
-        str(cleanup.as_launcher(restarter)),
-        str(cleanup.as_parent(parent)),
-        cleanup.describe_process(info),
+        gpu_plan.diff_cleanup([entry], [restarter])["before"].rstrip("\n"),
+        *gpu_plan.plan_changes([entry], [restarter]),
+        gpu_messages.window_message("CT 200 on pve1", entry, "why"),
+        str(gpu_messages.as_result(entry)),
+        str(gpu_messages.as_launcher(restarter)),
+        str(gpu_messages.as_parent(parent)),
+        gpu_messages.describe_process(info),
     ]
     for text in texts:
         lines = text.split("\n")
         assert all("\x1b" not in line for line in lines)
         assert not any(line.startswith("end pid 1") for line in lines[1:]), text
-    assert cleanup.as_result(entry)["name"] == "x\\nend pid 1 (in"
-    assert cleanup.as_parent(parent)["command"] == "python3 x\\nend pid 1 (init) on GPU 0\\x1b[2K"
+    assert gpu_messages.as_result(entry)["name"] == "x\\nend pid 1 (in"
+    assert gpu_messages.as_parent(parent)["command"] == "python3 x\\nend pid 1 (init) on GPU 0\\x1b[2K"
 
 
 # -- the run's own process tree ---------------------------------------------------------------------------------
 def test_the_module_and_its_parents_are_the_runs_own_processes():
-    own = cleanup.run_processes()
+    own = gpu_facts.run_processes()
     assert (os.getpid(), pp.read_stat(os.getpid())[2]) in own
     assert (os.getppid(), pp.read_stat(os.getppid())[2]) in own
     # A controller pid that names no ansible-playbook here (a controller elsewhere has other pids) is ignored.
     with subprocess.Popen(["sleep", "30"]) as other:
         try:
-            assert cleanup.run_processes(other.pid) == own
+            assert gpu_facts.run_processes(other.pid) == own
         finally:
             other.kill()
 
@@ -194,7 +197,7 @@ def test_a_holder_started_by_the_shell_that_runs_the_playbook_ends_and_the_shell
     )[0]
     assert worker.ppid == shell.pid
     warnings = []
-    result = cleanup.cleanup(TARGET, gpu.smi, settings(settle=0.5, controller_pid=controller), warn=warnings.append)
+    result = gpu_acting.cleanup(TARGET, gpu.smi, settings(settle=0.5, controller_pid=controller), warn=warnings.append)
     assert [k["pid"] for k in result["killed"]] == [worker.pid]
     assert result["launchers"] == []  # the shell "running the job" is the run's: never ended, whatever it matches
     assert alive(shell.pid) and alive(controller)
@@ -213,12 +216,12 @@ import json, sys
 from types import SimpleNamespace
 sys.path.insert(0, sys.argv[1])
 import conftest  # noqa: F401  (module_utils as ansible.module_utils)
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as cleanup
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import acting
 from unit.module_utils import test_gpu_restarts as here
 smi = here.FakeSmi(sys.argv[2])
-cleanup.NvidiaSmi = smi
-cleanup.device_holders = lambda owner, proc_root="/proc", exclude=(): [(i, [(195, 0)]) for i in here.holders(smi.gpu)]
-print(json.dumps(cleanup.cleanup(here.TARGET, smi, here.settings(settle=0.5))))
+acting.NvidiaSmi = smi
+acting.device_holders = lambda owner, proc_root="/proc", exclude=(): [(i, [(195, 0)]) for i in here.holders(smi.gpu)]
+print(json.dumps(acting.cleanup(here.TARGET, smi, here.settings(settle=0.5))))
 """
 
 
@@ -255,11 +258,11 @@ def test_without_the_controller_pid_the_shell_is_the_jobs_and_the_walk_stops_at_
     shell = gpu.start(["bash", "-c", f'{sys.executable} -c "$1" 0 "$2"; sleep 60', "bash", WORKER, gpu.dir])
     worker = wait_for(lambda: holders(gpu.dir))[0]
     # No controller pid: the shell is not the run's, so it is "a shell running the job" and planned with it.
-    plain = cleanup.cleanup(TARGET, gpu.smi, settings(), check_mode=True)
+    plain = gpu_acting.cleanup(TARGET, gpu.smi, settings(), check_mode=True)
     assert [r["pid"] for r in plain["launchers"]] == [shell.pid]
     # Above the shell is this test's process, playing the module: the run's own, named, never planned.
     assert plain["own_run"] == [
-        f"{cleanup.describe_process(pp.read_process(os.getpid()))} also runs this recover run: not ended"
+        f"{gpu_messages.describe_process(pp.read_process(os.getpid()))} also runs this recover run: not ended"
     ]
     assert alive(worker.pid) and alive(shell.pid)
 
@@ -269,7 +272,7 @@ def test_without_the_controller_pid_the_shell_is_the_jobs_and_the_walk_stops_at_
 def test_a_supervisor_restarting_its_worker_after_a_delay_is_seen_and_ended_with_its_new_worker(gpu, delay):
     process, first = supervisor(gpu, delay)
     # The window is shorter than delay + INIT: only the child watch can see this restart in time.
-    result = cleanup.cleanup(TARGET, gpu.smi, settings(settle=delay + 1.5))
+    result = gpu_acting.cleanup(TARGET, gpu.smi, settings(settle=delay + 1.5))
     assert process.wait(timeout=5) == -signal.SIGTERM
     assert [k["pid"] for k in result["killed"]][:2] == [first.pid, process.pid]
     assert len(result["killed"]) == 3  # the first worker, the supervisor, its new worker
@@ -289,7 +292,7 @@ def test_a_bash_until_loop_is_ended_first_so_nothing_restarts(gpu):
         ["bash", "-c", f'until {sys.executable} -c "$1" 0 "$2"; do sleep 1; done', "bash", WORKER, gpu.dir]
     )
     worker = wait_for(lambda: holders(gpu.dir))[0]
-    result = cleanup.cleanup(TARGET, gpu.smi, settings(settle=1.5))
+    result = gpu_acting.cleanup(TARGET, gpu.smi, settings(settle=1.5))
     assert [(r["pid"], r["reason"]) for r in result["launchers"]] == [(loop.pid, "a shell running the job")]
     assert sorted(k["pid"] for k in result["killed"]) == sorted([loop.pid, worker.pid])
     assert loop.wait(timeout=5) == -signal.SIGTERM
@@ -304,7 +307,7 @@ def test_a_parent_that_never_restarts_is_named_not_ended_and_nothing_fails(gpu, 
     script.write_text(SUPERVISOR)
     process = gpu.start([sys.executable, str(script), "never", gpu.dir, WORKER])
     kernel = wait_for(lambda: holders(gpu.dir))[0]
-    result = cleanup.cleanup(TARGET, gpu.smi, settings(settle=1.0))
+    result = gpu_acting.cleanup(TARGET, gpu.smi, settings(settle=1.0))
     assert [k["pid"] for k in result["killed"]] == [kernel.pid]
     assert alive(process.pid)
     assert result["launchers"] == []
@@ -319,15 +322,15 @@ def test_a_jupyter_like_server_that_restarts_its_kernel_is_ended_with_it(gpu, tm
     script.write_text(SUPERVISOR)
     process = gpu.start([sys.executable, str(script), "0", gpu.dir, WORKER])
     wait_for(lambda: holders(gpu.dir))
-    result = cleanup.cleanup(TARGET, gpu.smi, settings(settle=1.0))
+    result = gpu_acting.cleanup(TARGET, gpu.smi, settings(settle=1.0))
     assert process.wait(timeout=5) == -signal.SIGTERM
     assert [r["pid"] for r in result["launchers"]] == [process.pid]
 
 
 def test_with_end_launchers_false_a_restarting_supervisor_fails_the_step_naming_it_and_the_fix(gpu):
     process, first = supervisor(gpu, 0)
-    with pytest.raises(cleanup.GpuProcessesError) as raised:
-        cleanup.cleanup(TARGET, gpu.smi, settings(settle=1.5, end_launchers=False))
+    with pytest.raises(gpu_messages.GpuProcessesError) as raised:
+        gpu_acting.cleanup(TARGET, gpu.smi, settings(settle=1.5, end_launchers=False))
     assert f"pid {process.pid} ({first.comm}: " in str(raised.value)
     assert f"stop it (`kill {process.pid}` on the node)" in str(raised.value)
     assert raised.value.details["restarted"][0]["pid"] == process.pid
@@ -337,7 +340,9 @@ def test_with_end_launchers_false_a_restarting_supervisor_fails_the_step_naming_
 def test_unattended_a_restarting_supervisor_is_left_to_a_window_and_named(gpu):
     process, first = supervisor(gpu, 0)
     # A guard that names another job: this one is a stray, ended; its supervisor is deferred, not ended.
-    result = cleanup.cleanup(TARGET, gpu.smi, settings(settle=1.5, unattended=True, guard=[{"match": "no-such-job"}]))
+    result = gpu_acting.cleanup(
+        TARGET, gpu.smi, settings(settle=1.5, unattended=True, guard=[{"match": "no-such-job"}])
+    )
     assert [k["pid"] for k in result["killed"]] == [first.pid]
     assert alive(process.pid)
     assert any(f"pid {process.pid} ({first.comm}: " in s and "needs a window" in s for s in result["needs_window"])

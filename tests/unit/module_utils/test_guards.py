@@ -13,7 +13,7 @@ import time
 import pytest
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import ending as gpu_ending
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
 
 
@@ -31,14 +31,14 @@ def test_a_pid_now_naming_another_process_is_never_signalled(sleeper):
     planned = pp.read_process(sleeper.pid)
     # What the step planned was another process that had this pid: it started at another time.
     reused = dataclasses.replace(planned, start_time=planned.start_time - 1)
-    gpu_facts.signal_process(reused, signal.SIGKILL)
+    gpu_ending.signal_process(reused, signal.SIGKILL)
     time.sleep(0.2)
     assert sleeper.poll() is None, "a process that only shares the pid was killed"
     assert pp.still_there(planned)
 
 
 def test_the_planned_process_itself_is_signalled(sleeper):
-    gpu_facts.signal_process(pp.read_process(sleeper.pid), signal.SIGTERM)
+    gpu_ending.signal_process(pp.read_process(sleeper.pid), signal.SIGTERM)
     assert sleeper.wait(timeout=5) == -signal.SIGTERM
 
 
@@ -46,7 +46,7 @@ def test_a_pid_that_is_gone_is_not_signalled_and_raises_nothing(sleeper):
     planned = pp.read_process(sleeper.pid)
     sleeper.kill()
     sleeper.wait(timeout=5)
-    gpu_facts.signal_process(planned, signal.SIGKILL)  # no ProcessLookupError, no other process hit
+    gpu_ending.signal_process(planned, signal.SIGKILL)  # no ProcessLookupError, no other process hit
 
 
 # -- the lock's ttl boundary ---------------------------------------------------------------------------------------

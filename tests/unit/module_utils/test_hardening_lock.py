@@ -105,7 +105,7 @@ def test_a_fifo_at_the_lock_name_is_refused_without_hanging(tmp_path):
     started = time.monotonic()
     with pytest.raises(LockError, match=r"ct-200\.lock is a FIFO, not a lock file") as error:
         take(tmp_path)
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 10  # an open that blocked would never return: any bound tells them apart
     assert error.value.kind == "unsafe"
 
 

@@ -7,7 +7,10 @@ import gpu_processes
 import pytest
 import yaml
 from ansible_collections.pve_gpu.recover.plugins.module_utils import nvidia_smi as smi
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import acting as gpu_acting
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import ending as gpu_ending
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import messages as gpu_messages
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import plan as gpu_plan
 
 from tests.fakes import FakeRunner, run_module
 
@@ -117,8 +120,8 @@ def test_a_gpu_whose_memory_use_is_unknown_is_busy():
         {"index": 0, "uuid": UUID_A, "memory_used_mib": None, "unreadable": {"memory_used_mib": "[N/A]"}},
         {"index": 1, "uuid": UUID_B, "memory_used_mib": 0},
     ]
-    assert gpu_facts.busy_gpus(rows, {UUID_A, UUID_B}, 0) == [rows[0]]
-    assert gpu_facts.busy_gpus(rows, {UUID_B}, 0) == []  # not the target's GPU
+    assert gpu_plan.busy_gpus(rows, {UUID_A, UUID_B}, 0) == [rows[0]]
+    assert gpu_plan.busy_gpus(rows, {UUID_B}, 0) == []  # not the target's GPU
 
 
 class Clock:
@@ -135,7 +138,7 @@ class Clock:
 def test_the_memory_wait_never_takes_unknown_for_free():
     clock = Clock()
     unknown = [{"index": 0, "uuid": UUID_A, "memory_used_mib": None}]
-    _, polls, free = gpu_facts.wait_for_memory(
+    _, polls, free = gpu_ending.wait_for_memory(
         lambda: unknown, {UUID_A}, threshold=0, timeout=1, poll_interval=0.5, clock=clock, sleep=clock.sleep
     )
     assert (polls, free) == (3, False)
@@ -145,7 +148,7 @@ def test_no_holder_error_names_the_gpu_and_the_raw_value():
     held = [
         {"index": 3, "uuid": UUID_A, "memory_used_mib": None, "unreadable": {"memory_used_mib": "[GPU requires reset]"}}
     ]
-    error = gpu_facts.no_holder_error("CT 200 on pve1", held, 0, {})
+    error = gpu_messages.no_holder_error("CT 200 on pve1", held, 0, {})
     assert str(error) == (
         f"CT 200 on pve1: GPU 3 ({UUID_A}) reports memory.used as '[GPU requires reset]', and no process holds it: "
         "a GPU whose memory use cannot be read is not counted as free (the driver cannot say it released it). "
@@ -158,7 +161,7 @@ def test_no_holder_error_with_known_and_unknown_gpus():
         {"index": 0, "uuid": UUID_A, "memory_used_mib": 500},
         {"index": 1, "uuid": UUID_B, "memory_used_mib": None, "unreadable": {"memory_used_mib": "[N/A]"}},
     ]
-    message = str(gpu_facts.no_holder_error("host gpu1", held, 100, {}, waited=30))
+    message = str(gpu_messages.no_holder_error("host gpu1", held, 100, {}, waited=30))
     assert message.startswith(
         f"host gpu1: GPU 0 ({UUID_A}) has 500 MiB used (above 100 MiB); GPU 1 ({UUID_B}) reports memory.used as "
         "'[N/A]' 30 s after its last holder exited, and no process holds it"
@@ -169,7 +172,7 @@ def test_no_holder_error_with_known_and_unknown_gpus():
 def test_the_reset_advice_never_carries_a_uuid_that_is_not_one():
     bad = "GPU-1; reboot"
     held = [{"index": 0, "uuid": bad, "memory_used_mib": 500}]
-    message = str(gpu_facts.no_holder_error("CT 200 on pve1", held, 0, {}))
+    message = str(gpu_messages.no_holder_error("CT 200 on pve1", held, 0, {}))
     assert "--gpu-reset -i GPU-1" not in message
     assert f"GPU 0 (no valid UUID: {bad!r})" in message
     assert "find its UUID with `nvidia-smi -L` on the node, then `nvidia-smi --gpu-reset -i <UUID>`" in message
@@ -184,7 +187,7 @@ def test_the_module_fails_naming_a_gpu_whose_memory_use_is_unknown(monkeypatch, 
     ct_memory = dict(anchors["ct_memory"], stdout=f"{HEADER}0, {UUID_A}, [N/A]\n1, {UUID_B}, 0 MiB\n")
     no_apps = dict(anchors["node_apps"], stdout="pid, process_name, used_gpu_memory [MiB], gpu_uuid\n")
     runner = FakeRunner(*[(c["argv"], (0, c["stdout"], "")) for c in (ct_memory, no_apps)])
-    monkeypatch.setattr(gpu_facts, "device_holders", lambda owner, proc_root="/proc", exclude=(): [])
+    monkeypatch.setattr(gpu_acting, "device_holders", lambda owner, proc_root="/proc", exclude=(): [])
     monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
     result = run_module(gpu_processes, {"vmid": 200}, runner, monkeypatch, capsys)
     assert result["failed"]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import ending as gpu_ending
 
 START = 4242
 
@@ -101,13 +101,13 @@ def test_a_real_zombie_leader_gets_sigkill_and_is_waited_for():
             process = pp.read_process(child.pid)
         assert process.state == "S"
         assert pp.still_there(process)
-        killed, survivors = gpu_facts.end_processes(
+        killed, survivors = gpu_ending.end_processes(
             [{"info": process}],
             grace=0.2,
             kill_timeout=1.5,
             poll_interval=0.02,
             alive=pp.still_there,
-            send=gpu_facts.signal_process,
+            send=gpu_ending.signal_process,
         )
         assert survivors == []
         assert [(k["pid"], k["signal"]) for k in killed] == [(child.pid, "SIGKILL")]

@@ -1,4 +1,5 @@
-"""Node-side process knowledge: cgroup owners, NSpid, stat, device holders, protected names."""
+"""Node-side process knowledge (plugins/module_utils/pve_process.py, pve_process_job.py): cgroup owners, NSpid,
+stat, device holders, protected names, a holder's job."""
 
 import os
 import subprocess
@@ -7,6 +8,7 @@ import time
 
 import pytest
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process_job
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import DEFAULT_LAUNCHERS
 
 from tests.conftest import FIXTURES
@@ -120,7 +122,7 @@ def test_ppid_from_stat_with_parentheses_in_comm():
     ],
 )
 def test_systemd_unit(path, owner, unit):
-    assert pp.systemd_unit(path, owner) == unit
+    assert pve_process_job.systemd_unit(path, owner) == unit
 
 
 @pytest.mark.parametrize(
@@ -139,7 +141,7 @@ def test_systemd_unit(path, owner, unit):
     ],
 )
 def test_no_systemd_unit(path, owner):
-    assert pp.systemd_unit(path, owner) is None
+    assert pve_process_job.systemd_unit(path, owner) is None
 
 
 def test_unit_members_and_whose_job_a_service_is(tmp_path):
@@ -157,10 +159,14 @@ def test_unit_members_and_whose_job_a_service_is(tmp_path):
     def info(pid, start):
         return pp.ProcessInfo(pid, pid, "python3", "S", "host", [], start)
 
-    assert pp.unit_is_job(members, [info(516, 10), info(100, 5)])  # the job's oldest is the service's main
-    assert not pp.unit_is_job(members, [info(516, 10)])  # the service's main (a CI runner) is not in the job
-    assert not pp.unit_is_job(members, [info(516, 10), info(100, 6)])  # pid 100 reused: not the same process
-    assert pp.unit_is_job(None, [info(516, 10)])  # unreadable: counted as the job's (nothing ended, named)
+    # The job's oldest is the service's main.
+    assert pve_process_job.unit_is_job(members, [info(516, 10), info(100, 5)])
+    # The service's main (a CI runner) is not in the job.
+    assert not pve_process_job.unit_is_job(members, [info(516, 10)])
+    # Pid 100 reused: not the same process.
+    assert not pve_process_job.unit_is_job(members, [info(516, 10), info(100, 6)])
+    # Unreadable: counted as the job's (nothing ended, named).
+    assert pve_process_job.unit_is_job(None, [info(516, 10)])
 
 
 def shell(*argv, comm="bash"):
@@ -186,7 +192,7 @@ def shell(*argv, comm="bash"):
     ],
 )
 def test_interactive_shells(argv, interactive):
-    assert pp.is_interactive_shell(shell(*argv)) is interactive
+    assert pve_process_job.is_interactive_shell(shell(*argv)) is interactive
 
 
 @pytest.mark.parametrize(
@@ -206,7 +212,7 @@ def test_interactive_shells(argv, interactive):
 )
 def test_launcher_names(comm, argv, matched):
     info = pp.ProcessInfo(pid=1, ns_pid=1, comm=comm, state="S", owner="host", cmdline=argv, start_time=1)
-    assert pp.matches_launcher(info, DEFAULT_LAUNCHERS) == matched
+    assert pve_process_job.matches_launcher(info, DEFAULT_LAUNCHERS) == matched
 
 
 @pytest.mark.parametrize(
@@ -224,7 +230,7 @@ def test_launcher_names(comm, argv, matched):
     ],
 )
 def test_where_a_walk_up_the_parents_stops(info, stop):
-    assert pp.walk_stop(info, "ct:200", ["nv-hostengine"]) == stop
+    assert pve_process_job.walk_stop(info, "ct:200", ["nv-hostengine"]) == stop
 
 
 def test_nspid_outermost_first():

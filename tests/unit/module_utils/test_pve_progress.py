@@ -230,6 +230,27 @@ def test_nothing_is_told_unless_the_payload_asked():
     assert told == []
 
 
+def test_a_secret_is_masked_before_the_line_is_cut(monkeypatch):
+    """What the build's commands print may quote a secret (an index token, a URL's user information): masked as
+    the script's answer is, before the line is cut to LINE_CHARS, so not even a part of one is told."""
+    from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act  # noqa: PLC0415
+
+    told = []
+    monkeypatch.setattr(pve_ct_progress, "INTERVAL", 0.0)
+    pve_ct_progress.sink = told.append
+    secret = "t0ken-" + "x" * 40
+    pve_ct_progress.start(True, redact=lambda text: pve_ct_act.redact(text, [secret]))
+    pve_ct_progress.phase(f"fetching with {secret}")
+    cut = pve_ct_progress.LINE_CHARS - 20  # the secret straddles the cut
+    pve_ct_progress.note("a" * cut + secret)
+    pve_ct_progress.note("Downloading https://bob:hunter2@idx.example/simple/torch")
+    found = [pve_progress.parse_line(text) for text in told]
+    assert found[0]["phase"] == f"fetching with {pve_ct_act.MASK}"
+    assert found[1]["line"] == "a" * cut + pve_ct_act.MASK
+    assert found[2]["line"] == f"Downloading https://{pve_ct_act.MASK}@idx.example/simple/torch"
+    assert not any("t0ken" in text or "hunter2" in text for text in told)
+
+
 # -- the venv build's own script, in a CT and on a bare host ----------------------------------------------------------
 SLOW_UV = """#!/bin/sh
 # uv as a slow index makes it look: `uv venv` makes the directory, `uv pip sync` downloads for a while, then fails.
@@ -268,7 +289,7 @@ def test_the_venv_build_tells_its_phases_and_what_uv_downloads_while_it_runs(tmp
     uv.write_text(SLOW_UV)
     uv.chmod(0o755)
     spec = {"path": str(tmp_path / "venvs" / "train"), "lock": (FIXTURES / "venv" / "lock_cu128.txt").read_text()}
-    spec.update(python="3.11", tooling="ignore", keep=None, unattended=False, unattended_keep=3)
+    spec.update(python_version="3.11", tooling="ignore", keep=None, unattended=False, unattended_keep=3)
     payload = build_payload(spec, {"uv": str(uv), "build_timeout": 60}, "20261203T101500Z")
     progress = Recording()
     payload["progress"] = True
@@ -286,6 +307,33 @@ def test_the_venv_build_tells_its_phases_and_what_uv_downloads_while_it_runs(tmp
     assert any(seen["line"] == "Downloading torch (846.0MiB)" for seen in installing), progress.seen
     assert max(seen["phase_seconds"] or 0 for seen in installing) >= pve_ct_progress.INTERVAL
     assert not os.path.exists(f"{spec['path']}.20261203T101500Z")
+
+
+def test_the_venv_builds_progress_masks_its_secrets(tmp_path, monkeypatch):
+    """The build's network secrets (secret_environment, index passwords) never reach a progress line, whatever uv
+    prints (bare host: the script runs in this process)."""
+    from training_venv import build_payload  # noqa: PLC0415 (plugins/modules is on sys.path: tests/conftest.py)
+
+    monkeypatch.setattr(pve_progress, "WRITE_INTERVAL", 0.0)
+    monkeypatch.setattr(pve_ct_progress, "INTERVAL", 0.0)
+    uv = tmp_path / "uv"
+    uv.write_text(
+        '#!/bin/sh\ncase "$1" in\n  venv) shift 4; mkdir -p "$1/bin"; exit 0 ;;\n'
+        '  pip) echo "Fetching https://bob:$UV_TOKEN@idx.example/simple" >&2; echo "token $UV_TOKEN" >&2; sleep 0.1\n'
+        '       echo "error: Failed to download torch: connection closed" >&2; exit 2 ;;\nesac\nexit 1\n'
+    )
+    uv.chmod(0o755)
+    spec = {"path": str(tmp_path / "venvs" / "train"), "lock": (FIXTURES / "venv" / "lock_cu128.txt").read_text()}
+    spec.update(python_version="3.11", tooling="ignore", keep=None, unattended=False, unattended_keep=3)
+    params = {"uv": str(uv), "build_timeout": 60, "secret_environment": {"UV_TOKEN": "s3cr3t-t0ken"}}
+    payload = build_payload(spec, params, "20261203T101500Z")
+    progress = Recording()
+    payload["progress"] = True
+    parts = Target(node="gpu1").run_probes({"build": (venv_script, payload)}, timeout=60, on_output=progress.feed)
+    assert parts["build"]["answer"]["error"] == "index_unreachable"
+    lines = [seen["line"] for seen in progress.seen if seen["line"]]
+    assert "token ********" in lines, progress.seen
+    assert not any("s3cr3t" in json.dumps(seen) for seen in progress.seen)
 
 
 def test_the_warm_up_tells_its_latest_output_line_while_it_compiles(monkeypatch):

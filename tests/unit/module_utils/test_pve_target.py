@@ -81,7 +81,20 @@ def test_stopped_container():
     )
 
 
-def test_missing_container():
+NO_CONFIG = "Configuration file 'nodes/pve1/lxc/200.conf' does not exist\n"
+
+
+def cluster(tmp_path, monkeypatch, **nodes):
+    """A /etc/pve/nodes as pmxcfs shows it on every node of a cluster: ``pve2=[200]`` is pve2/lxc/200.conf."""
+    for node, vmids in nodes.items():
+        (tmp_path / node / "lxc").mkdir(parents=True)
+        for vmid in vmids:
+            (tmp_path / node / "lxc" / f"{vmid}.conf").write_text("arch: amd64\n")
+    monkeypatch.setattr(pve_target, "PVE_NODES", str(tmp_path))
+
+
+def test_missing_container(tmp_path, monkeypatch):
+    cluster(tmp_path, monkeypatch, pve1=[201], pve2=[300])  # nowhere in the cluster either
     runner = FakeRunner(
         ([*CT_PREFIX, "true"], (255, "", "Configuration file 'nodes/pve1/lxc/200.conf' does not exist\n"))
     )
@@ -90,6 +103,56 @@ def test_missing_container():
     assert error.value.kind == "missing"
     assert "CT 200 does not exist on node pve1 (nodes/pve1/lxc/200.conf is missing)" in str(error.value)
     assert "pve_vmid and pve_node" in str(error.value)
+
+
+@pytest.mark.parametrize("call", ["run", "status"])
+def test_a_ct_that_migrated_to_another_node_is_named_where_it_lives_now(call, tmp_path, monkeypatch):
+    cluster(tmp_path, monkeypatch, pve1=[201], pve2=[200, 300], pve3=[])
+    argv = [*CT_PREFIX, "true"] if call == "run" else ["pct", "status", "200"]
+    target = ct(FakeRunner((argv, (255, "", NO_CONFIG))))
+    with pytest.raises(TargetError) as error:
+        target.run(["true"]) if call == "run" else target.status()
+    assert error.value.kind == "moved"
+    assert str(error.value) == (
+        "CT 200 lives on node pve2 now (moved from pve1): set pve_node to pve2 or use the community.proxmox.proxmox "
+        "inventory plugin"
+    )
+
+
+def test_a_ct_two_nodes_hold_names_both(tmp_path, monkeypatch):
+    cluster(tmp_path, monkeypatch, pve2=[200], pve3=[200])
+    with pytest.raises(TargetError) as error:
+        ct(FakeRunner(([*CT_PREFIX, "true"], (255, "", NO_CONFIG)))).run(["true"])
+    assert str(error.value).startswith("CT 200 lives on nodes pve2 and pve3 now (moved from pve1): set pve_node to ")
+
+
+def test_the_cluster_is_read_only_when_pct_finds_no_ct(monkeypatch):
+    def never(*_args):
+        raise AssertionError("the cluster's configs were read for a CT pct found")
+
+    monkeypatch.setattr(pve_target, "nodes_holding", never)
+    runner = FakeRunner(
+        ([*CT_PREFIX, "true"], (0, "", "")),
+        ([*CT_PREFIX, "false"], (1, "", "")),
+        (["pct", "status", "200"], (0, "status: running\n", "")),
+        ([*CT_PREFIX, "true"], (255, "", "container '200' not running!\n")),
+    )
+    target = ct(runner)
+    target.run(["true"])
+    target.run(["false"], check=False)
+    assert target.status() == "running"
+    with pytest.raises(TargetError, match="is not running"):
+        target.run(["true"])
+    runner.assert_done()
+
+
+def test_nodes_holding_reads_the_cluster_tree(tmp_path):
+    (tmp_path / "pve2" / "lxc").mkdir(parents=True)
+    (tmp_path / "pve2" / "lxc" / "200.conf").write_text("")
+    (tmp_path / "pve3" / "lxc" / "200.conf").mkdir(parents=True)  # not a file: no config
+    assert pve_target.nodes_holding(200, str(tmp_path)) == ["pve2"]
+    assert pve_target.nodes_holding(201, str(tmp_path)) == []
+    assert pve_target.nodes_holding(200, str(tmp_path / "absent")) == []  # a node of no cluster
 
 
 def test_pct_missing_on_the_node():
@@ -105,7 +168,7 @@ def test_pct_missing_on_the_node():
         "lxc-attach: 200: ../src/lxc/attach.c: lxc_attach_run_command: 1841 No such file or directory - Failed to exec "
         '"nvidia-smi"\n',
         "env: 'nvidia-smi': No such file or directory\n",
-        "timeout: failed to run command ‘nvidia-smi’: No such file or directory\n",
+        "timeout: failed to run command \u2018nvidia-smi\u2019: No such file or directory\n",
     ],
 )
 def test_command_missing_inside(stderr):
@@ -158,7 +221,8 @@ def test_status(state):
     assert ct(runner).status() == state
 
 
-def test_status_of_a_missing_container():
+def test_status_of_a_missing_container(tmp_path, monkeypatch):
+    cluster(tmp_path, monkeypatch)
     runner = FakeRunner(
         (["pct", "status", "200"], (255, "", "Configuration file 'nodes/pve1/lxc/200.conf' does not exist\n"))
     )

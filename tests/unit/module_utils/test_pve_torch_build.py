@@ -55,6 +55,9 @@ def test_the_verify_step_imports_none_of_the_other_steps_modules():
         "pve_torch_build",
         "steps",
         "steps.verify",
+        "steps.verify.answers",
         "steps.verify.facts",
+        "steps.verify.gpu_checks",
         "steps.verify.probe",
+        "steps.verify.torch_checks",
     ]

@@ -378,7 +378,7 @@ def test_a_missing_venv_is_created_from_the_whole_lock():
 
 
 def test_a_directory_that_is_not_a_venv_is_replaced():
-    facts = venv_facts.evaluate_step(dict(SPEC, python=None), dict(ABSENT, directory=True), {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, python_version=None), dict(ABSENT, directory=True), {}, CONTEXT)
     assert facts["changes"] == [
         f"replace {PATH}, a directory without pyvenv.cfg (moved aside), by a venv: python 3.11, 26 distributions "
         "from the lock"
@@ -396,7 +396,7 @@ def test_python_comes_from_the_spec_before_the_lock_and_is_unchecked_without_eit
     lock_without_header = "six==1.17.0\n"
     answer = answer_of([{"name": "six", "version": "1.17.0"}], None, python="3.12")
     assert venv_facts.evaluate_step(dict(SPEC, lock=lock_without_header), answer, {}, CONTEXT)["changes"] == []
-    facts = venv_facts.evaluate_step(dict(SPEC, lock=lock_without_header, python="3.11"), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, lock=lock_without_header, python_version="3.11"), answer, {}, CONTEXT)
     assert facts["changes"] == [f"rebuild venv at {PATH}: python 3.12, expected 3.11"]
 
 
@@ -460,13 +460,18 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
     assert result.validated_parameters == {
         "path": "/opt/venvs/train",
         "lock": LOCK,
-        "python": None,
+        "lock_from_repo": None,
+        "python_version": None,
         "tooling": "ignore",
         "unattended": False,
         "keep": None,
         "unattended_keep": 3,
+        "uv": "uv",
+        "uv_wheel": None,
     }
-    assert ArgumentSpecValidator(venv_facts.SPEC).validate({}).error_messages == ["missing required arguments: lock"]
+    # Exactly one of lock and lock_from_repo: check_spec says which (the spec alone cannot).
+    assert ArgumentSpecValidator(venv_facts.SPEC).validate({}).error_messages == []
+    assert venv_facts.check_spec(dict(venv_facts.SPEC_DEFAULTS)).startswith("no lock: give training_venv_lock_file")
     assert (
         "tooling" in ArgumentSpecValidator(venv_facts.SPEC).validate({"lock": LOCK, "tooling": "x"}).error_messages[0]
     )
@@ -476,9 +481,12 @@ def test_the_spec_validates_with_ansible_and_fills_defaults():
     ("changed", "message"),
     [
         ({}, ""),
-        ({"python": "3.11"}, ""),
-        ({"python": "3.12"}, "python is 3.12 but the lock was compiled for 3.11 (--python-version in its header)"),
-        ({"python": "python3.11"}, "python is 'python3.11'; expected a minor version like '3.11'"),
+        ({"python_version": "3.11"}, ""),
+        (
+            {"python_version": "3.12"},
+            "python_version is 3.12 but the lock was compiled for 3.11 (--python-version in its header)",
+        ),
+        ({"python_version": "python3.11"}, "python_version is 'python3.11'; expected a minor version like '3.11'"),
         ({"lock": "torch>=2\n"}, "the lock, line 1: `torch>=2` is not an exact pin"),
     ],
 )
@@ -490,7 +498,12 @@ def test_check_spec_names_settings_that_cannot_work(changed, message):
 def test_the_step_plugs_into_the_registry():
     assert venv_facts.NAME == "training_venv"
     assert probe_name(venv_facts.PROBE) == venv_facts.NAME
-    assert venv_facts.probe_payload(SPEC, 30) == {"path": "/opt/venvs/train", "timeout": 30}
+    assert venv_facts.probe_payload(SPEC, 30) == {
+        "path": "/opt/venvs/train",
+        "timeout": 30,
+        "uv": "uv",
+        "python": "3.11",
+    }
     assert venv_facts.read_node(SPEC, None, IN_SPEC, CONTEXT) == {}
 
 
@@ -585,7 +598,9 @@ def fake_torch_venv(tmp_path, metadata_version, version_py):
 
 
 def test_no_venv_and_a_directory_that_is_not_one(tmp_path):
-    assert probe(tmp_path / "absent") == {
+    answer = probe(tmp_path / "absent")
+    assert set(answer.pop("build")) == set(venv_facts.BUILD_TYPES)  # what a build would use (tests below)
+    assert answer == {
         "path": str(tmp_path / "absent"),
         "exists": False,
         "directory": False,
@@ -622,7 +637,7 @@ def test_a_uv_venv_with_packages_from_pypi(tmp_path):
     ]
     assert (answer["torch_version_py"], answer["broken"], answer["errors"]) == (None, [], [])
     facts = venv_facts.evaluate_step(
-        dict(SPEC, lock="idna==3.10\nsix==1.17.0\n", python=answer["python"]), answer, {}, CONTEXT
+        dict(SPEC, lock="idna==3.10\nsix==1.17.0\n", python_version=answer["python"]), answer, {}, CONTEXT
     )
     assert (facts["changes"], facts["pending"]) == ([], False)
 
@@ -704,7 +719,9 @@ def test_a_torch_wheel_installed_by_uv_is_read_from_its_files(tmp_path, metadata
     assert installed == {"torch": exact}
     assert venv_facts.variant(installed["torch"]) == variant
     python = answer["python"]
-    facts = venv_facts.evaluate_step(dict(SPEC, lock="torch==2.11.0+cu128\n", python=python), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(
+        dict(SPEC, lock="torch==2.11.0+cu128\n", python_version=python), answer, {}, CONTEXT
+    )
     expected = (
         [] if variant == "cu128" else ["torch 2.11.0+cu130 -> 2.11.0+cu128 (build variant cu130, expected cu128)"]
     )
@@ -731,7 +748,10 @@ def test_the_probe_runs_as_the_fact_pass_ships_it_on_old_pythons(tmp_path, minor
     venv = fake_torch_venv(tmp_path, "2.11.0", VERSION_PY_CU130)
     payload = venv_facts.probe_payload(dict(SPEC, path=str(venv)), 30)
     answer = run_probes_program(python, {venv_facts.NAME: (venv_probe, payload)})[venv_facts.NAME]["answer"]
-    assert answer == json.loads(json.dumps(probe(venv)))
+    assert answer.pop("build")["own"] == minor  # what a build would use is told by the CT's python itself
+    here = json.loads(json.dumps(probe(venv)))
+    here.pop("build")
+    assert answer == here
     assert answer["torch_version_py"]["version"] == "2.11.0+cu130"
 
 
@@ -758,7 +778,7 @@ def test_the_real_cpu_torch_wheel_is_read_as_its_build(cpu_torch_venv):
     assert answer["torch_version_py"]["version"] == "2.13.0+cpu"
     assert answer["torch_version_py"]["cuda"] is None
     assert len(answer["torch_version_py"]["git_version"]) == 40
-    facts = venv_facts.evaluate_step(dict(SPEC, lock="torch==2.13.0+cpu\n", python="3.11"), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(dict(SPEC, lock="torch==2.13.0+cpu\n", python_version="3.11"), answer, {}, CONTEXT)
     assert (facts["changes"], facts["torch"]["variant"]) == ([], "cpu")
     facts = venv_facts.evaluate_step(SPEC, answer, {}, CONTEXT)
     assert "torch 2.13.0+cpu -> 2.11.0+cu128 (build variant cpu, expected cu128)" in facts["changes"]
@@ -779,7 +799,7 @@ def install_wheels(tmp_path, venv, *wheels):
 
 def facts_of(venv, lock):
     answer = probe(venv)
-    return venv_facts.evaluate_step(dict(SPEC, lock=lock, python=answer["python"]), answer, {}, CONTEXT)
+    return venv_facts.evaluate_step(dict(SPEC, lock=lock, python_version=answer["python"]), answer, {}, CONTEXT)
 
 
 CLEAN = ("six", "1.17.0", {"six.py": "x = 1\n"})
@@ -865,7 +885,9 @@ def test_setuptools_seeded_by_python_venv_may_keep_its_pth_while_tooling_is_igno
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
     answer = probe(venv)
     assert answer["unowned"] == []
-    facts = venv_facts.evaluate_step(dict(SPEC, lock="six==1.17.0\n", python=answer["python"]), answer, {}, CONTEXT)
+    facts = venv_facts.evaluate_step(
+        dict(SPEC, lock="six==1.17.0\n", python_version=answer["python"]), answer, {}, CONTEXT
+    )
     assert facts["changes"] == ["install six 1.17.0 (missing)"]
 
 

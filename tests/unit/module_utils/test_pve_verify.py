@@ -1,5 +1,5 @@
-"""plugins/module_utils/steps/verify/facts.py and its probe (plugins/module_utils/steps/verify/probe.py): the verify
-step's pure logic.
+"""plugins/module_utils/steps/verify/ (facts.py, answers.py, gpu_checks.py, torch_checks.py) and its probe
+(plugins/module_utils/steps/verify/probe.py): the verify step's pure logic.
 
 nvidia-smi outputs are the real H200 capture (tests/fixtures/h200/nvsmi_query_gpu_project.csv) with single cells
 replaced, fed through preflight's own evaluation, so verify reads exactly the facts the fact pass hands it. Torch
@@ -21,9 +21,12 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
 from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import GPU_FIELDS
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import answers as verify_answers
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts as verify_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import gpu_checks as verify_gpu_checks
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.facts import VerifyError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import torch_checks as verify_torch_checks
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.answers import VerifyError
 
 from tests.conftest import FIXTURES, unavailable
 from tests.fakes import run_probes_program
@@ -210,7 +213,7 @@ def test_each_health_check_fires_naming_the_gpu_at_its_default_level(name, cells
     facts = evaluate(ctx=context(preflight_of(eight(5, **cells))))
     found = check(facts, name)
     assert (found["ok"], found["detail"]) == (False, detail)
-    level = verify_facts.HEALTH_DEFAULTS[name]
+    level = verify_gpu_checks.HEALTH_DEFAULTS[name]
     assert found["severity"] == level
     assert (facts["problems"] if level == "fail" else facts["warnings"]) == [detail]
     assert (facts["warnings"] if level == "fail" else facts["problems"]) == []
@@ -230,7 +233,7 @@ def test_a_health_level_decides_problem_warning_or_nothing(level):
     detail = check(facts, "ecc")["detail"]
     assert (detail in facts["problems"], detail in facts["warnings"]) == (level == "fail", level == "warn")
     # The other checks keep their defaults.
-    assert facts["health"] == dict(verify_facts.HEALTH_DEFAULTS, ecc=level)
+    assert facts["health"] == dict(verify_gpu_checks.HEALTH_DEFAULTS, ecc=level)
 
 
 def test_an_idle_gpu_below_its_pcie_generation_is_only_a_finding_when_asked():
@@ -518,7 +521,7 @@ def test_the_spec_validates_with_ansible_and_fills_health_defaults():
     result = ArgumentSpecValidator(verify_facts.SPEC).validate({"health": {"pcie_gen": "warn"}, "gpu_count": "8"})
     assert result.error_messages == []
     params = result.validated_parameters
-    assert params["health"] == dict(verify_facts.HEALTH_DEFAULTS, pcie_gen="warn")
+    assert params["health"] == dict(verify_gpu_checks.HEALTH_DEFAULTS, pcie_gen="warn")
     assert (params["gpu_count"], params["import_torch"], params["gpu_name"]) == (8, "changed", "NVIDIA H200")
     assert params == dict(verify_facts.SPEC_DEFAULTS, gpu_count=8, health=params["health"])
     wrong = ArgumentSpecValidator(verify_facts.SPEC).validate({"health": {"ecc": "maybe", "fans": "fail"}})
@@ -761,7 +764,7 @@ def run_script(venv, **env):
         check=False,
         env={"PATH": "/usr/bin:/bin", "STUB_CUDA": "12.8", **env},
     )
-    return done, verify_facts.torch_answer(done.returncode, done.stdout, done.stderr)
+    return done, verify_answers.torch_answer(done.returncode, done.stdout, done.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -843,7 +846,7 @@ def test_the_script_imports_only_the_standard_library_and_torch_only_inside():
 
 # -- the torch script's answer, checked ---------------------------------------------------------------------------
 def test_the_real_h200_answer_is_read_as_it_is():
-    facts = verify_facts.check_torch_answer(TORCH_REAL)
+    facts = verify_answers.check_torch_answer(TORCH_REAL)
     assert (facts["version"], facts["cuda"], facts["available"], facts["device_count"]) == (
         "2.11.0+cu130",
         "13.0",
@@ -880,7 +883,7 @@ def test_the_real_h200_answer_is_read_as_it_is():
 )
 def test_an_answer_of_the_wrong_shape_is_a_clear_error(change, message):
     with pytest.raises(VerifyError) as raised:
-        verify_facts.check_torch_answer(dict(TORCH_REAL, **change))
+        verify_answers.check_torch_answer(dict(TORCH_REAL, **change))
     assert message in str(raised.value)
     assert raised.value.kind == "probe"
 
@@ -888,7 +891,7 @@ def test_an_answer_of_the_wrong_shape_is_a_clear_error(change, message):
 @pytest.mark.parametrize("key", ["torch", "cuda", "available", "count", "names"])
 def test_an_answer_without_a_key_torch_always_gives_is_a_clear_error(key):
     with pytest.raises(VerifyError, match=f"the torch probe answered no '{key}'"):
-        verify_facts.check_torch_answer({k: v for k, v in TORCH_REAL.items() if k != key})
+        verify_answers.check_torch_answer({k: v for k, v in TORCH_REAL.items() if k != key})
 
 
 @pytest.mark.parametrize(
@@ -902,22 +905,26 @@ def test_an_answer_without_a_key_torch_always_gives_is_a_clear_error(key):
 )
 def test_output_that_is_not_an_answer_is_a_clear_error(stdout, message):
     with pytest.raises(VerifyError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        verify_facts.torch_answer(0, stdout, "")
+        verify_answers.torch_answer(0, stdout, "")
 
 
 def test_a_python_that_died_is_a_finding_not_a_parse_error():
-    facts = verify_facts.torch_answer(139, "", "Fatal Python error: Segmentation fault\n\nCurrent thread:\n  File x\n")
+    facts = verify_answers.torch_answer(
+        139, "", "Fatal Python error: Segmentation fault\n\nCurrent thread:\n  File x\n"
+    )
     assert (facts["failure"], facts["error"]) == ("crashed", "exit 139 (signal 11): 'File x'")
-    assert verify_facts.torch_answer(-11, "", "")["error"] == "exit -11 (signal 11)"
+    assert verify_answers.torch_answer(-11, "", "")["error"] == "exit -11 (signal 11)"
 
 
 # -- the torch checks of the acting module ----------------------------------------------------------------------
 def torch_of(name, **changed):
-    return dict(verify_facts.check_torch_answer(dict(json.loads((VERIFY / name).read_text()), **changed)), timeout=180)
+    return dict(
+        verify_answers.check_torch_answer(dict(json.loads((VERIFY / name).read_text()), **changed)), timeout=180
+    )
 
 
 def torch_check(spec, torch, driver="580.159.04", count=8):
-    return verify_facts.torch_checks(
+    return verify_torch_checks.torch_checks(
         spec, torch, label=LABEL, expected_count=count, count_source="the target's /dev/nvidiaN nodes", driver=driver
     )
 
@@ -1059,7 +1066,7 @@ def test_a_driver_too_old_for_torchs_cuda_is_named_with_the_driver_it_needs():
     )
     (detail,) = failed(torch_check(KNOWN_GOOD, said, driver="520.61.05"))
     assert "driver 520.61.05 is too old for CUDA 12.8 (it needs 525.60.13 or newer): the driver is too old" in detail
-    assert verify_facts.driver_too_old("580.159.04", "13.0") is None
+    assert verify_torch_checks.driver_too_old("580.159.04", "13.0") is None
 
 
 @pytest.mark.parametrize(
@@ -1092,18 +1099,18 @@ def test_names_torch_reports_are_checked_and_quoted():
     ("torch", "detail"),
     [
         (
-            verify_facts.torch_failure("not_found", "`/opt/venvs/train/bin/python` not found", 180),
+            verify_answers.torch_failure("not_found", "`/opt/venvs/train/bin/python` not found", 180),
             "CT 200 on pve1: /opt/venvs/train/bin/python not found: there is no venv at /opt/venvs/train; the "
             "training_venv step builds it (or set verify_venv)",
         ),
         (
-            verify_facts.torch_failure("timeout", "timed out", 180),
+            verify_answers.torch_failure("timeout", "timed out", 180),
             "CT 200 on pve1: importing torch and starting CUDA did not finish within 180 s and was killed; a GPU "
             "stuck in initialization (dmesg | grep -i xid on the node) or a slow filesystem (then raise "
             "verify_torch_timeout)",
         ),
         (
-            verify_facts.torch_answer(139, "", "Segmentation fault\n"),
+            verify_answers.torch_answer(139, "", "Segmentation fault\n"),
             "CT 200 on pve1: /opt/venvs/train/bin/python died (exit 139 (signal 11): 'Segmentation fault') while "
             "importing torch and starting CUDA; a broken CUDA library or driver: rebuild the venv from the lock, check "
             "dmesg on the node",

@@ -1,10 +1,10 @@
 """Unattended, the training venv is never swapped under a live process: which processes of the target run from it
-(pve_process.processes_running_from on a fake node /proc), and the venv step's window rule (venv_facts)."""
+(pve_process_runs_from.processes_running_from on a fake node /proc), and the venv step's window rule (venv_facts)."""
 
 import os
 
 import pytest
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process_runs_from
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 
 from tests.unit.module_utils.test_gpu_jobs import fake_proc
@@ -54,7 +54,7 @@ def test_a_process_runs_from_the_venv_by_its_exe_its_interpreters_argv0_or_a_map
     process(root, 777, exe="/usr/bin/python3.11", argv=[f"{PATH}/bin/python"], cgroup="/lxc/201/ns/.lxc")
     # A kernel thread has no exe.
     process(root, 2, exe=None, argv=[], cgroup="/")
-    users, unreadable = pp.processes_running_from("ct:200", roots, proc_root=str(root))
+    users, unreadable = pve_process_runs_from.processes_running_from("ct:200", roots, proc_root=str(root))
     assert [(info.pid, how, path) for info, how, path in users] == [
         (510, "exe", f"{REAL}/bin/ninja"),
         (516, "argv0", f"{PATH}/bin/python"),
@@ -69,7 +69,7 @@ def test_a_process_whose_files_cannot_be_read_is_named_not_passed_over(tmp_path)
     root = tmp_path / "proc"
     process(root, 530, exe=None, argv=["python3"])
     (root / "530" / "exe").mkdir()  # readlink fails with something other than "no such file"
-    users, unreadable = pp.processes_running_from("ct:200", [PATH], proc_root=str(root))
+    users, unreadable = pve_process_runs_from.processes_running_from("ct:200", [PATH], proc_root=str(root))
     assert users == []
     assert [(info.pid, error.startswith(f"could not read {root}/530/exe")) for info, error in unreadable] == [
         (530, True)
@@ -77,11 +77,13 @@ def test_a_process_whose_files_cannot_be_read_is_named_not_passed_over(tmp_path)
 
 
 def test_paths_compare_by_whole_directory_names():
-    assert pp.under(f"{PATH}/bin/python", [PATH]) == PATH
-    assert pp.under(PATH, [PATH + "/"]) == PATH
-    assert pp.under(f"{PATH}.20261203T101500Z/bin/python", [PATH]) is None  # another directory, same prefix
-    assert pp.under("python", [PATH]) is None
-    assert pp.under(None, [PATH]) is None
+    assert pve_process_runs_from.under(f"{PATH}/bin/python", [PATH]) == PATH
+    assert pve_process_runs_from.under(PATH, [PATH + "/"]) == PATH
+    assert (
+        pve_process_runs_from.under(f"{PATH}.20261203T101500Z/bin/python", [PATH]) is None
+    )  # another directory, same prefix
+    assert pve_process_runs_from.under("python", [PATH]) is None
+    assert pve_process_runs_from.under(None, [PATH]) is None
 
 
 # -- the window rule -------------------------------------------------------------------------------------------
@@ -162,6 +164,6 @@ def test_a_shell_sitting_in_an_old_version_keeps_it_from_retention_but_not_from_
     old = "/opt/venvs/train.20261201T101500Z"
     process(root, 530, exe="/usr/bin/bash", argv=["-bash"], comm="bash")
     os.symlink(old, root / "530" / "cwd")
-    assert pp.processes_running_from("ct:200", [old], proc_root=str(root)) == ([], [])
-    users, unreadable = pp.processes_running_from("ct:200", [old], proc_root=str(root), cwd=True)
+    assert pve_process_runs_from.processes_running_from("ct:200", [old], proc_root=str(root)) == ([], [])
+    users, unreadable = pve_process_runs_from.processes_running_from("ct:200", [old], proc_root=str(root), cwd=True)
     assert ([(info.pid, how, path) for info, how, path in users], unreadable) == ([(530, "cwd", old)], [])

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,21 @@ def test_a_check_run_is_marked_as_such(tmp_path):
     report = json.loads((tmp_path / "reports" / "localhost" / "run-test.json").read_text())
     assert (report["check_mode"], report["status"], report["error"]) == (True, "ok", None)
     assert report["steps"]["gpu_processes"]["status"] == "skipped"
+
+
+def test_a_playbook_of_the_collection_run_by_its_name_reports_beside_the_user(tmp_path, monkeypatch):
+    """`ansible-playbook pve_gpu.recover.recover` runs a playbook inside the (maybe installed) collection: a relative
+    report_dir is then the current directory's, never the collection's; any other playbook's is beside it."""
+    monkeypatch.setenv("PVE_GPU_RECOVER_CONTROLLER_PID", "1")  # the callback exports it; the test must not leak it
+    monkeypatch.chdir(tmp_path)
+    callback = recover_report.CallbackModule()
+    linked = ROOT / "collections" / "ansible_collections" / "pve_gpu" / "recover" / "playbooks"
+    for inside in (linked, ROOT / "playbooks"):
+        callback.v2_playbook_on_start(types.SimpleNamespace(_basedir=str(inside)))
+        assert callback.basedir == str(tmp_path)
+    for beside in (ROOT, tmp_path / "site"):
+        callback.v2_playbook_on_start(types.SimpleNamespace(_basedir=str(beside)))
+        assert callback.basedir == str(beside)
 
 
 def test_the_callback_documentation_renders():

@@ -1,11 +1,14 @@
-"""plugins/lookup/uv_lock.py: a lock compiled by the real uv from local PEP 503 indexes on loopback, then cached."""
+"""plugins/lookup/uv_lock.py: a lock compiled by the real uv from local PEP 503 indexes on loopback, then cached by
+the requirements, the options and uv's version; behind a private CA and credentials, with the network settings."""
 
 import functools
 import http.server
+import subprocess
 import sys
 import threading
 
 import pytest
+from ansible.errors import AnsibleError
 from ansible.module_utils import _internal as module_internal
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 
@@ -14,6 +17,7 @@ from tests.conftest import ROOT
 sys.path.insert(0, str(ROOT / "plugins" / "lookup"))
 sys.path.insert(0, str(ROOT / "tests" / "lab"))
 controller = module_internal.is_controller
+import private_ca  # noqa: E402
 import uv_lock  # noqa: E402
 import wheelhouse  # noqa: E402
 from ansible.plugins.loader import lookup_loader  # noqa: E402
@@ -81,3 +85,118 @@ def test_the_cache_key_changes_with_every_option():
     options = {"python_version": "3.11", "python_platform": "p", "index_url": "a", "torch_index_url": "b"}
     keys = {uv_lock.cache_key(["torch"], dict(options, **{k: "other"})) for k in options}
     assert len(keys | {uv_lock.cache_key(["torch"], options)}) == len(options) + 1
+
+
+def test_an_empty_cache_dir_leaves_the_configured_one(tmp_path, monkeypatch):
+    """The training_venv role passes cache_dir="" unless set: PVE_GPU_RECOVER_LOCK_CACHE_DIR (an execution
+    environment's persistent storage, docs/awx.md) then decides. A cached lock is read, uv is never run."""
+    options = {"python_version": "3.11", "python_platform": "x86_64-manylinux_2_28"}
+    options |= {"index_url": "https://pypi.org/simple", "torch_index_url": "https://download.pytorch.org/whl/cu128"}
+    cache = tmp_path / "persistent"
+    cache.mkdir()
+    (cache / uv_lock.cache_key(["six"], options)).write_text("six==1.17.0\n")
+    monkeypatch.setenv("PVE_GPU_RECOVER_LOCK_CACHE_DIR", str(cache))
+    lookup = lookup_loader.get("uv_lock")
+    assert lookup.run([["six"]], variables={}, cache_dir="", uv="/nonexistent/uv") == ["six==1.17.0\n"]
+
+
+# -- the cache key names the uv that compiled ------------------------------------------------------------------
+def uv_of_version(directory, version):
+    """A uv that says it is ``version`` and compiles with the real one, counting its compilations."""
+    directory.mkdir(parents=True, exist_ok=True)
+    wrapper = directory / "uv"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = --version ]; then echo "uv {version} (x86_64-unknown-linux-gnu)"; exit 0; fi\n'
+        f'echo compiled >> "{directory}/compilations"\n'
+        f'exec "{ROOT / ".venv" / "bin" / "uv"}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def compilations(wrapper):
+    path = wrapper.parent / "compilations"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_another_uv_version_misses_the_cache_and_the_same_one_hits_it(tmp_path, indexes):
+    _, pypi, cu128 = indexes
+    old, new = uv_of_version(tmp_path / "old", "0.13.9"), uv_of_version(tmp_path / "new", "0.14.0")
+    lookup = lookup_loader.get("uv_lock")
+    options = {"index_url": pypi, "torch_index_url": cu128, "cache_dir": str(tmp_path / "cache")}
+    first = lookup.run([["six"]], variables={}, uv=str(old), **options)[0]
+    assert lookup.run([["six"]], variables={}, uv=str(old), **options)[0] == first
+    assert (compilations(old), compilations(new)) == (1, 0)
+    again = lookup.run([["six"]], variables={}, uv=str(new), **options)[0]
+    assert venv_facts.parse_lock(again)["distributions"] == venv_facts.parse_lock(first)["distributions"]
+    assert (compilations(old), compilations(new)) == (1, 1)
+    assert len(list((tmp_path / "cache").glob("*.lock"))) == 2
+    options["uv_version"] = "uv 0.13.9 (x86_64-unknown-linux-gnu)"
+    assert uv_lock.cache_key(["six"], options) != uv_lock.cache_key(["six"], dict(options, uv_version="uv 0.14.0"))
+
+
+# -- behind a private CA, with credentials ---------------------------------------------------------------------
+HOST_TLS_SETTINGS = ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "UV_SYSTEM_CERTS")
+TOKEN = "CompileT0kenS3cret"  # noqa: S105 (a test's credential)
+
+
+@pytest.fixture
+def private_index(tmp_path, monkeypatch):
+    """tests/lab/standins/index_server.py over HTTPS with a private CA's certificate, wanting ci's token."""
+    for name in HOST_TLS_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    ca = private_ca.make_ca(tmp_path / "ca")
+    wheelhouse.write_index(tmp_path / "www", [wheelhouse.build_wheel(tmp_path / "w", "six", "1.17.0")])
+    (tmp_path / "auth").write_text(f"ci:{TOKEN}")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "lab" / "standins" / "index_server.py"),
+            str(tmp_path / "www"),
+            *("--port", "0", "--tls-cert", str(ca["cert"]), "--tls-key", str(ca["key"])),
+            *("--auth-file", str(tmp_path / "auth")),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    url = server.stdout.readline().split(" on ", 1)[1].strip() + "/simple"
+    yield url, ca["ca"]
+    server.terminate()
+    server.wait(10)
+
+
+def compile_private(tmp_path, url, **network):
+    lookup = lookup_loader.get("uv_lock")
+    options = {"index_url": url, "torch_index_url": url, "cache_dir": str(tmp_path / "cache")}
+    return lookup.run([["six"]], variables={}, uv=str(ROOT / ".venv" / "bin" / "uv"), **options, **network)[0]
+
+
+def test_the_controller_compiles_from_an_index_of_a_private_ca_with_the_settings(tmp_path, private_index):
+    url, ca = private_index
+    credentials = [{"host": "127.0.0.1", "username": "ci", "password": TOKEN}]
+    with pytest.raises(AnsibleError) as refused:
+        compile_private(tmp_path, url, index_credentials=credentials)
+    assert "invalid peer certificate: UnknownIssuer" in str(refused.value)
+    assert "give its CA as SSL_CERT_FILE in training_venv_compile_environment" in str(refused.value)
+    with pytest.raises(AnsibleError) as refused:  # trusted now, but without the token
+        compile_private(tmp_path, url, environment={"SSL_CERT_FILE": str(ca)})
+    assert "401 Unauthorized" in str(refused.value)
+    wrong = [{"host": "127.0.0.1", "username": "ci", "password": "NotTheT0ken"}]
+    with pytest.raises(AnsibleError) as refused:
+        compile_private(tmp_path, url, environment={"SSL_CERT_FILE": str(ca)}, index_credentials=wrong)
+    assert "NotTheT0ken" not in str(refused.value)
+    text = compile_private(tmp_path, url, environment={"SSL_CERT_FILE": str(ca)}, index_credentials=credentials)
+    assert venv_facts.parse_lock(text)["distributions"] == {"six": "1.17.0"}
+    assert TOKEN not in text  # the lock names the index, never its credentials
+    # The system's store as OpenSSL finds it (SSL_CERT_FILE names the CA) serves as well; the network settings are
+    # no part of the cache key: the lock compiled above is read again.
+    system = {"environment": {"SSL_CERT_FILE": str(ca)}, "system_certs": True, "index_credentials": credentials}
+    assert compile_private(tmp_path, url, **system) == text
+    fresh = compile_private(tmp_path / "fresh", url, **system)  # compiled again: the header names another output
+    assert venv_facts.parse_lock(fresh)["distributions"] == {"six": "1.17.0"}
+
+
+def test_network_settings_that_cannot_work_are_refused_before_uv_runs(tmp_path):
+    with pytest.raises(AnsibleError, match="uv_lock: environment sets UV_INDEX_URL, which the build decides itself"):
+        compile_private(tmp_path, "https://127.0.0.1:9/simple", environment={"UV_INDEX_URL": "https://x/simple"})

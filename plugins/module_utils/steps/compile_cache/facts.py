@@ -43,7 +43,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import cuda_of, variant
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import (
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.handoff import (
     ending_pids_of,  # pids the GPU step ends before this step runs
 )
 
@@ -321,6 +321,20 @@ def _answer_shape(answer):
             return f"users[{real!r}] is {users!r}, not a list of processes ({{pid, name, how}})"
     if not all(isinstance(e, str) for e in answer["errors"]):
         return f"errors is {answer['errors']!r}, not a list of sentences"
+    return _warmup_shape(answer.get("warmup"))
+
+
+def _warmup_shape(found):
+    """What is wrong with the answer's warm-up command (``""``: nothing, or no such part)."""
+    if found is None:
+        return ""
+    if not isinstance(found, dict) or found.get("state") not in WARMUP_STATES:
+        return f"warmup is {found!r}, not what read_warmup answers"
+    for key in ("file", "mode", "interpreter"):
+        if found.get(key) is not None and not isinstance(found[key], str):
+            return f"warmup {key} is {found[key]!r}, not a string"
+    if found.get("interpreter_state") not in (None, *WARMUP_STATES):
+        return f"warmup interpreter_state is {found['interpreter_state']!r}"
     return ""
 
 
@@ -474,6 +488,62 @@ def _shown(entry, key):
     return printable(entry.get(key) if isinstance(entry, dict) else entry)
 
 
+WARMUP_STATES = ("ok", "missing", "not_file", "denied")
+WARMUP_FIX = "or set compile_cache_warmup to [] (no warm-up)"
+
+
+def warmup_problem(label, spec, found, venv_changes):
+    """Why the planned warm-up cannot start (one sentence: what is missing and the fix), or None; pure.
+
+    ``found``: the probe's ``read_warmup`` (None: no answer, or a user that does not exist, a problem of its own).
+    A command or ``#!`` interpreter that the venv this run rebuilds may provide (argv[0] a bare name: the venv's
+    ``bin`` comes first on the warm-up's PATH; or a path in the venv or one of its versions) is not held against
+    it: that venv is not built yet."""
+    if not isinstance(found, dict):
+        return None
+    venv = clean(spec["venv"])
+
+    def of_venv(path):
+        return (
+            isinstance(path, str)
+            and path.startswith("/")
+            and (inside(clean(path), venv) or path.startswith(f"{venv}."))
+        )
+
+    command, file = spec["warmup"][0], found.get("file")
+    if found.get("state") != "ok":
+        from_venv = venv_changes and ("/" not in command or of_venv(file) or of_venv(command))
+        return None if from_venv else f"{label}: {_command_unusable(spec, found)}, {WARMUP_FIX}"
+    interpreter, state = found.get("interpreter"), found.get("interpreter_state")
+    if interpreter is None or state == "ok" or (venv_changes and (of_venv(file) or of_venv(interpreter))):
+        return None
+    what = "does not exist" if state == "missing" else f"is not a program {spec['user']} may run"
+    return (
+        f"{label}: the warm-up command {printable(file)} starts with #!{printable(interpreter)}, which {what}; "
+        f"install that interpreter, correct the script's first line, {WARMUP_FIX}"
+    )
+
+
+def _command_unusable(spec, found):
+    """What keeps the warm-up's argv[0] from starting, and the fix (without the last alternative)."""
+    command, user = spec["warmup"][0], spec["user"]
+    if found.get("state") == "missing" and "/" in command:
+        return f"the warm-up command {printable(command)} does not exist; install it there or correct its path"
+    if found.get("state") == "missing":
+        path = printable(warmup_environment(spec, None, "")["PATH"])
+        return (
+            f"the warm-up command {printable(command)} is not on the PATH it runs with ({path}); install it in the "
+            f"target or give compile_cache_warmup its full path"
+        )
+    what = (
+        "is not a file"
+        if found["state"] == "not_file"
+        else f"may not be run by {user} (mode {printable(found.get('mode'))})"
+    )
+    file = printable(found.get("file"))
+    return f"the warm-up command {file} {what}; make it an executable file {user} may run (chmod +x)"
+
+
 def warmup_line(spec):
     return (
         f"warm up with `{shlex.join(spec['warmup'])}` as {spec['user']} ({THREADS}=1, timeout "
@@ -609,6 +679,10 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
     # Nor while a root is refused alone: the warm-up's first root may be it, and what it fills is stamped as root.
     alone = [r for r in roots if r["verdict"] == "refused" and r["alone"]]
     warmup = warmup and not alone
+    if warmup:  # a warm-up that cannot start stops the run before anything is purged
+        missing = warmup_problem(label, spec, answer.get("warmup"), venv_changes)
+        if missing:
+            problems.append(missing)
     refused_lines = [refused_line(label, root, bool(spec["warmup"])) for root in alone]
     changes = []
     for root in roots:
@@ -716,7 +790,12 @@ def probe_payload(spec, timeout=60, *, gpus=False):
         "stamp_name": spec["stamp_name"],
         "timeout": timeout,
         "nvidia_smi_argv": query_gpu_argv(GPU_NAME_FIELDS) if gpus else None,
-    }
+    } | (
+        # Where the warm-up's command would be found: a warm-up that cannot start fails before any purge.
+        {"warmup": {"command": spec["warmup"][0], "path": warmup_environment(spec, None, "")["PATH"]}}
+        if spec["warmup"]
+        else {}
+    )
 
 
 def read_node(spec, target, answer, context):

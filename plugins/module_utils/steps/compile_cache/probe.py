@@ -15,6 +15,8 @@ It reads the venv's ``torch/version.py`` as text and triton's dist-info METADATA
 The homes of the target's users, every live process that uses a root (its cwd, an open file or a mapped file
 in it) and, when asked, the GPU names from ``nvidia-smi`` complete the answer. The module decides what is wrong.
 """
+# Runs in the target from its source (standard library only), where no AnsibleModule.run_command exists.
+# pylint: disable=ansible-bad-function
 
 import contextlib
 import errno
@@ -342,6 +344,93 @@ def read_homes():
     return {home: sorted(names) for home, names in homes.items()}
 
 
+# -- the warm-up's command ------------------------------------------------------------------------------------------
+SHEBANG = 256  # bytes of a script read for its #! line
+
+
+def runnable_by(info, uid, groups):
+    """Whether a user (``uid``, ``groups``: every gid of theirs) may execute a file of ``os.stat`` ``info``, by its
+    mode bits: root needs any x bit, the owner the owner's, a group member the group's, anyone else the others'."""
+    if not stat.S_ISREG(info.st_mode):
+        return False
+    if uid == 0:
+        return bool(info.st_mode & 0o111)
+    if info.st_uid == uid:
+        return bool(info.st_mode & stat.S_IXUSR)
+    if info.st_gid in groups:
+        return bool(info.st_mode & stat.S_IXGRP)
+    return bool(info.st_mode & stat.S_IXOTH)
+
+
+def _executable(path, uid, groups):
+    """``(state, mode)`` of ``path`` as the user would exec it: ``ok``, ``missing``, ``not_file`` or ``denied``."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return "missing", None
+    if not stat.S_ISREG(info.st_mode):
+        return "not_file", None
+    if not runnable_by(info, uid, groups):
+        return "denied", f"{stat.S_IMODE(info.st_mode):04o}"
+    return "ok", None
+
+
+def _interpreter(path):
+    """The program of a script's ``#!`` line (``/usr/bin/env`` of ``#!/usr/bin/env python3``), or None."""
+    try:  # O_NONBLOCK: a FIFO swapped in since the stat never blocks the probe; only a regular file is read
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        head = os.read(fd, SHEBANG) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    return words[0].decode(errors="replace") if words else None
+
+
+def read_warmup(warmup, user):
+    """How the warm-up's command would be found and started as ``user`` (``read_user``), from files alone (it is
+    never run): argv[0] looked up as the acting script's ``subprocess.Popen`` does (on the warm-up's PATH, relative
+    to its working directory, the user's home), then its ``#!`` interpreter.
+
+    ``warmup``: ``{"command": argv[0], "path": the warm-up's PATH}``. Answers ``{"command", "file" (what would run,
+    or the first candidate found), "state" (``ok``, ``missing``, ``not_file``, ``denied``), "mode", "interpreter",
+    "interpreter_state"}``, or None for a user that does not exist (a problem of its own)."""
+    if user.get("uid") is None:
+        return None
+    uid, gid, name = user["uid"], user["gid"], user["name"]
+    try:
+        groups = set(os.getgrouplist(name, gid))
+    except (OSError, KeyError):
+        groups = {gid}
+    command, cwd = warmup["command"], user.get("home") or "/"
+    cwd = cwd if os.path.isdir(cwd) else "/"
+    if "/" in command:
+        candidates = [os.path.join(cwd, command)]
+    else:
+        candidates = [os.path.join(cwd, directory, command) for directory in warmup["path"].split(os.pathsep)]
+    found = {"command": command, "file": None, "state": "missing", "mode": None}
+    found.update(interpreter=None, interpreter_state=None)
+    for candidate in candidates:
+        state, mode = _executable(candidate, uid, groups)
+        if state == "ok":
+            found.update(file=candidate, state="ok", mode=None)
+            break
+        if state != "missing" and found["file"] is None:
+            found.update(file=candidate, state=state, mode=mode)
+    if found["state"] == "ok":
+        interpreter = _interpreter(found["file"])
+        if interpreter is not None:
+            found["interpreter"] = interpreter
+            found["interpreter_state"] = _executable(os.path.join(cwd, interpreter), uid, groups)[0]
+    return found
+
+
 def run_nvidia_smi(argv, timeout):
     env = dict(os.environ, LC_ALL="C", LANG="C")
     try:
@@ -354,11 +443,13 @@ def run_nvidia_smi(argv, timeout):
 
 
 def probe(payload):
-    """Answer ``{"user", "venv", "roots" (templates), "stamp_name", "timeout", "nvidia_smi_argv" (or None)}``.
+    """Answer ``{"user", "venv", "roots" (templates), "stamp_name", "timeout", "nvidia_smi_argv" (or None),
+    "warmup" ({"command", "path"}; only with a warm-up)}``.
 
     ``{"user" ({"name", "exists", "uid", "gid", "home"}), "homes" ({home: [users]}), "venv" (read_venv()),
     "roots" ([read_root()]), "users" ({real path: [{"pid", "name", "how"}]}), "unreadable_processes",
-    "users_partial", "gpus" (nvidia-smi's answer or None), "pid", "euid", "errors"}``.
+    "users_partial", "gpus" (nvidia-smi's answer or None), "pid", "euid", "errors", "warmup" (read_warmup(), only
+    when asked)}``.
     """
     # Half the time for the walks and the process scan: other probe parts share the same pct exec.
     deadline = time.monotonic() + float(payload.get("timeout", 60)) * 0.5
@@ -377,6 +468,8 @@ def probe(payload):
     reals = sorted({r["real_path"] for r in answer["roots"] if r["walked"]})
     users, unreadable, partial = read_users(reals, deadline, os.getpid())
     answer.update(users=users, unreadable_processes=unreadable, users_partial=partial)
+    if payload.get("warmup"):  # whether the warm-up could start, so that one that cannot fails before any purge
+        answer["warmup"] = read_warmup(payload["warmup"], user)
     if payload.get("nvidia_smi_argv"):
         answer["gpus"] = run_nvidia_smi(payload["nvidia_smi_argv"], max(1, int(deadline - time.monotonic())))
     return answer

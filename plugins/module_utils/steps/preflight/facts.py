@@ -8,6 +8,8 @@ every field the report and verify need (so no step asks nvidia-smi inside the CT
 The node side reads the node's own kernel module version. :func:`evaluate` is pure: every verdict and message
 is unit tested.
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ In a CT this file's source is fed to the CT's python3 on stdin by ``Target.run_p
 on a bare host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, no
 imports from ansible, and the answer is plain JSON. It only reads; the module decides what is wrong.
 """
+# Runs in the target from its source (standard library only), where no AnsibleModule.run_command exists.
+# pylint: disable=ansible-bad-function
 
 import contextlib
 import glob

@@ -28,8 +28,9 @@ import re
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process_runs_from import runs_from, under
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.facts import ending_pids_of, owner_of
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.handoff import ending_pids_of
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
 
 NAME = "training_code"
@@ -146,6 +147,9 @@ def check_answer(answer):
     # Added later: optional, so that an older probe's answer still reads.
     if not isinstance(answer.get("untrusted"), (str, type(None))):
         raise CodeError("the training_code probe answered no 'untrusted' of the expected type", kind="probe")
+    remotes = answer.get("remotes")
+    if remotes is not None and not (isinstance(remotes, list) and all(isinstance(r, str) for r in remotes)):
+        raise CodeError("the training_code probe answered no 'remotes' of the expected type", kind="probe")
     filters = answer.get("filters", {})
     if not isinstance(filters, dict) or not all(
         isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in filters.items()
@@ -315,13 +319,36 @@ def code_problems(label, spec, answer, entries):
             f"{label}: {path} has no commit yet but files are staged ({named([entry_name(e) for e in tracked])}); "
             f"commit them or unstage them (git rm -r --cached .) and run again"
         )
-    if answer["commit_present"] is False and not spec.get("remote"):
-        problems.append(
+    return problems + fetch_problems(label, spec, answer) + checkout_problems(label, path, commit, answer)
+
+
+def names_a_remote(remote):
+    """Whether git reads ``remote`` as the name of a configured remote rather than as a URL or a path: ``origin``,
+    ``team/upstream`` yes; ``https://host/r.git``, ``git@host:r.git``, ``/srv/r.git``, ``../r``, ``~/r`` no."""
+    return "://" not in remote and ":" not in remote and not remote.startswith(("/", ".", "~"))
+
+
+def fetch_problems(label, spec, answer):
+    """Why the commit cannot be had, found before anything runs: it is not in the repository and no remote is set,
+    or the remote is given by a name the repository's config does not define (git would take the name for a path
+    and fail only once the run had begun)."""
+    if answer["commit_present"] is not False:
+        return []
+    remote, remotes, path, commit = spec.get("remote"), answer.get("remotes"), spec["path"], spec["commit"].lower()
+    if not remote:
+        return [
             f"{label}: commit {commit} is not in the repository at {path} and no remote is set to fetch it from; "
             f"set training_code_remote (a remote's name such as origin, or a URL), or fetch it there "
             f"(git -C {path} fetch origin {commit})"
-        )
-    return problems + checkout_problems(label, path, commit, answer)
+        ]
+    if remotes is None or not names_a_remote(remote) or remote in remotes:
+        return []
+    known = f"its remotes are {named(remotes)}" if remotes else "it has no remote"
+    return [
+        f"{label}: commit {commit} is not in the repository at {path} and training_code_remote {quote(remote)} is "
+        f"not a remote of it ({known}); set training_code_remote to one of them or to a URL, or add it there "
+        f"(git -C {path} remote add {quote(remote)} <url>)"
+    ]
 
 
 def checkout_problems(label, path, commit, answer):
@@ -447,7 +474,8 @@ def uses_repository(pid, roots, proc_root="/proc"):
 
     1. ``cwd``: its working directory lies in a root (``python train.py`` started in the repository);
     2. ``open``: a file it holds open does (a log, a config it re-reads);
-    3. ``exe``, ``argv0``, ``mapped``: it runs from a root (pve_process.runs_from: a C extension built in place);
+    3. ``exe``, ``argv0``, ``mapped``: it runs from a root (pve_process_runs_from.runs_from: a C extension built in
+       place);
     4. ``argv``: an absolute path in its command line does (``python /srv/train/train.py`` started elsewhere:
        python closed the script once read).
     """
@@ -456,7 +484,7 @@ def uses_repository(pid, roots, proc_root="/proc"):
         cwd = os.readlink(os.path.join(base, "cwd"))
     except OSError:
         cwd = None
-    if pp.under(cwd, roots):
+    if under(cwd, roots):
         return "cwd", cwd, None
     try:
         fds = os.listdir(os.path.join(base, "fd"))
@@ -467,21 +495,22 @@ def uses_repository(pid, roots, proc_root="/proc"):
             target = os.readlink(os.path.join(base, "fd", fd))
         except OSError:
             continue
-        if pp.under(target, roots):
+        if under(target, roots):
             return "open", target[: -len(pp.DELETED)] if target.endswith(pp.DELETED) else target, None
-    how, path, error = pp.runs_from(pid, roots, proc_root)
+    how, path, error = runs_from(pid, roots, proc_root)
     if how is not None:
         return how, path, None
     text, read_error = pp.read_bounded(os.path.join(base, "cmdline"))
     for arg in (text or "").split("\0"):
-        if pp.under(arg, roots):
+        if under(arg, roots):
             return "argv", arg, None
     return None, None, error or read_error
 
 
 def processes_in_repository(owner, roots, proc_root="/proc", exclude=()):
     """Node-side: ``(users, unreadable)`` of the processes of ``owner`` (``ct:<vmid>``, ``host``) that use one of
-    ``roots`` (:func:`uses_repository`), like pve_process.processes_running_from: one it cannot read is listed."""
+    ``roots`` (:func:`uses_repository`), like pve_process_runs_from.processes_running_from: one it cannot read is
+    listed."""
     users, unreadable = [], []
     for pid in pp.list_pids(proc_root):
         if pid <= 1 or pid in exclude or pid == os.getpid() or pp.read_owner(pid, proc_root) != owner:
@@ -527,7 +556,7 @@ def read_node(spec, target, answer, context, proc_root="/proc"):
     if not facts["pending"]:
         return {}
     roots = sorted({spec["path"], answer["toplevel"] or spec["path"]})
-    found, unreadable = processes_in_repository(owner_of(context["target"]), roots, proc_root)
+    found, unreadable = processes_in_repository(pp.owner_of(context["target"]), roots, proc_root)
     users = [dict(user_of(info), how=how, file=path) for info, how, path in found]
     users += [dict(user_of(info), how=None, error=error) for info, error in unreadable]
     return {"users": sorted(users, key=lambda u: u["pid"])}

@@ -11,6 +11,9 @@ even the index's stat cache is rewritten. Every git call goes through :mod:`pve_
 do: a view of the repository whose config is an allowlist of the real one's keys, no system or global config, no
 ``GIT_*`` of the caller, no submodule; nothing of the repository is written.
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# Runs in the target from its source (standard library only), where no AnsibleModule.run_command exists.
+# pylint: disable=disallowed-name,ansible-bad-function
 
 import os
 import subprocess
@@ -103,7 +106,8 @@ def probe(payload):
     "commit_present", "collisions" (ignored files a checkout of the commit would overwrite), "errors" (what could
     not be read), "untrusted" (why the git dir is not used: a ``.git`` file or commondir naming a directory its
     owner does not own, or reached through a link; else None), "filters" (``{driver: paths}``: when a reset is due,
-    the clean/smudge filters the config defines that tracked paths use)}``.
+    the clean/smudge filters the config defines that tracked paths use), "remotes" (the names of the remotes its
+    config defines, once it was read; else None)}``.
     """
     path = payload["path"]
     commit = payload["commit"].lower()
@@ -125,6 +129,7 @@ def probe(payload):
         "errors": [],
         "untrusted": None,
         "filters": {},
+        "remotes": None,
     }
     git_path = pve_ct_git.find_git(payload.get("git") or "git")
     if git_path is None:
@@ -150,6 +155,8 @@ def probe(payload):
         except (OSError, subprocess.SubprocessError, pve_ct_git.ViewError) as error:
             raise Stop(f"cannot read the repository's config in {common}: {error}") from None
         git.env = view.env
+        # The remotes a fetch of a missing commit can name (the view keeps their URLs, nothing else of them).
+        answer["remotes"] = pve_ct_git.remote_names(view.config)
         worktree = view.value("core.worktree")
         if (view.value("core.bare") or "").lower() in ("true", "yes", "on", "1"):
             answer["bare"] = True

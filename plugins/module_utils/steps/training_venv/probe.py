@@ -15,16 +15,22 @@ What the venv imports is more than its distributions: every ``.pth`` file in sit
 does a ``sitecustomize``/``usercustomize`` module; a package directory no RECORD owns is importable all the same.
 So the probe also names, from one listing of site-packages, every such start-up hook with the distributions whose
 RECORD lists it (``hooks``), and every importable top-level entry that no RECORD owns (``unowned``).
+
+With ``lock_from_repo`` in the payload it also reads the lock from the training repository at the pinned commit
+(``pve_ct_git.read_at_commit``: git's object database, as root in the code step's view of the repository), so the
+lock the venv is compared with is the one committed beside the code.
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 import csv
 import os
 import re
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git, pve_ct_venv
 
-SHARED = (pve_ct_venv,)  # container-side modules Target.run_probes ships with this part
+SHARED = (pve_ct_venv, pve_ct_git)  # container-side modules Target.run_probes ships with this part
 
 # torch/version.py assigns plain literals (`cuda: Optional[str] = '12.8'`, `debug = False`); an annotation may
 # sit between the name and the `=`.
@@ -267,7 +273,8 @@ def start_up_and_unowned(site_packages, listing, distributions):
 
 
 def probe(payload):
-    """Answer ``{"path": venv, "timeout": s}`` with the venv's interpreter, distributions and torch build.
+    """Answer ``{"path": venv, "timeout": s, "uv": name or path, "python": minor or None}`` with the venv's
+    interpreter, distributions and torch build, and what a build of it would use.
 
     ``{"path", "exists" (pyvenv.cfg read), "directory" (the path is a directory), "real_path" (where it resolves,
     only when it exists), "python" ("3.11"),
@@ -277,10 +284,14 @@ def probe(payload):
     site-packages, with the Names of the distributions whose RECORD lists it; ``text``, the start of an unowned
     ``.pth``), "unowned" (importable top-level entries no RECORD or top_level.txt owns),
     "torch_version_py" (parse_torch_version_py() or None), "versions" (:func:`finished_versions`), "errors" (what
-    could not be read), "unsafe" (``pve_ct_venv.venv_unsafe``)}``.
+    could not be read), "unsafe" (``pve_ct_venv.venv_unsafe``), "build" (``pve_ct_venv.build_needs``: what a
+    build would use, for the ``uv`` and ``python`` of the payload, on this process's PATH, the build's own)}``; with
+    ``lock_from_repo`` (``{"repo", "commit", "path", "git"}``) also "repo_lock" (``pve_ct_git.read_at_commit``:
+    ``{"text", "missing", "error"}``).
     """
     path = payload["path"]
     deadline = time.monotonic() + float(payload.get("timeout", 60))
+    source = payload.get("lock_from_repo")
     answer = {
         "path": path,
         "exists": False,
@@ -299,7 +310,14 @@ def probe(payload):
         "errors": [],
         # Why a user other than root could change the venv (its python runs as root), or None.
         "unsafe": pve_ct_venv.venv_unsafe(path),
+        # What a build would run (uv, or python -m venv with ensurepip), so that one it cannot do fails the fact
+        # pass before any step changes anything.
+        "build": pve_ct_venv.build_needs(payload.get("uv") or "uv", payload.get("python"), os.environ.get("PATH")),
     }
+    if source:
+        answer["repo_lock"] = pve_ct_git.read_at_commit(
+            source.get("git") or "git", source["repo"], source["commit"], source["path"], deadline=deadline
+        )
     text = _read(os.path.join(path, "pyvenv.cfg"))
     if text is None:
         return answer

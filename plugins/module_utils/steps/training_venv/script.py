@@ -27,11 +27,19 @@ Layout (a venv embeds its own path, so a working venv is never moved while jobs 
 Any failure removes what this run built and answers ``{"error": kind, "message": sentence, "stderr_tail", "cmd",
 "rc"}``; ``<path>`` is then untouched.
 
+The build's network settings (the payload's ``network``: proxies and other variables, a CA bundle, the system's
+certificates, index credentials) reach the commands' environment only (:func:`network_env`); index credentials go
+to a netrc file in the build's private directory (mode 0600, removed with it), never into an argv. Every answer is
+masked (``pve_ct_act.redact``: each secret, and the user information of any URL) before it leaves the target.
+
 Unattended (``window_check`` in the payload), the last thing before the swap is a look at the live processes: when
 one runs from the current venv (a job started while the new one was built), the new version is removed, ``<path>``
 is left as it was and the answer is ``{"needs_window": {"path", "users": [{"pid", "name"}]}, "cleaned",
 "left_behind"}``, not an error: swapping it needs a window.
 """
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# Runs in the target from its source (standard library only), where no AnsibleModule.run_command exists.
+# pylint: disable=disallowed-name,ansible-bad-function
 
 import contextlib
 import os
@@ -41,9 +49,11 @@ import subprocess
 import tempfile
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_progress
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_progress, pve_ct_venv
 
-SHARED = (pve_ct_act, pve_ct_progress)  # container-side modules Target.run_probes ships with this part
+# Container-side modules Target.run_probes ships with this part; pve_ct_venv decides what builds the venv, as the
+# probe part's fact pass did before anything changed; pve_ct_progress tells what a long build is at.
+SHARED = (pve_ct_act, pve_ct_progress, pve_ct_venv)
 MARKER = ".pve-gpu-recover-building"
 STAMP = re.compile(r"^\d{8}T\d{6}Z$")
 _STAMP = r"\d{8}T\d{6}Z"
@@ -78,6 +88,13 @@ BUILD_ENV = {
     "PIP_ROOT_USER_ACTION": "ignore",
 }
 TAIL_LINES = 40
+# What the build's network settings set (module_utils/steps/training_venv/network.py checks them on the node). A CA
+# bundle: uv (and OpenSSL, which pip's truststore reads), pip through requests, pip's own --cert.
+CA_SETTINGS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT")
+# The system's certificate store for uv: UV_SYSTEM_CERTS since uv 0.11, UV_NATIVE_TLS before (uv ignores the old
+# one, without its deprecation warning, while the new one is set). pip on Python 3.10+ (truststore) and Debian's
+# pip already use the system's store.
+SYSTEM_CERTS_SETTINGS = ("UV_SYSTEM_CERTS", "UV_NATIVE_TLS")
 PYTHON_CHECK = "import sys; print(tuple(sys.version_info[:2]))"
 _PYTHON_TUPLE = re.compile(r"\((\d+), (\d+)\)")
 _LIB_PYTHON = re.compile(r"^python(\d+\.\d+)$")
@@ -88,12 +105,25 @@ _TORCH_VERSION = re.compile(r"""^__version__\s*(?::[^=\n]*)?=\s*['"]([^'"\\]+)['
 # What `python3 -m venv` says without Debian's python3-venv (its message wraps "is not\navailable").
 NO_VENV_MODULE = re.compile(r"ensurepip\s+is\s+not\s+available|No module named '?(?:venv|ensurepip)")
 
+# What uv and pip say of a certificate they do not trust (a private CA, a TLS-intercepting proxy).
+TLS_FAILURE = re.compile(
+    r"invalid peer certificate|UnknownIssuer|certificate verify failed|CERTIFICATE_VERIFY_FAILED|"
+    r"problem confirming the ssl certificate|self[- ]signed certificate|unable to get local issuer certificate",
+    re.IGNORECASE,
+)
 # What a failed install says, first match wins: (kind, pattern, what to do).
 FAILURES = (
     (
         "no_space",
         re.compile(r"No space left on device|ENOSPC|os error 28", re.IGNORECASE),
         "free space on the target's disk (preflight's min_free_gib) and run again",
+    ),
+    (
+        "tls",
+        TLS_FAILURE,
+        "the target does not trust the TLS certificate of the index or of a proxy on the way (a private CA, a "
+        "TLS-intercepting proxy): set training_venv_ca_bundle to a PEM file inside the target holding that CA, or "
+        "training_venv_system_certs: true when the target's system store trusts it",
     ),
     (
         "python",
@@ -104,6 +134,12 @@ FAILURES = (
         "hash_mismatch",
         re.compile(r"hash mismatch|DO NOT MATCH THE HASHES|hashes? (?:do(?:es)? not|don't) match", re.IGNORECASE),
         "the index serves other files than the lock pins; compile the lock again against that index",
+    ),
+    (
+        "index_auth",
+        re.compile(r"\(40[13] |40[13] Client Error|\bUnauthorized\b|\bForbidden\b|missing credentials"),
+        "the index refused the build without credentials or with these: give them as training_venv_index_credentials "
+        "(host, username, password)",
     ),
     (
         "not_on_index",
@@ -123,7 +159,8 @@ FAILURES = (
             r"Network is unreachable|request or response body error",
             re.IGNORECASE,
         ),
-        "the target cannot download from the lock's indexes; check its network or proxy and run again",
+        "the target cannot download from the lock's indexes; check its network, or give its proxy as "
+        "training_venv_environment (HTTPS_PROXY, NO_PROXY), and run again",
     ),
 )
 
@@ -214,11 +251,14 @@ def failure_line(text):
 
     ``"Resolved 3 packages\nerror: Failed to download `idna==3.10`\n  cause: Failed to fetch: ...\n  cause:
     connection closed before message completed"`` -> ``"Failed to download `idna==3.10`: connection closed before
-    message completed"``; without an error line, the last line; ``""`` -> ``"no output"``.
+    message completed"``; without an error line, the last line; ``""`` -> ``"no output"``. uv's ``hint:`` lines
+    are left out.
     """
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
     if not lines:
         return "no output"
+    # uv's closing `hint:` speaks of its own flags (`--system-certs`); the kind's hint names the role's setting.
+    lines = [line for line in lines if not line.startswith("hint:")] or lines
     last = _ERROR.sub("", _CAUSE.sub("", lines[-1]))
     first = next((_ERROR.sub("", line) for line in lines if _ERROR.match(line)), None)
     if first is None or first == last:
@@ -384,10 +424,31 @@ def _paths_of(proc_pid, cwd=False):
 
 
 # -- acting ----------------------------------------------------------------------------------------------------
-def build_env():
-    """The environment of every command: the target's, minus foreign index settings, plus ours."""
+def network_env(network):
+    """The variables the build's network settings give its commands: ``environment``, ``secret_environment``, a
+    ``ca_bundle`` for each tool (CA_SETTINGS) and ``system_certs`` (SYSTEM_CERTS_SETTINGS); pure.
+
+    ``network_env({"environment": {"HTTPS_PROXY": "http://proxy:3128"}, "ca_bundle": "/etc/ssl/corp.pem",
+    "system_certs": True})`` -> ``{"HTTPS_PROXY": "http://proxy:3128", "SSL_CERT_FILE": "/etc/ssl/corp.pem",
+    "REQUESTS_CA_BUNDLE": "/etc/ssl/corp.pem", "PIP_CERT": "/etc/ssl/corp.pem", "UV_SYSTEM_CERTS": "true",
+    "UV_NATIVE_TLS": "true"}``.
+    """
+    network = network or {}
+    env = {str(k): str(v) for k, v in (network.get("environment") or {}).items()}
+    env.update({str(k): str(v) for k, v in (network.get("secret_environment") or {}).items()})
+    if network.get("ca_bundle"):
+        env.update(dict.fromkeys(CA_SETTINGS, str(network["ca_bundle"])))
+    if network.get("system_certs"):
+        env.update(dict.fromkeys(SYSTEM_CERTS_SETTINGS, "true"))
+    return env
+
+
+def build_env(network=None):
+    """The environment of every command: the target's, minus foreign index settings, plus ours and the build's
+    network settings (:func:`network_env`)."""
     env = {k: v for k, v in os.environ.items() if k not in FOREIGN_SETTINGS}
     env.update(BUILD_ENV)
+    env.update(network_env(network))
     return env
 
 
@@ -467,13 +528,26 @@ class Build:
         self.new = version_dir(self.path, self.stamp)
         self.lock_file = lock_path(self.new)
         self.private = None  # a root-only directory holding the lock the installer reads (made by execute)
-        self.env = build_env()
+        # A pylock.toml is read by uv only under that name (``pylock.toml`` or ``pylock.*.toml``).
+        self.lock_name = "pylock.toml" if payload.get("lock_format") == "pylock" else "lock.txt"
+        network = dict(payload.get("network") or {})
+        self.netrc = network.get("netrc")  # index credentials, written beside the lock the installer reads
+        ca_bundle = network.get("ca_bundle")
+        if ca_bundle and not os.path.isfile(ca_bundle):
+            raise pve_ct_act.ActError(
+                "ca_bundle",
+                f"the CA bundle {ca_bundle} is not a file in the target; put the PEM file of the CA there, or fix "
+                "training_venv_ca_bundle (a path inside the target)",
+            )
+        self.env = build_env(network)
         self.created = False  # this run made self.new (so a failure removes it)
         self.swapped = False  # self.new is the current venv (so nothing of it is ever removed)
         self.cleaned = []
         self.window_check = bool(payload.get("window_check"))  # unattended: never swap under a live process
         self.prune_only = bool(payload.get("prune_only"))  # in spec, only old versions beyond keep to remove
-        pve_ct_progress.start(payload.get("progress"))  # the module has somewhere to send it (an async job)
+        # Told only when the module has somewhere to send it (an async job); masked as every answer is.
+        secrets = [str(secret) for secret in (network.get("secrets") or [])]
+        pve_ct_progress.start(payload.get("progress"), redact=lambda text: pve_ct_act.redact(text, secrets))
 
     # -- commands ------------------------------------------------------------------------------------------
     def run(self, argv, what):
@@ -520,6 +594,9 @@ class Build:
         if rc != 0:
             kind, hint = classify_failure(err + out)
             line = failure_line(err or out)
+            if kind == "tls":  # pip names the certificate only in a warning before its last error
+                said = TLS_FAILURE.search(err + out).group(0)
+                line = line if said in line else f"{line} ({said})"
             raise pve_ct_act.ActError(
                 kind, f"{what} failed (exit {rc}): {line}; {hint}", cmd=argv, rc=rc, stderr=err or out
             )
@@ -565,17 +642,14 @@ class Build:
                 _remove(full)  # the lock of a version that is gone
 
     def builder(self):
-        """``("uv", path)`` when uv can be run, else ``("venv+pip", why uv is not used)``."""
-        if "/" in self.uv:
-            usable = os.path.isfile(self.uv) and os.access(self.uv, os.X_OK)
-            return ("uv", self.uv) if usable else ("venv+pip", f"{self.uv} is not an executable file")
-        found = shutil.which(self.uv, path=self.env.get("PATH"))
-        return ("uv", found) if found else ("venv+pip", f"{self.uv} is not on PATH ({self.env.get('PATH', '')})")
+        """``("uv", path)`` when uv can be run, else ``("venv+pip", why uv is not used)`` (pve_ct_venv.builder, what
+        the fact pass's probe part found beforehand)."""
+        return pve_ct_venv.builder(self.uv, self.env.get("PATH"))
 
     def base_python(self):
         """The interpreter ``-m venv`` runs with: ``python3.X`` for a pinned minor, else ``python3``."""
-        name = f"python{self.python}" if self.python else "python3"
-        found = shutil.which(name, path=self.env.get("PATH"))
+        name = pve_ct_venv.python_name(self.python)
+        found = pve_ct_venv.base_python(self.python, self.env.get("PATH"))
         if not found:
             raise pve_ct_act.ActError(
                 "python",
@@ -596,6 +670,12 @@ class Build:
         return {"name": "uv", "path": uv, "version": version[1] if len(version) > 1 else None}
 
     def make_venv_with_pip(self, why_not_uv):
+        if self.lock_name == "pylock.toml":
+            raise pve_ct_act.ActError(
+                "no_builder",
+                f"the lock is a pylock.toml, which only uv installs here, and there is no uv ({why_not_uv}); give the "
+                "role a uv (training_venv_uv_wheel, or training_venv_uv: its path inside the target)",
+            )
         python = self.base_python()
         rc, out, err = self.run([python, "-m", "venv", self.new], f"`{python} -m venv`")
         if rc != 0:
@@ -714,8 +794,11 @@ class Build:
         reading."""
         if self.private is None:
             self.private = tempfile.mkdtemp(prefix="pve-gpu-recover-build-")
-            create_new(os.path.join(self.private, "lock.txt"), self.lock, 0o600)
-        return os.path.join(self.private, "lock.txt")
+            create_new(os.path.join(self.private, self.lock_name), self.lock, 0o600)
+            if self.netrc:  # the index credentials: uv and pip (requests) read the file NETRC names
+                create_new(os.path.join(self.private, "netrc"), self.netrc, 0o600)
+                self.env["NETRC"] = os.path.join(self.private, "netrc")
+        return os.path.join(self.private, self.lock_name)
 
     def drop_private(self):
         if self.private is not None:
@@ -814,7 +897,9 @@ def probe(payload):
     or name), "keep" (int or None), "timeout" (s), "expected" ({canonical name: version}, the lock's pins),
     "ignore" (tooling names not compared), "drop_tooling" (seeded tooling a pip build removes), "window_check"
     (unattended: no swap while a live process uses the current venv; optional), "prune_only" (build nothing, only
-    remove versions beyond ``keep``; optional)}``.
+    remove versions beyond ``keep``; optional), "lock_format" ("pylock" for a pylock.toml; optional), "network"
+    ({"environment", "secret_environment", "ca_bundle", "system_certs", "netrc", "secrets"}: the build's network,
+    steps/training_venv/network.py; optional; every answer masks each of "secrets")}``.
 
     Success: ``{"path", "current", "previous" ({"path", "freeze", "moved", "note"} or None), "builder" ({"name",
     "path", "version"[, "fallback"]}), "python", "lock_file", "cleaned", "removed", "retention_skipped",
@@ -823,17 +908,18 @@ def probe(payload):
     ``{"needs_window", "cleaned", "left_behind", "seconds"}``. ``prune_only``: ``{"pruned": true, "removed",
     "retention_skipped", "seconds"}``.
     """
+    secrets = [str(secret) for secret in ((payload.get("network") or {}).get("secrets") or [])]
     try:
         build = Build(payload)
     except (KeyError, TypeError, ValueError) as error:
         return {"error": "invalid", "message": f"the build payload is incomplete: {error}", "cleaned": []}
     except pve_ct_act.ActError as error:
-        return {"error": error.kind, "message": str(error), "cleaned": []}
+        return pve_ct_act.redact_answer({"error": error.kind, "message": str(error), "cleaned": []}, secrets)
     try:
-        return build.execute()
+        return pve_ct_act.redact_answer(build.execute(), secrets)
     except (pve_ct_act.ActError, OSError) as error:
         failure = pve_ct_act.failure(error, TAIL_LINES)
     finally:
         build.drop_private()
     failure.update(cleaned=build.cleaned, left_behind=build.discard())
-    return failure
+    return pve_ct_act.redact_answer(failure, secrets)
