@@ -412,9 +412,10 @@ error:
       (the new venv was not the lock), C(layout) (I(path) is a file), C(os_error), C(install_failed), C(tls)
       (the target does not trust the index's or a proxy's certificate - I(ca_bundle), I(system_certs)),
       C(index_auth) (the index wants other credentials - I(index_credentials)), C(ca_bundle) (no such file).
-      From the module - C(invalid), C(lock) (the lock of I(lock_from_repo) cannot be read), C(problems) (the venv could not be read, or a user other than root could
-      change it - a directory above it they own or may write, a symlink other than the step's own), C(verify) (still out of spec after
-      the swap), and the target's (C(stopped), C(missing), C(probe), ...).
+      From the module - C(invalid), C(lock) (the lock of I(lock_from_repo) cannot be read), C(problems) (the
+      venv could not be read, or a user other than root could change it - a directory above it they own or may
+      write, a symlink other than the step's own), C(verify) (still out of spec after the swap), and the
+      target's (C(stopped), C(missing), C(probe), ...).
   returned: failure
   type: str
   sample: index_unreachable

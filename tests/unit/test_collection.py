@@ -134,8 +134,11 @@ def test_the_action_callback_and_lookup_run_from_the_installed_copy(installed, t
     """The fact pass's action refuses a bad pve_vmid before any connection, the report callback writes that run's
     report, and the uv_lock lookup compiles into the cache PVE_GPU_RECOVER_LOCK_CACHE_DIR names (docs/awx.md)."""
     consumer, env = installed.consumer, installed.env
-    uv = tmp_path / "uv"  # stands in for uv pip compile: writes a lock to --output-file
-    uv.write_text('#!/bin/sh\nwhile [ "$1" != --output-file ]; do shift; done\necho "six==1.17.0" > "$2"\n')
+    uv = tmp_path / "uv"  # stands in for uv: says its version, and `pip compile` writes a lock to --output-file
+    uv.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && { echo "uv 0.13.9 (x86_64-unknown-linux-gnu)"; exit 0; }\n'
+        'while [ "$1" != --output-file ]; do shift; done\necho "six==1.17.0" > "$2"\n'
+    )
     uv.chmod(0o755)
     playbook = tmp_path / "play.yml"
     playbook.write_text(

@@ -92,12 +92,15 @@ def test_an_empty_cache_dir_leaves_the_configured_one(tmp_path, monkeypatch):
     environment's persistent storage, docs/awx.md) then decides. A cached lock is read, uv is never run."""
     options = {"python_version": "3.11", "python_platform": "x86_64-manylinux_2_28"}
     options |= {"index_url": "https://pypi.org/simple", "torch_index_url": "https://download.pytorch.org/whl/cu128"}
+    uv = uv_of_version(tmp_path / "uv", "0.13.9")
     cache = tmp_path / "persistent"
     cache.mkdir()
-    (cache / uv_lock.cache_key(["six"], options)).write_text("six==1.17.0\n")
+    key = uv_lock.cache_key(["six"], options | {"uv_version": "uv 0.13.9 (x86_64-unknown-linux-gnu)"})
+    (cache / key).write_text("six==1.17.0\n")
     monkeypatch.setenv("PVE_GPU_RECOVER_LOCK_CACHE_DIR", str(cache))
     lookup = lookup_loader.get("uv_lock")
-    assert lookup.run([["six"]], variables={}, cache_dir="", uv="/nonexistent/uv") == ["six==1.17.0\n"]
+    assert lookup.run([["six"]], variables={}, cache_dir="", uv=str(uv)) == ["six==1.17.0\n"]
+    assert compilations(uv) == 0
 
 
 # -- the cache key names the uv that compiled ------------------------------------------------------------------

@@ -7,6 +7,8 @@ waits until the memory is free and watches ``settle`` seconds for restarts (:cla
 The node reads it shares with the fact pass (a holder's parents and service: facts.read_jobs, facts.read_lineage,
 facts.run_processes) look their /proc readers up in facts.py, the rest here: a test that fakes the node's
 processes patches both modules (tests/unit/library/test_gpu_processes.py, FakeProcesses)."""
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@
 target, read by the step's probe part). A holder is guarded when it or one of its parents in the same target is
 named; an unattended run leaves it, and what shares its job, running (:func:`plan_guard`). Pure: the pid files'
 contents come in as the probe's answer, the parents as the node reads of facts.py."""
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 from __future__ import annotations
 

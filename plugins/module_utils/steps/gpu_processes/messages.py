@@ -3,6 +3,8 @@
 """How the GPU processes step names processes: in its results (``as_*``), its change lines, its problems and
 its errors (GpuProcessesError, raised with what was already done). Everything a process says of itself (its
 comm, its command line) is shown through pve_text.printable; nothing here reads the node."""
+# "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
+# pylint: disable=disallowed-name
 
 from __future__ import annotations
 
