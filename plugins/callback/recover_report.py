@@ -174,7 +174,7 @@ def prune_reports(target_dir, keep):
             with contextlib.suppress(FileNotFoundError):
                 found.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.name))
     removed = []
-    for _, name in sorted(found, reverse=True)[keep:]:
+    for _mtime, name in sorted(found, reverse=True)[keep:]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(target_dir, name))
             removed.append(name)

@@ -122,7 +122,7 @@ def communicate(process, timeout):
                 out, err = streams.values()
                 raise subprocess.TimeoutExpired(process.args, timeout, output=bytes(out), stderr=bytes(err))
             _tell()  # at least every INTERVAL while it runs, output or not: the elapsed time stays live
-            for key, _ in selector.select(min(left, max(INTERVAL, 0.05))):
+            for key, _events in selector.select(min(left, max(INTERVAL, 0.05))):
                 chunk = os.read(key.fd, READ_CHUNK)
                 if not chunk:
                     selector.unregister(key.fd)
