@@ -16,7 +16,7 @@ LATEST_BIN := $(LATEST)/bin
 LATEST_LOCK := requirements/dev-latest.lock
 LATEST_STAMP := $(LATEST)/.installed-$(shell sha256sum $(LATEST_LOCK) | cut -c1-12)
 LABCTL := /usr/bin/python3 tests/lab/labctl.py
-SYSTEM_PACKAGES := lxc debootstrap openssh-server psmisc iproute2 python3 python3-venv git coreutils systemd
+SYSTEM_PACKAGES := lxc debootstrap openssh-server psmisc iproute2 python3 python3-venv git coreutils systemd prometheus
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 # .venv's tools first (once: a sub-make inherits the exported PATH).
 ifeq (,$(findstring $(CURDIR)/$(BIN):,$(PATH)))
@@ -60,7 +60,7 @@ uv-wheel: setup  ## PyPI's uv wheel (requirements/dev.lock's version, hash-check
 	  $(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
 	    --platform manylinux_2_17_x86_64 --require-hashes -r "$$req" -d .whl && ls .whl/uv-*.whl
 
-system-deps:  ## Debian packages the lab needs (LXC, debootstrap, sshd)
+system-deps:  ## Debian packages the lab and the tests need (LXC, debootstrap, sshd; promtool from prometheus)
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  [ "$$(id -u)" = 0 ] || { echo "system-deps: run as root to install: $$missing" >&2; exit 1; }; \

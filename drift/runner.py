@@ -19,24 +19,18 @@ Exit codes: 0 every target in spec; 2 drift (or, with --correct, something that 
 nothing failed; 1 any target failed, busy or unreachable, the run itself failed, or the runner could not start. A
 failure wins over drift.
 
-Everything that decides (events and reports to a summary, the summary to metrics, the exit code) is a pure function
-of plain data below; ``main()`` wires them to ansible-runner, the lock and the files. docs/design.md, "Scheduled
-drift correction", says why it is built this way.
+Everything that decides (events and reports to a summary, the exit code) is a pure function of plain data below;
+the summary becomes metrics in drift/metrics.py (with the state that keeps each target's last success), one run of
+ansible-playbook is drift/playbook.py, the options drift/cli.py; ``main()`` wires them to ansible-runner, the lock
+and the files. docs/design.md, "Scheduled drift correction", says why it is built this way.
 """
 
 from __future__ import annotations
 
-import argparse
-import configparser
-import contextlib
 import json
-import math
 import os
-import shlex
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +42,8 @@ if __package__ in (None, ""):
 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES
 
-from drift import COLLECTIONS, collections_path, unattended
+from drift import metrics
+from drift.cli import check_options, check_unattended, parse_args
 from drift.errors import DriftError, LockHeld
 from drift.files import (
     RUN_DIR,
@@ -60,13 +55,25 @@ from drift.files import (
     prune_runs,
     write_atomic,
 )
+from drift.playbook import host_key_checking, import_ansible_runner, public_run, run_playbook
 from drift.text import one_line, shown
 
-__all__ = ["RUN_DIR", "DriftError", "LockHeld", "acquire_lock", "iso", "load_reports", "prune_runs", "write_atomic"]
+__all__ = [
+    "RUN_DIR",
+    "DriftError",
+    "LockHeld",
+    "acquire_lock",
+    "host_key_checking",
+    "iso",
+    "load_reports",
+    "prune_runs",
+    "write_atomic",
+]
 
-PLAYBOOK = "recover.yml"
-REPORT_CALLBACK = "pve_gpu.recover.recover_report"
 SUMMARY_VERSION = 1
+# The recover_report schema this runner reads (plugins/callback/recover_report.py SCHEMA_VERSION): a newer one is a
+# target failure naming it, never a misread. A report without one is from before the field (the same shape).
+REPORT_SCHEMA = 1
 EXIT_IN_SPEC, EXIT_FAILED, EXIT_DRIFT = 0, 1, 2
 STATUSES = ("in_spec", "drift", "failed", "busy", "unreachable")
 # Statuses that fail the run: busy is a failure too (the target was not checked), only its cause differs.
@@ -81,11 +88,6 @@ DIFF_LINES = 50
 LOCK_ACTIONS = ("target_facts", "target_lock")
 # The order the steps run (the registry's); a step not listed comes last, by name.
 STEP_ORDER = STEP_NAMES
-# The extra variable a correction run sets; the roles leave what is unsafe unattended to a window.
-UNATTENDED = unattended.UNATTENDED
-# At most this many seconds of --timeout for --correct's proof that the checkout runs unattended.
-PROBE_TIMEOUT = 120
-METRIC_PREFIX = "pve_gpu_recover"
 # A run-level cause that leaves every target of the run without a report, in the words the summary uses.
 RUN_ENDED = {
     "timeout": "the run timed out after {timeout:g} s",
@@ -307,13 +309,30 @@ def summarize_target(name, found, events, *, corrected_run=False, run_status="su
     }
 
 
+def readable_report(found):
+    """``found`` (``{path, report}``) when this runner reads its report's schema, else the same with ``report``
+    None and an ``error`` that names both versions: a report of a newer shape fails its target, never misread."""
+    report = (found or {}).get("report")
+    if not isinstance(report, dict):
+        return found
+    version = report.get("schema_version", REPORT_SCHEMA)
+    if isinstance(version, int) and not isinstance(version, bool) and 1 <= version <= REPORT_SCHEMA:
+        return found
+    return dict(
+        found,
+        report=None,
+        error=f"the report {found['path']} has schema_version {version!r} and this runner reads {REPORT_SCHEMA}: "
+        "update the checkout the runner runs from (drift/) to the one the report callback comes from",
+    )
+
+
 def summarize_phase(reports, events, *, corrected_run=False, run_status="successful", timeout=None, log=None):
     """``{target: summary}`` for every target a report or an event names (events only: still named)."""
     hosts = host_events(events)
     return {
         name: summarize_target(
             name,
-            reports.get(name),
+            readable_report(reports.get(name)),
             hosts.get(name),
             corrected_run=corrected_run,
             run_status=run_status,
@@ -382,294 +401,6 @@ def run_errors(run, targets):
     return []
 
 
-# -- pure: the Prometheus textfile ------------------------------------------------------------------------------
-def escape_label(value):
-    """A label value as the exposition format wants it: backslash, double quote and newline escaped."""
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def escape_help(text):
-    return str(text).replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def format_value(value):
-    if isinstance(value, bool | int):
-        return str(int(value))
-    if math.isnan(value):
-        return "NaN"
-    return repr(round(float(value), 3))
-
-
-def sample(name, labels, value):
-    inner = ",".join(f'{key}="{escape_label(val)}"' for key, val in labels.items())
-    return f"{name}{{{inner}}} {format_value(value)}" if inner else f"{name} {format_value(value)}"
-
-
-def render_textfile(summary):
-    """The summary as node_exporter's textfile collector reads it (every family has HELP and TYPE).
-
-    Per target and step: ``drift`` (0|1), ``needs_window`` (how many things wait for a window), ``corrected``
-    (0|1, this run changed it); per target: ``target_up`` (0 when it was unreachable or the run never got its
-    facts), ``target_failed`` (1 for failed and unreachable), ``last_run_timestamp_seconds``,
-    ``run_duration_seconds``; per run: ``runner_last_run_timestamp_seconds``, ``runner_exit_code`` and
-    ``targets{status}``, so a run that reached no target is visible too.
-    """
-    targets = sorted(summary["targets"].items())
-    finished = summary["finished_timestamp"]
-
-    def per_step(value):
-        return [({"target": t, "step": s}, value(e)) for t, v in targets for s, e in sorted(v["steps"].items())]
-
-    families = [
-        ("drift", "1 when the step of the target is out of spec (check: a run would change it; after --correct: "
-         "it still is).", per_step(lambda e: e["drift"])),
-        ("needs_window", "Things the step of the target leaves to a maintenance window (unsafe unattended).",
-         per_step(lambda e: len(e["needs_window"]))),
-        ("corrected", "1 when this run's --correct changed the step of the target.",
-         per_step(lambda e: e["corrected"])),
-        ("target_up", "1 when the run reached the target and got its report; 0 when unreachable or no report.",
-         [({"target": t}, v["status"] != "unreachable" and v["report"] is not None) for t, v in targets]),
-        ("target_failed", "1 when the run failed on the target (another run held it, too) or could not reach it.",
-         [({"target": t}, v["status"] in FAILURES) for t, v in targets]),
-        ("last_run_timestamp_seconds", "Unix time the drift run that checked the target finished.",
-         [({"target": t}, finished) for t, _ in targets]),
-        ("run_duration_seconds", "Seconds the ansible-playbook runs that checked (and corrected) the target took.",
-         [({"target": t}, v.get("seconds", summary["duration_seconds"])) for t, v in targets]),
-        ("runner_last_run_timestamp_seconds", "Unix time the drift runner last finished (whatever the outcome).",
-         [({}, finished)]),
-        ("runner_exit_code", "Exit code of the drift runner's last run: 0 in spec, 2 drift, 1 failure.",
-         [({}, summary["exit_code"])]),
-        ("targets", "Targets of the drift runner's last run by status.",
-         [({"status": s}, n) for s, n in summary["counts"].items()]),
-    ]  # fmt: skip
-    lines = []
-    for family, help_text, samples in families:
-        name = f"{METRIC_PREFIX}_{family}"
-        lines.append(f"# HELP {name} {escape_help(help_text)}")
-        lines.append(f"# TYPE {name} gauge")
-        lines.extend(sample(name, labels, value) for labels, value in samples)
-    return "\n".join(lines) + "\n"
-
-
-# -- ansible-runner -------------------------------------------------------------------------------------------
-def import_ansible_runner():
-    try:
-        import ansible_runner  # noqa: PLC0415 (optional until a run: the pure functions above work without it)
-    except ImportError as error:
-        lock = Path(__file__).resolve().parent.parent / "requirements" / "dev.lock"
-        raise DriftError(
-            f"ansible-runner is not importable by {sys.executable} ({error}); run the runner with the project's "
-            "venv (.venv/bin/python drift/runner.py ...; `make setup` creates it) or install the pinned one: "
-            f"{sys.executable} -m pip install --require-hashes -r {lock}"
-        ) from None
-    return ansible_runner
-
-
-class Parser(argparse.ArgumentParser):
-    """Usage errors exit 1: the runner's exit 2 means drift, which a typo must never look like."""
-
-    def error(self, message):
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_FAILED, f"{self.prog}: error: {message}\n")
-
-
-def parse_args(argv):
-    root = Path(__file__).resolve().parent.parent
-    parser = Parser(
-        prog="drift/runner.py",
-        description="Run recover.yml in check mode (--check --diff) through ansible-runner, write a JSON summary "
-        "and a Prometheus textfile. Exit 0: all in spec; 2: drift; 1: a failure (wins over drift).",
-    )
-    parser.add_argument(
-        "--inventory", "-i", action="append", required=True, help="inventory file or directory (repeatable)"
-    )
-    parser.add_argument(
-        "--project", type=Path, default=root, help="the pve-gpu-recover checkout (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--textfile", type=Path, help="Prometheus textfile to write atomically (e.g. .../pve_gpu_recover.prom)"
-    )
-    parser.add_argument("--summary", default="-", help="JSON summary path, '-' for stdout (default)")
-    parser.add_argument(
-        "--correct",
-        action="store_true",
-        help=f"after the check, recover the drifting targets for real with {UNATTENDED}=true",
-    )
-    parser.add_argument("--limit", "-l", help="ansible --limit pattern")
-    parser.add_argument("--forks", "-f", type=int, help="ansible --forks")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=3000,
-        help="seconds for the whole run, check and correction (default: %(default)s)",
-    )
-    parser.add_argument("--extra-vars", "-e", action="append", default=[], help="ansible -e (repeatable; @file works)")
-    parser.add_argument(
-        "--reports-dir", type=Path, help="where each run keeps its reports and logs (default: PROJECT/reports/drift)"
-    )
-    parser.add_argument(
-        "--keep-runs", type=int, default=48, help="run directories kept under --reports-dir (default: %(default)s)"
-    )
-    parser.add_argument("--lock-file", type=Path, help="the runner's lock (default: REPORTS_DIR/drift.lock)")
-    args = parser.parse_args(argv)
-    if args.timeout < 1:
-        parser.error("--timeout must be at least 1 second")
-    if args.keep_runs < 1:
-        parser.error("--keep-runs must be at least 1")
-    if args.forks is not None and args.forks < 1:
-        parser.error("--forks must be at least 1")
-    return args
-
-
-def check_options(args):
-    """Absolute paths, and the clear errors a person meets first: no inventory, no recover.yml, --correct unsafe."""
-    args.project = args.project.expanduser().resolve()
-    playbook = args.project / PLAYBOOK
-    if not playbook.is_file():
-        raise DriftError(
-            f"{playbook} not found: --project must be the pve-gpu-recover checkout that holds {PLAYBOOK} "
-            f"(got {args.project})"
-        )
-    inventories = []
-    for inventory in args.inventory:
-        path = Path(inventory).expanduser()
-        if not path.exists():
-            raise DriftError(
-                f"inventory {inventory} not found (from {Path.cwd()}): pass an inventory file or directory, "
-                f"e.g. --inventory {args.project / 'inventory' / 'proxmox'}"
-            )
-        inventories.append(str(path.resolve()))
-    args.inventory = inventories
-    # Absolute, links not resolved: the runner checks the path itself (a planted link is refused, not followed).
-    args.reports_dir = Path(os.path.abspath((args.reports_dir or args.project / "reports" / "drift").expanduser()))
-    args.lock_file = Path(os.path.abspath((args.lock_file or args.reports_dir / "drift.lock").expanduser()))
-    if args.textfile is not None:
-        args.textfile = args.textfile.expanduser().resolve()
-        if not args.textfile.parent.is_dir():
-            raise DriftError(
-                f"the textfile's directory {args.textfile.parent} does not exist: create it (node_exporter's "
-                "--collector.textfile.directory) or pass another --textfile"
-            )
-    return args
-
-
-def check_unattended(ansible_runner, project, *, timeout, cancel=lambda: False):
-    """Refuse --correct unless the checkout's recover.yml hands ``recover_unattended`` to the fact pass and to each
-    acting module (drift/unattended.py runs it, in check mode, with stand-in modules, in about 2 s)."""
-    problems = unattended.probe(ansible_runner, project, timeout=min(timeout, PROBE_TIMEOUT), cancel=cancel)
-    if problems:
-        raise DriftError(
-            f"--correct refused: {project}'s recover.yml, run in check mode with {UNATTENDED}=true against a "
-            f"stand-in target, does not run its steps unattended ({'; '.join(one_line(p) for p in problems)}), so "
-            "a real run could end a live training job or swap a venv under it; run without --correct (check only) "
-            "until the roles pass it on"
-        )
-
-
-def host_key_checking(project):
-    """What ansible-playbook alone would do: the environment's, else ansible.cfg's, else on.
-
-    ansible-runner turns host key checking off unless ANSIBLE_HOST_KEY_CHECKING is set; ssh to the nodes as root
-    must not lose it silently.
-    """
-    if "ANSIBLE_HOST_KEY_CHECKING" in os.environ:
-        return os.environ["ANSIBLE_HOST_KEY_CHECKING"]
-    config = configparser.ConfigParser(interpolation=None)
-    with contextlib.suppress(OSError, configparser.Error):
-        config.read(Path(project) / "ansible.cfg", encoding="utf-8")
-    return config.get("defaults", "host_key_checking", fallback="True")
-
-
-def environment(args, report_dir):
-    """What ansible-playbook needs beyond this process's environment, whatever ansible-runner sets."""
-    callbacks = [c for c in os.environ.get("ANSIBLE_CALLBACKS_ENABLED", "").split(",") if c.strip()]
-    env = {
-        # systemd gives a bare PATH: the venv's ansible-playbook first.
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)]),
-        "PVE_GPU_RECOVER_REPORT_DIR": str(report_dir),
-        # ansible-runner's environment replaces ansible.cfg's list: the collection's report callback, by its FQCN.
-        "ANSIBLE_CALLBACKS_ENABLED": ",".join(dict.fromkeys([*callbacks, REPORT_CALLBACK])),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_HOST_KEY_CHECKING": host_key_checking(args.project),
-    }
-    if (args.project / "ansible.cfg").is_file():
-        env["ANSIBLE_CONFIG"] = str(args.project / "ansible.cfg")
-    # recover.yml imports pve_gpu.recover.recover: the project's own collection (a checkout's collections/), else the
-    # one this runner belongs to (an installed copy: AWX, an execution environment), before any other copy.
-    own = args.project / "collections"
-    env["ANSIBLE_COLLECTIONS_PATH"] = collections_path(own if own.is_dir() else COLLECTIONS, args.project)
-    return env
-
-
-def run_playbook(
-    ansible_runner, args, *, phase, run_dir, deadline, limit=None, cancel=lambda: False, clock=time.monotonic
-):
-    """One ansible-playbook run of recover.yml through ansible-runner: ``phase`` is ``check`` or ``correct``.
-
-    Returns ``{phase, status, rc, seconds, timeout, run_ids, report_dir, log, error, reports, events}``.
-    """
-    report_dir = new_dir(run_dir / phase)
-    log = run_dir / f"{phase}.log"
-    events = []
-    remaining = deadline - clock()
-    result = {
-        "phase": phase,
-        "status": "timeout",
-        "rc": None,
-        "seconds": 0.0,
-        "timeout": args.timeout,
-        "report_dir": str(report_dir),
-        "log": str(log),
-        "error": None,
-    }
-    if remaining < 1:
-        return dict(result, reports={}, events=[], run_ids=[])
-    cmdline = ["--check", "--diff"] if phase == "check" else ["--diff"]
-    for extra in args.extra_vars:
-        cmdline += ["-e", extra]
-    started = clock()
-
-    def on_event(event):
-        if event.get("event") in ("runner_on_start", "runner_on_failed", "runner_on_unreachable", "playbook_on_stats"):
-            events.append(event)
-        return True
-
-    try:
-        with tempfile.TemporaryDirectory(prefix="pve-gpu-drift-") as private:
-            done = ansible_runner.run(
-                private_data_dir=private,
-                ident=phase,
-                project_dir=str(args.project),
-                playbook=str(args.project / PLAYBOOK),
-                inventory=args.inventory,
-                limit=limit,
-                forks=args.forks,
-                cmdline=shlex.join(cmdline),
-                # After the user's -e on the command line: a correction is always unattended.
-                extravars={UNATTENDED: True} if phase == "correct" else None,
-                envvars=environment(args, report_dir),
-                timeout=max(1, math.ceil(remaining)),
-                event_handler=on_event,
-                cancel_callback=cancel,
-                quiet=True,
-                settings={"pexpect_timeout": 1, "suppress_ansible_output": True},
-            )
-            stdout = Path(done.config.artifact_dir) / "stdout"
-            if stdout.is_file():
-                shutil.copyfile(stdout, log)
-            result.update(status=done.status, rc=done.rc)
-    except Exception as error:  # one run's failure is reported, never a traceback
-        result.update(status="error", error=f"ansible-runner could not run {PLAYBOOK} ({phase}): {one_line(error)}")
-    reports = load_reports(report_dir)
-    result.update(
-        seconds=round(clock() - started, 3),
-        reports=reports,
-        events=events,
-        run_ids=sorted({f["report"]["run_id"] for f in reports.values() if f["report"] and f["report"].get("run_id")}),
-    )
-    return result
-
-
 def summarize_run(run, corrected_run=False):
     targets = summarize_phase(
         run["reports"],
@@ -682,10 +413,6 @@ def summarize_run(run, corrected_run=False):
     for target in targets.values():
         target["seconds"] = run["seconds"]
     return targets
-
-
-def public_run(run):
-    return {k: run[k] for k in ("phase", "status", "rc", "seconds", "run_ids", "report_dir", "log", "error")}
 
 
 def build_summary(args, *, started, finished, runs, targets, errors, run_dir):
@@ -759,15 +486,21 @@ def run_and_summarize(args, ansible_runner, *, cancel, clock, monotonic, deadlin
 
 
 def publish(args, summary, run_dir):
-    """The textfile (atomic), the summary (the run directory's copy, then --summary), one line per target."""
+    """The textfile and the metrics' state (atomic), the summary (the run directory's copy, then --summary), one
+    line per target. The state (REPORTS_DIR/metrics-state.json) keeps each target's last success between runs."""
+    state_path = args.reports_dir / metrics.STATE_FILE
+    previous = metrics.load_state(state_path)
+    text, state = metrics.render_textfile(summary, previous)
     if args.textfile is not None:
         try:
-            write_atomic(args.textfile, render_textfile(summary))
+            write_atomic(args.textfile, text)
         except OSError as error:
             # Monitoring is blind without it: the run fails, whatever the targets say.
             summary["errors"].append(f"cannot write the textfile {args.textfile}: {error}")
             summary["exit_code"] = exit_code(summary["targets"], summary["errors"])
             summary["status"] = overall_status(summary["exit_code"])
+            state = metrics.metric_targets(summary, previous)[1]
+    write_atomic(state_path, metrics.state_text(state), mode=0o640)
     text = json.dumps(summary, indent=2) + "\n"
     write_atomic(run_dir / "summary.json", text)
     if args.summary == "-":
@@ -784,6 +517,7 @@ def main(argv=None, *, ansible_runner=None, clock=time.time, monotonic=time.mono
     lock = None
     try:
         check_options(args)
+        metrics.require()
         ansible_runner = ansible_runner or import_ansible_runner()
         private_dir(args.reports_dir)
         lock = acquire_lock(args.lock_file, clock)

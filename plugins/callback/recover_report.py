@@ -22,6 +22,12 @@ description:
     writes nothing there.
   - Only targets that ran a task of a recovery step (a role named like a step of plugins/module_utils/pve_steps.py, or
     the M(pve_gpu.recover.target_facts) fact pass) get a report; other playbooks are left alone.
+  - Each report carries C(schema_version) (docs/reports.md documents every field). After writing a target's report,
+    the oldest reports in its directory beyond O(keep_reports) are removed (regular C(*.json) files only, never a
+    link), so the reports of manual runs do not pile up.
+  - A long step run as an async job (the training venv's rebuild, the compile cache's warm-up) is followed while it
+    runs - at each of Ansible's polls the progress its module put in the job's status (the phase, the latest line
+    of the installer or the warm-up, the elapsed time) is printed as one line.
 version_added: "0.2.0"
 author: pve-gpu-recover contributors (@pve-gpu-recover)
 requirements:
@@ -40,11 +46,24 @@ options:
     ini:
       - section: pve_gpu_recover
         key: report_dir
+  keep_reports:
+    description:
+      - Reports kept per target in O(report_dir), the newest first (by modification time); older ones are removed
+        after each run. C(0) keeps every report.
+      - The drift runner gives each run a directory of its own (one report per target), pruned by its C(--keep-runs).
+    type: int
+    default: 48
+    env:
+      - name: PVE_GPU_RECOVER_REPORT_KEEP
+    ini:
+      - section: pve_gpu_recover
+        key: keep_reports
 """
 
 import contextlib
 import json
 import os
+import re
 import secrets
 import stat
 import tempfile
@@ -52,8 +71,13 @@ import time
 
 from ansible import context
 from ansible.plugins.callback import CallbackBase
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_progress import KEY as PROGRESS_KEY
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_progress import describe as describe_progress
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
+
+# The report's shape (docs/reports.md). Bump it when a field changes meaning or goes; a new field needs no bump.
+SCHEMA_VERSION = 1
 
 # The roles whose tasks make up a report (one per step of recover.yml).
 STEP_ROLES = STEP_NAMES  # the registry's list, never a copy
@@ -70,8 +94,23 @@ LOCAL_ACTIONS = {
     "include_tasks",
     "import_tasks",
 }
-# Result keys that are Ansible's own, not a step's.
-NOISE = ("invocation", "_ansible_no_log", "_ansible_verbose_always", "_ansible_delegated_vars", "ansible_facts")
+# Result keys that are Ansible's own, not a step's (async_wrapper's among them: a build runs as an async job).
+NOISE = (
+    "invocation",
+    "_ansible_no_log",
+    "_ansible_verbose_always",
+    "_ansible_delegated_vars",
+    "ansible_facts",
+    "ansible_job_id",
+    "results_file",
+    "started",
+    "finished",
+    "stdout",
+    "stdout_lines",
+    "stderr",
+    "stderr_lines",
+)
+REPORT_NAME = re.compile(r"^[^.].*\.json$")
 
 
 def shown(text):
@@ -122,6 +161,24 @@ def write_report(directory, name, run_id, report):
             os.unlink(temp)
         raise
     return path
+
+
+def prune_reports(target_dir, keep):
+    """Remove all but the newest ``keep`` reports (regular ``*.json`` files, newest by modification time) of one
+    target's directory; ``keep`` 0 removes nothing. A link or anything else is left alone; returns what was removed."""
+    if keep <= 0:
+        return []
+    found = []
+    for entry in os.scandir(target_dir):
+        if REPORT_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                found.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.name))
+    removed = []
+    for _mtime, name in sorted(found, reverse=True)[keep:]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(target_dir, name))
+            removed.append(name)
+    return removed
 
 
 def short_action(action):
@@ -234,6 +291,12 @@ class CallbackModule(CallbackBase):
     def v2_runner_on_unreachable(self, result):
         self._record(result, "unreachable")
 
+    def v2_runner_on_async_poll(self, result):
+        """A long step's progress at one of Ansible's polls of its async job (plugins/module_utils/pve_progress.py)."""
+        line = describe_progress(result._result.get(PROGRESS_KEY))
+        if line:
+            self._display.display(f"{result._host.get_name()}: {line}")
+
     def _record(self, result, status):
         task = result._task
         data = result._result
@@ -294,6 +357,7 @@ class CallbackModule(CallbackBase):
         target = before.get("target") or {}
         failed = host["error"] is not None
         return {
+            "schema_version": SCHEMA_VERSION,
             "target": name,
             "run_id": self.run_id,
             "check_mode": check_mode,
@@ -324,6 +388,10 @@ class CallbackModule(CallbackBase):
             except OSError as error:
                 self._display.warning(f"recover_report: cannot write {name}'s report under {directory}: {error}")
                 continue
+            try:
+                prune_reports(os.path.dirname(path), int(self.get_option("keep_reports") or 0))
+            except OSError as error:
+                self._display.warning(f"recover_report: cannot prune {name}'s old reports: {error}")
             changed = [s for s, v in report["steps"].items() if v["changed"] or v.get("killed")]
             if report["status"] == "failed" and changed:
                 self._display.warning(

@@ -15,6 +15,9 @@ acts, and the keys of its own result. The runner (:func:`run_step_module`) owns 
 * A real run with work acts and re-reads in ONE ``pct exec`` (the acting script's part, then the probe part again
   with the first read's payload), so a converged target costs one ``pct exec`` and a repaired one two. The re-read
   must find nothing left to do (:func:`leftover`), or the module fails with error ``verify``.
+* A long acting script (a step whose ``progress`` names its first phase: the venv build, the compile cache
+  warm-up) run as an Ansible async job tells what it is at while it acts: :meth:`Run.act_and_reread` asks the
+  script for progress lines and hands them to the job's status file (``pve_progress``); run otherwise, nothing.
 * The result: ``changed``, ``changes`` (one line per change, from the first read: identical in check mode),
   ``diff`` (when the step plans one), the step's own keys, and ``seconds`` (the module's wall time).
 * A failure is one :class:`RecoverError` (``pve_errors``): ``msg`` starts with the target's label (unless it
@@ -32,6 +35,7 @@ import time
 from datetime import UTC, datetime
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_progress
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target, TargetError
 
@@ -77,6 +81,7 @@ class Run:
     def __init__(self, module, step):
         self.module = module
         self.name = step.name
+        self.progress = step.progress
         self.params = module.params
         self.spec = {name: module.params[name] for name in step.spec}
         self.check_mode = module.check_mode
@@ -105,8 +110,13 @@ class Run:
     def act_and_reread(self, part, script, payload, timeout):
         """ONE pct exec: ``script`` acts (the part ``part``), then the probe part reads again what the first read
         read. Returns ``run_probes``' answer; take each part's with :meth:`part`, the script's first (its error
-        explains a re-read that failed)."""
-        return self.target.run_probes({part: (script, payload), self.name: self.read_part}, timeout=timeout)
+        explains a re-read that failed).
+
+        A step with ``progress`` run as an async job: the payload asks the script for progress
+        (``"progress": true``) and what it tells goes to the job's status file as it comes (``pve_progress``)."""
+        on_output = pve_progress.follow(self.name, self.target.label, payload, self.progress) if self.progress else None
+        followed = {} if on_output is None else {"on_output": on_output}  # not followed: the call as ever
+        return self.target.run_probes({part: (script, payload), self.name: self.read_part}, timeout=timeout, **followed)
 
 
 class ActingStep:
@@ -124,6 +134,9 @@ class ActingStep:
     at_least = {}  # {option: (minimum, what to give)}: checked after check_spec
     script = None  # the acting script (a module with ``probe(payload)``, run in the target like a probe part)
     act_part = "act"  # the acting script's part name
+    # A long acting script's first phase ("starting the build"): run as an async job, what the script is at while
+    # it acts goes to the job's status file (Run.act_and_reread, pve_progress); None: never followed.
+    progress = None
 
     @property
     def name(self):

@@ -22,6 +22,7 @@ Failures of ``pct`` itself (container missing or stopped, ``pct`` missing, a com
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import inspect
 import json
@@ -35,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_progress
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
 
 VMID_MIN = 100
@@ -145,7 +147,7 @@ def validate_vmid(value):
     return value
 
 
-def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap=OUTPUT_CAP):
+def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap=OUTPUT_CAP, on_output=None):
     """Run argv on this host without a shell; kill its whole process group when ``timeout`` passes.
 
     Hard deadline: the call returns at most ``timeout`` + DRAIN_GRACE + REAP_GRACE seconds after it started,
@@ -156,6 +158,9 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap
     its first ``output_cap`` bytes; the rest is read and dropped (``truncated`` says so), so a command that prints
     without end never grows memory. A leader that outlives SIGKILL (state D) is left unreaped with rc -9 and
     ``abandoned`` set: no wait here is without a deadline.
+
+    ``on_output(stream, chunk)``, when given, gets each chunk of ``stdout`` or ``stderr`` as it is read (a long
+    step's progress lines, plugins/module_utils/pve_progress.py); what it raises is ignored.
 
     Raises FileNotFoundError when argv[0] does not exist (the caller turns it into a clear TargetError).
     """
@@ -174,7 +179,7 @@ def run_local(argv, *, stdin=None, timeout=DEFAULT_TIMEOUT, env=None, output_cap
         start_new_session=True,  # so a timeout can kill pct and everything it started
     )
     try:
-        out, err, timed_out = exchange(proc, data, started + timeout, output_cap)
+        out, err, timed_out = exchange(proc, data, started + timeout, output_cap, on_output)
     finally:
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
@@ -217,13 +222,14 @@ def kill_group(proc):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def exchange(proc, data, deadline, cap):
+def exchange(proc, data, deadline, cap, on_output=None):
     """Feed ``data`` to stdin and read stdout/stderr until EOF or the deadline; ``(out, err, timed_out)``.
 
     The same job as ``Popen.communicate`` with two differences: no wait is without a deadline (see run_local)
     and each stream keeps at most ``cap`` bytes.
     """
     buffers = {proc.stdout.fileno(): CappedBuffer(cap), proc.stderr.fileno(): CappedBuffer(cap)}
+    streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}
     timed_out = False
     stop_at = None  # once set (the group was killed or the leader exited): stop reading at this time anyway
     with selectors.DefaultSelector() as selector:
@@ -248,6 +254,9 @@ def exchange(proc, data, deadline, cap):
                 chunk = os.read(key.fd, READ_CHUNK)
                 if chunk:
                     buffers[key.fd].add(chunk)
+                    if on_output is not None:
+                        with contextlib.suppress(Exception):  # a reader of progress never stops the command
+                            on_output(streams[key.fd], chunk)
                 else:
                     selector.unregister(key.fd)
     if not timed_out and proc.poll() is None:
@@ -355,18 +364,26 @@ class Target:
         return [self.pct, args[0], str(self.vmid), *[str(a) for a in args[1:]]]
 
     # -- running -------------------------------------------------------------------------------------------
-    def run(self, argv, *, stdin=None, timeout=None, env=None, check=True):
-        """Run ``argv`` in the target; return CommandResult. With ``check``, a non-zero exit raises TargetError."""
+    def run(self, argv, *, stdin=None, timeout=None, env=None, check=True, on_output=None):
+        """Run ``argv`` in the target; return CommandResult. With ``check``, a non-zero exit raises TargetError.
+
+        ``on_output(stream, chunk)`` gets the output as it comes (see run_local); only passed on when given.
+        """
         seconds = int(timeout or self.timeout)
         wrapped = self.command_argv(argv, timeout=seconds, env=env)
         result = self._execute(
-            wrapped, argv, stdin=stdin, timeout=seconds + KILL_GRACE + 10, env=None if self.is_container else env
+            wrapped,
+            argv,
+            stdin=stdin,
+            timeout=seconds + KILL_GRACE + 10,
+            env=None if self.is_container else env,
+            on_output=on_output,
         )
         if self.is_container and self.pct_keep_env and self._pct_lacks_keep_env(result):
             # Rejected before anything ran in the CT: safe to run again the old way.
             self.pct_keep_env = False
             wrapped = self.command_argv(argv, timeout=seconds, env=env)
-            result = self._execute(wrapped, argv, stdin=stdin, timeout=seconds + KILL_GRACE + 10)
+            result = self._execute(wrapped, argv, stdin=stdin, timeout=seconds + KILL_GRACE + 10, on_output=on_output)
         self._raise_for_wrapper(result, argv, seconds)
         if check and result.rc != 0:
             raise TargetError.of(
@@ -425,7 +442,7 @@ class Target:
             raise TargetError(f"{self.label}: the {name} probe failed: {part['error']}", kind="probe")
         return part["answer"]
 
-    def run_probes(self, parts, *, python=None, timeout=None):
+    def run_probes(self, parts, *, python=None, timeout=None, on_output=None):
         """Run several probe parts in the target in ONE process and return ``{name: {"answer"|"error", "seconds"}}``.
 
         ``parts`` maps a name to ``(probe_module, payload)``. In a CT the modules' sources and their payloads
@@ -437,11 +454,25 @@ class Target:
         error of kind ``wedged`` instead of a hung run. The answer of a CT is untrusted: anything but the expected
         JSON shape is a TargetError naming what came back. ``python``: the CT's interpreter, the target's own when
         None.
+
+        ``on_output(stream, chunk)`` gets the parts' output as it comes: their progress lines (pve_ct_progress),
+        which an error's message then leaves out. On a bare host the parts run here, and their lines go to it
+        through ``pve_ct_progress.sink``.
         """
         python = python or self.python
         if not self.is_container:
-            return run_parts_bounded(parts, int(timeout or self.timeout) + KILL_GRACE, self.label)
-        result = self.run(probes_argv(python), stdin=probes_input(parts), timeout=timeout, check=False)
+            if on_output is None:
+                return run_parts_bounded(parts, int(timeout or self.timeout) + KILL_GRACE, self.label)
+            pve_ct_progress.sink = lambda line: on_output("stderr", line + "\n")
+            try:
+                return run_parts_bounded(parts, int(timeout or self.timeout) + KILL_GRACE, self.label)
+            finally:
+                pve_ct_progress.sink = None
+        result = self.run(
+            probes_argv(python), stdin=probes_input(parts), timeout=timeout, check=False, on_output=on_output
+        )
+        if on_output is not None:
+            result = dataclasses.replace(result, stderr=pve_ct_progress.strip(result.stderr))
         try:
             answer = json.loads(result.stdout)
         except ValueError:
@@ -466,9 +497,10 @@ class Target:
         return {name: answer[name] for name in parts}
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _execute(self, wrapped, argv, *, stdin=None, timeout, env=None):
+    def _execute(self, wrapped, argv, *, stdin=None, timeout, env=None, on_output=None):
         try:
-            return self.runner(wrapped, stdin=stdin, timeout=timeout, env=env)
+            extra = {} if on_output is None else {"on_output": on_output}  # runners that take no reader get none
+            return self.runner(wrapped, stdin=stdin, timeout=timeout, env=env, **extra)
         except FileNotFoundError:
             if self.is_container:
                 raise TargetError(

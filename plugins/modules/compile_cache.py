@@ -158,6 +158,9 @@ notes:
     it was built for the venv as it is) unless the venv is rebuilt in the same run.
   - A purge that is cut short leaves a C(purging) marker as the stamp, so the next run purges again instead of
     adopting half a cache.
+  - Run as an async job (C(async) with C(poll), as the role runs a real warm-up), the module puts the progress of
+    the purge and the warm-up (the phase, the warm-up's last output line, the elapsed time) into the job's status
+    file while it runs; each of Ansible's polls shows it (plugins/module_utils/pve_progress.py).
 """
 
 EXAMPLES = r"""
@@ -432,6 +435,7 @@ class CompileCache(ActingStep):
     argument_spec = ARGUMENT_SPEC
     error = CacheError
     script = cache_script
+    progress = "starting the purge and warm-up"  # run as an async job (the role, for a warm-up): followed as it runs
 
     def payload(self, run):
         return probe_payload(run.spec, run.params["timeout"], gpus=True)

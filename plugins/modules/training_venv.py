@@ -244,6 +244,9 @@ notes:
   - Retention (I(keep), I(unattended_keep)) is predicted by the fact pass and in check mode (C(remove old venv
     version ...) lines in I(changes)); a venv in spec with versions beyond it is pruned without a build. A converged
     run within I(keep) makes no change at all.
+  - Run as an async job (C(async) with C(poll), as the role runs a real rebuild), the module puts the build's
+    progress (the phase, the last line uv or pip printed, the elapsed time) into the job's status file while it
+    runs; each of Ansible's polls shows it (plugins/module_utils/pve_progress.py).
 """
 
 EXAMPLES = r"""
@@ -665,6 +668,7 @@ class TrainingVenv(ActingStep):
     argument_spec = ARGUMENT_SPEC
     error = VenvError
     at_least = {"build_timeout": (1, "give the build at least 1 second")}
+    progress = "starting the build"  # run as an async job (the role, for a build): followed as it runs
 
     def check_params(self, params):
         return network_problem(params)

@@ -50,7 +50,8 @@ def test_the_ee_installs_what_make_setup_tests():
     # ansible-core 2.19 needs Python 3.11+; the EE's is the one the low end is tested on.
     assert re.fullmatch(r"/usr/bin/python3\.11", deps["python_interpreter"]["python_path"])
     ee_pins = pins(ROOT / deps["python"])
-    assert ee_pins == {name: tested[name] for name in ("ansible-runner", "uv")}
+    # The drift runner's metrics (drift/metrics.py) need prometheus-client wherever the runner runs.
+    assert ee_pins == {name: tested[name] for name in ("ansible-runner", "prometheus-client", "uv")}
     assert (ROOT / deps["system"]).is_file()
 
 

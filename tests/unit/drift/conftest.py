@@ -2,6 +2,7 @@
 stand-in for ansible-runner that main() runs against."""
 
 import json
+import re
 import sys
 import time
 import types
@@ -164,3 +165,53 @@ def project_with_unattended(tmp_path):
     inventory = tmp_path / "hosts.yml"
     inventory.write_text("all: {}\n")
     return project, inventory
+
+
+# -- the textfile ---------------------------------------------------------------------------------------------------
+SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
+LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(,|$)')
+
+
+def parse_exposition(text):
+    """A small parser of Prometheus' text format: {name: {"help", "type", "samples": [(labels, value)]}}.
+
+    Fails on a sample without HELP and TYPE before it, a label value with an unescaped quote or newline, an
+    unknown escape, a value that is not a float, a family declared twice.
+    """
+    families = {}
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            _, kind, name, rest = line.split(" ", 3)
+            family = families.setdefault(name, {"help": None, "type": None, "samples": []})
+            key = kind.lower()
+            assert family[key] is None, f"{key} of {name} twice"
+            assert not family["samples"], f"{key} of {name} after its samples"
+            family[key] = rest
+            continue
+        match = SAMPLE.match(line)
+        assert match, line
+        family = families.get(match["name"])
+        assert family and family["help"] and family["type"] == "gauge", f"no HELP/TYPE before {line}"
+        labels, rest = {}, match["labels"] or ""
+        while rest:
+            label = LABEL.match(rest)
+            assert label, f"bad labels in {line}"
+            assert re.fullmatch(r'(?:[^\\]|\\[\\"n])*', label[2]), f"bad escape in {line}"
+            labels[label[1]] = re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m[1], m[1]), label[2])
+            rest = rest[label.end() :]
+        family["samples"].append((labels, float(match["value"])))
+    return families
+
+
+def summary_of(runner, targets, exit_code=None, *, finished=1796371200.5, errors=()):
+    """The summary keys the textfile is rendered from (drift/metrics.py)."""
+    return {
+        "targets": targets,
+        "finished_timestamp": finished,
+        "duration_seconds": 12.25,
+        "exit_code": runner.exit_code(targets, list(errors)) if exit_code is None else exit_code,
+        "counts": runner.count_statuses(targets),
+        "run_ids": [RUN_ID],
+        "errors": list(errors),
+    }

@@ -1,9 +1,9 @@
 """drift/runner.py: the summary from recover_report's reports and ansible-runner's events, the exit code, the
-textfile, the atomic write, the lock, the CLI's errors, and main() with a stand-in ansible-runner."""
+atomic write, the lock, the CLI's errors, and main() with a stand-in ansible-runner (the textfile's families:
+test_metrics.py)."""
 
 import json
 import os
-import re
 import stat
 import subprocess
 import sys
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from drift import metrics
 from tests.conftest import ROOT
 from tests.unit.drift.conftest import (
     RUN_ID,
@@ -20,10 +21,12 @@ from tests.unit.drift.conftest import (
     event,
     fact_pass,
     make_report,
+    parse_exposition,
     probe_events,
     project_with_unattended,
     run_main,
     step_facts,
+    summary_of,
     write_report,
 )
 
@@ -212,7 +215,7 @@ def test_a_target_another_run_holds_is_busy_naming_that_run_and_still_fails_the_
     # Busy is a failure: exit 1, counted under its own status, target_failed 1 (but reached: target_up 1).
     assert runner.exit_code(targets) == 1
     assert runner.count_statuses(targets) == {"in_spec": 1, "drift": 0, "failed": 0, "busy": 1, "unreachable": 0}
-    families = parse_exposition(runner.render_textfile(summary_of(runner, targets)))
+    families = parse_exposition(metrics.render_textfile(summary_of(runner, targets))[0])
     failed = {s[0]["target"]: s[1] for s in families["pve_gpu_recover_target_failed"]["samples"]}
     up = {s[0]["target"]: s[1] for s in families["pve_gpu_recover_target_up"]["samples"]}
     assert (failed, up) == ({"train200": 1, "ok201": 0}, {"train200": 1, "ok201": 1})
@@ -415,112 +418,6 @@ def test_a_drifting_target_the_correction_never_reached_is_failed(runner, tmp_pa
     )
 
 
-# -- the textfile --------------------------------------------------------------------------------------------------
-SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
-LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(,|$)')
-
-
-def parse_exposition(text):
-    """A small parser of Prometheus' text format: {name: {"help", "type", "samples": [(labels, value)]}}.
-
-    Fails on a sample without HELP and TYPE before it, a label value with an unescaped quote or newline, an
-    unknown escape, a value that is not a float, a family declared twice.
-    """
-    families = {}
-    assert text.endswith("\n")
-    for line in text.splitlines():
-        if line.startswith("# HELP ") or line.startswith("# TYPE "):
-            _, kind, name, rest = line.split(" ", 3)
-            family = families.setdefault(name, {"help": None, "type": None, "samples": []})
-            key = kind.lower()
-            assert family[key] is None, f"{key} of {name} twice"
-            assert not family["samples"], f"{key} of {name} after its samples"
-            family[key] = rest
-            continue
-        match = SAMPLE.match(line)
-        assert match, line
-        family = families.get(match["name"])
-        assert family and family["help"] and family["type"] == "gauge", f"no HELP/TYPE before {line}"
-        labels, rest = {}, match["labels"] or ""
-        while rest:
-            label = LABEL.match(rest)
-            assert label, f"bad labels in {line}"
-            assert re.fullmatch(r'(?:[^\\]|\\[\\"n])*', label[2]), f"bad escape in {line}"
-            labels[label[1]] = re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m[1], m[1]), label[2])
-            rest = rest[label.end() :]
-        family["samples"].append((labels, float(match["value"])))
-    return families
-
-
-def summary_of(runner, targets, exit_code=None):
-    return {
-        "targets": targets,
-        "finished_timestamp": 1796371200.5,
-        "duration_seconds": 12.25,
-        "exit_code": runner.exit_code(targets) if exit_code is None else exit_code,
-        "counts": runner.count_statuses(targets),
-    }
-
-
-def test_the_textfile_has_every_family_with_help_and_type_and_escapes_label_values(runner, tmp_path):
-    weird = 'ct "200"\\lab\nsecond'
-    reports = [
-        make_report("train200", fact_pass(gpu_processes=DRIFT["gpu_processes"], training_venv=step_facts())),
-        make_report(
-            weird, fact_pass(training_venv=step_facts(DRIFT["training_venv"]["changes"], needs_window=["a", "b"]))
-        ),
-    ]
-    events = [event("runner_on_unreachable", "down202", task="Read", res={"msg": UNREACHABLE})]
-    targets = summarize(runner, tmp_path, reports, events)
-    for target in targets.values():
-        target["seconds"] = 7.5
-    families = parse_exposition(runner.render_textfile(summary_of(runner, targets)))
-    prefix = "pve_gpu_recover_"
-    drift = {(s[0]["target"], s[0]["step"]): s[1] for s in families[prefix + "drift"]["samples"]}
-    assert drift[("train200", "gpu_processes")] == 1
-    assert drift[("train200", "training_venv")] == 0
-    assert drift[(weird, "training_venv")] == 1  # the name came back exactly, quote, backslash and newline
-    window = {(s[0]["target"], s[0]["step"]): s[1] for s in families[prefix + "needs_window"]["samples"]}
-    assert window[(weird, "training_venv")] == 2
-    up = {s[0]["target"]: s[1] for s in families[prefix + "target_up"]["samples"]}
-    failed = {s[0]["target"]: s[1] for s in families[prefix + "target_failed"]["samples"]}
-    assert up == {"train200": 1, weird: 1, "down202": 0}
-    assert failed == {"train200": 0, weird: 0, "down202": 1}
-    stamps = families[prefix + "last_run_timestamp_seconds"]["samples"]
-    assert {s[0]["target"]: s[1] for s in stamps} == dict.fromkeys(targets, 1796371200.5)
-    assert {s[1] for s in families[prefix + "run_duration_seconds"]["samples"]} == {7.5}
-    assert families[prefix + "runner_exit_code"]["samples"] == [({}, 1.0)]
-    assert families[prefix + "runner_last_run_timestamp_seconds"]["samples"] == [({}, 1796371200.5)]
-    counts = {s[0]["status"]: s[1] for s in families[prefix + "targets"]["samples"]}
-    assert counts == {"in_spec": 0, "drift": 2, "failed": 0, "busy": 0, "unreachable": 1}
-    assert sorted(families) == sorted(
-        prefix + name
-        for name in (
-            "drift",
-            "needs_window",
-            "corrected",
-            "target_up",
-            "target_failed",
-            "last_run_timestamp_seconds",
-            "run_duration_seconds",
-            "runner_last_run_timestamp_seconds",
-            "runner_exit_code",
-            "targets",
-        )
-    )
-
-
-def test_a_run_that_reached_no_target_still_says_so_in_the_textfile(runner):
-    families = parse_exposition(runner.render_textfile(summary_of(runner, {})))
-    assert families["pve_gpu_recover_runner_exit_code"]["samples"] == [({}, 1.0)]
-    assert families["pve_gpu_recover_drift"]["samples"] == []
-
-
-def test_escaping_follows_the_exposition_format(runner):
-    assert runner.escape_label('a\\b"c\nd') == 'a\\\\b\\"c\\nd'
-    assert runner.escape_help("line\\one\ntwo") == "line\\\\one\\ntwo"
-
-
 # -- files: the atomic write, the lock, pruning ---------------------------------------------------------------------
 def test_the_atomic_write_replaces_the_file_leaves_no_temp_file_and_is_0644(runner, tmp_path):
     path = tmp_path / "pve_gpu_recover.prom"
@@ -612,18 +509,19 @@ def test_the_nested_run_finds_the_projects_own_collection_first(runner, tmp_path
     """recover.yml imports pve_gpu.recover.recover: a checkout's collections/ (its link to itself), else the copy the
     runner belongs to (installed: AWX, an execution environment), then what the run would have used anyway."""
     import drift  # noqa: PLC0415 (after ROOT is on sys.path)
+    from drift import playbook  # noqa: PLC0415 (after ROOT is on sys.path)
 
     monkeypatch.delenv("ANSIBLE_COLLECTIONS_PATH", raising=False)
     (tmp_path / "ansible.cfg").write_text("[defaults]\ncollections_path = collections:/opt/more\n")
     args = types.SimpleNamespace(project=tmp_path)
-    installed = runner.environment(args, tmp_path / "reports")["ANSIBLE_COLLECTIONS_PATH"]
+    installed = playbook.environment(args, tmp_path / "reports")["ANSIBLE_COLLECTIONS_PATH"]
     assert installed == f"{drift.COLLECTIONS}:{tmp_path}/collections:/opt/more"
     (tmp_path / "collections").mkdir()
-    assert runner.environment(args, tmp_path)["ANSIBLE_COLLECTIONS_PATH"] == f"{tmp_path}/collections:/opt/more"
+    assert playbook.environment(args, tmp_path)["ANSIBLE_COLLECTIONS_PATH"] == f"{tmp_path}/collections:/opt/more"
     # An AWX job's path (relative entries are its project's, the directory it runs in) replaces ansible.cfg's.
     monkeypatch.setenv("ANSIBLE_COLLECTIONS_PATH", "/runner/requirements_collections:collections")
     monkeypatch.chdir(tmp_path)
-    assert runner.environment(args, tmp_path)["ANSIBLE_COLLECTIONS_PATH"] == (
+    assert playbook.environment(args, tmp_path)["ANSIBLE_COLLECTIONS_PATH"] == (
         f"{tmp_path}/collections:/runner/requirements_collections"
     )
     (tmp_path / "ansible.cfg").unlink()
@@ -796,3 +694,78 @@ def test_correct_is_refused_when_the_checkout_does_not_pass_unattended_on_and_no
     # Refused before the check: no target was touched, no run directory made.
     assert [call["ident"] for call in fake.calls] == ["unattended"]
     assert [p.name for p in (tmp_path / "r").iterdir()] == ["drift.lock"]
+
+
+# -- what the runner keeps and tells beyond the summary ---------------------------------------------------------------
+def test_a_newer_report_schema_fails_its_target_naming_both_versions(runner, tmp_path):
+    report = dict(make_report("train200", fact_pass()), schema_version=2)
+    target = summarize(runner, tmp_path, [report])["train200"]
+    assert target["status"] == "failed"
+    assert target["reason"] == (
+        f"the report {tmp_path / 'train200' / f'{RUN_ID}.json'} has schema_version 2 and this runner reads 1: update "
+        "the checkout the runner runs from (drift/) to the one the report callback comes from"
+    )
+    # A report from before the field: the same shape, read as it is.
+    old = make_report("train201", fact_pass())
+    del old["schema_version"]
+    assert summarize(runner, tmp_path / "old", [old])["train201"]["status"] == "in_spec"
+
+
+def test_a_long_steps_progress_goes_to_the_journal_as_ansible_polls_it(runner, tmp_path, capsys):
+    project, inventory = project_with_unattended(tmp_path)
+    progress = {
+        "step": "training_venv",
+        "target": "CT 200 on pve1",
+        "phase": "installing the lock with `uv pip sync`",
+        "line": "Downloading torch (846.0MiB)\x1b[2J",  # what the CT printed: escaped, one line
+        "elapsed_seconds": 252.4,
+    }
+    polls = [
+        event("runner_on_async_poll", "train200", res={"started": True, "finished": False, "ansible_job_id": "j1.2"}),
+        event("runner_on_async_poll", "train200", res={"finished": False, "pve_gpu_recover_progress": progress}),
+    ]
+    report = make_report("train200", fact_pass(gpu_processes=step_facts()))
+    fake = FakeAnsibleRunner({"check": ([report], polls, "successful", 0)})
+    argv = ["-i", str(inventory), "--project", str(project), "--reports-dir", str(tmp_path / "r")]
+    code, _, err = run_main(runner, argv, capsys, ansible_runner=fake)
+    assert code == 0
+    lines = [line for line in err.splitlines() if line.startswith("train200: training_venv")]
+    assert lines == [
+        "train200: training_venv: installing the lock with `uv pip sync` (4m12s): Downloading torch (846.0MiB)\\x1b[2J"
+    ]
+
+
+def test_last_success_and_drift_survive_a_run_that_cannot_reach_the_target(runner, tmp_path, capsys):
+    project, inventory = project_with_unattended(tmp_path)
+    textfile = tmp_path / "pve_gpu_recover.prom"
+    argv = ["-i", str(inventory), "--project", str(project), "--reports-dir", str(tmp_path / "r")]
+    argv += ["--textfile", str(textfile)]
+    drifting = make_report("train200", fact_pass(gpu_processes=DRIFT["gpu_processes"]))
+    fake = FakeAnsibleRunner({"check": ([drifting], [], "successful", 0)})
+    assert run_main(runner, argv, capsys, ansible_runner=fake, clock=lambda: 1796371200.0)[0] == 2
+    state = json.loads((tmp_path / "r" / metrics.STATE_FILE).read_text())
+    assert state["targets"]["train200"]["last_success"] == 1796371200.0
+    assert stat.S_IMODE((tmp_path / "r" / metrics.STATE_FILE).stat().st_mode) == 0o640
+
+    down = [event("runner_on_unreachable", "train200", task="Read", res={"msg": UNREACHABLE})]
+    fake = FakeAnsibleRunner({"check": ([], down, "failed", 4)})
+    assert run_main(runner, argv, capsys, ansible_runner=fake, clock=lambda: 1796374800.0)[0] == 1
+    families = parse_exposition(textfile.read_text())
+    drift = {(s[0]["target"], s[0]["step"]): s[1] for s in families["pve_gpu_recover_drift"]["samples"]}
+    assert drift[("train200", "gpu_processes")] == 1  # still there: the alert on it does not resolve
+    last = {s[0]["target"]: s[1] for s in families["pve_gpu_recover_last_success_timestamp_seconds"]["samples"]}
+    assert last == {"train200": 1796371200.0}
+    status = {s[0]["status"]: s[1] for s in families["pve_gpu_recover_target_status"]["samples"]}
+    assert status["unreachable"] == 1
+
+
+def test_without_prometheus_client_the_error_gives_the_fix_before_anything_runs(runner, tmp_path, capsys, monkeypatch):
+    (tmp_path / "hosts").write_text("")
+    monkeypatch.setattr(metrics, "MISSING", "No module named 'prometheus_client'")
+    fake = FakeAnsibleRunner({})
+    argv = ["-i", str(tmp_path / "hosts"), "--lock-file", str(tmp_path / "l")]
+    code, _, err = run_main(runner, argv, capsys, ansible_runner=fake)
+    assert code == 1
+    assert "prometheus_client is not importable by" in err
+    assert f"-m pip install --require-hashes -r {ROOT / 'requirements' / 'dev.lock'}" in err
+    assert fake.calls == []

@@ -4,6 +4,7 @@ recover.yml.
 Its roles hand recover_unattended to the fact pass and to the acting modules, as --correct's probe checks."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -85,13 +86,55 @@ FILES = {
             unattended: "{{ recover_unattended | default(false) }}"
           when: ansible_facts.pve_gpu_recover.gpu_processes.pending
         """,
+    # The venv step's stand-in builds for real: the collection's progress chain (pve_progress.follow, a probe part
+    # telling pve_ct_progress lines on a bare host, the async job's status file) with Ansible's own async polls, as
+    # the real role runs a rebuild. It changes nothing but what it says.
+    "library/training_venv.py": """\
+        import time
+        import types
+
+        from ansible.module_utils.basic import AnsibleModule
+        from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_progress, pve_progress
+        from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target
+
+
+        def build(payload):
+            pve_ct_progress.start(payload.get("progress"))
+            pve_ct_progress.phase("installing the lock with `uv pip sync`")
+            for line in payload["lines"]:
+                pve_ct_progress.note(line)
+                time.sleep(payload["seconds"] / len(payload["lines"]))
+            return {"built": True}
+
+
+        def main():
+            module = AnsibleModule(
+                {"changes": {"type": "list"}, "window": {"type": "list"}, "unattended": {"type": "bool"},
+                 "build_seconds": {"type": "float", "default": 0}},
+                supports_check_mode=True,
+            )
+            p = module.params
+            if p["unattended"] and p["window"] and not module.check_mode:
+                module.exit_json(changed=False, needs_window=p["window"], changes=[])
+            if not module.check_mode and p["build_seconds"]:
+                payload = {"seconds": p["build_seconds"], "lines": ["Downloading torch (846.0MiB)", "Downloaded torch"]}
+                on_output = pve_progress.follow("training_venv", "CT 201 on localhost", payload, "starting the build")
+                part = types.SimpleNamespace(probe=build)
+                Target(timeout=60).run_probes({"build": (part, payload)}, on_output=on_output)
+            module.exit_json(changed=True, changes=p["changes"])
+
+        main()
+        """,
     "roles/training_venv/tasks/main.yml": """\
         - name: Rebuild the venv
           training_venv:
             changes: "{{ ansible_facts.pve_gpu_recover.training_venv.changes }}"
             window: "{{ venv_window | default([]) }}"
             unattended: "{{ recover_unattended | default(false) }}"
+            build_seconds: "{{ venv_build_seconds | default(0) }}"
           when: ansible_facts.pve_gpu_recover.training_venv.pending
+          async: "{{ 0 if ansible_check_mode else 120 }}"
+          poll: 1
         """,
     "roles/training_code/tasks/main.yml": """\
         - name: Reset the training code
@@ -156,7 +199,7 @@ def make_project(tmp_path):
         path = project / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text).replace("{collections}", str(ROOT / "collections")))
-    for step in ("training_code", "training_venv", "compile_cache"):
+    for step in ("training_code", "compile_cache"):
         shutil.copy(project / "library" / "gpu_processes.py", project / "library" / f"{step}.py")
     # The report callback is the collection's own (ansible.cfg's collections_path is this checkout's).
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
@@ -166,6 +209,10 @@ def make_project(tmp_path):
             local,
             fake_facts=facts(["end pid 516 (python3) on GPU 0, 20000 MiB"], ["torch 2.11.0+cu130 -> 2.11.0+cu128"]),
             venv_window=[WINDOW],
+        ),
+        # Corrected for real (no window): its build runs as an async job, its progress at each poll.
+        "build205": dict(
+            local, fake_facts=facts(venv_changes=["torch 2.11.0+cu130 -> 2.11.0+cu128"]), venv_build_seconds=4
         ),
         # Nothing listens on port 9: refused at once.
         "down202": {"ansible_host": "127.0.0.1", "ansible_port": 9, "fake_facts": facts()},
@@ -193,6 +240,7 @@ def test_check_then_correct_through_ansible_runner(tmp_path):
         "down202": "unreachable",
         "broken203": "failed",
         "busy204": "busy",
+        "build205": "in_spec",
     }
     assert "Connection refused" in targets["down202"]["reason"]
     assert targets["broken203"]["reason"] == "Fail before any step (a broken host): no pve_node for this host"
@@ -215,12 +263,27 @@ def test_check_then_correct_through_ansible_runner(tmp_path):
     # The correction ran on the drifting target only.
     assert [run["phase"] for run in summary["runs"]] == ["check", "correct"]
     correct_dir = summary["runs"][1]["report_dir"]
-    assert [p.name for p in sorted((tmp_path / correct_dir).iterdir())] == ["drift201"]
+    assert [p.name for p in sorted((tmp_path / correct_dir).iterdir())] == ["build205", "drift201"]
     metrics = textfile.read_text()
-    assert 'pve_gpu_recover_drift{target="drift201",step="training_venv"} 1' in metrics
-    assert 'pve_gpu_recover_needs_window{target="drift201",step="training_venv"} 1' in metrics
-    assert 'pve_gpu_recover_target_up{target="down202"} 0' in metrics
-    assert 'pve_gpu_recover_target_failed{target="broken203"} 1' in metrics
-    assert 'pve_gpu_recover_target_failed{target="busy204"} 1' in metrics
-    assert 'pve_gpu_recover_targets{status="busy"} 1' in metrics
+    assert 'pve_gpu_recover_drift{step="training_venv",target="drift201"} 1.0' in metrics
+    assert 'pve_gpu_recover_needs_window{step="training_venv",target="drift201"} 1.0' in metrics
+    assert 'pve_gpu_recover_target_up{target="down202"} 0.0' in metrics
+    assert 'pve_gpu_recover_target_failed{target="broken203"} 1.0' in metrics
+    assert 'pve_gpu_recover_target_status{status="busy",target="busy204"} 1.0' in metrics
+    assert 'pve_gpu_recover_target_status{status="unreachable",target="down202"} 1.0' in metrics
+    assert 'pve_gpu_recover_targets{status="busy"} 1.0' in metrics
     assert "PLAY RECAP" in (tmp_path / summary["runs"][0]["log"]).read_text()
+    # The build's progress while it ran: in the journal (stderr) as Ansible polled it, and in the run's log (the
+    # report callback's line at each poll); the check run (no async in check mode) showed none.
+    progress = [line for line in done.stderr.splitlines() if line.startswith("build205: training_venv: ")]
+    assert progress, done.stderr
+    # What the build said last when Ansible polled (its polls are seconds apart: which line is a matter of timing).
+    assert any(
+        re.search(r"installing the lock with `uv pip sync` \(\d+s\): Download(ing|ed) torch", line) for line in progress
+    ), progress
+    correct_log = (tmp_path / summary["runs"][1]["log"]).read_text()
+    assert "build205: training_venv: installing the lock with `uv pip sync` (" in correct_log
+    assert "build205: training_venv: " not in (tmp_path / summary["runs"][0]["log"]).read_text()
+    build = json.loads((tmp_path / targets["build205"]["report"]).read_text())
+    assert build["schema_version"] == 1
+    assert "ansible_job_id" not in build["steps"]["training_venv"]  # async_wrapper's keys are not the step's

@@ -26,7 +26,13 @@ from pathlib import Path
 
 import pytest
 import training_venv
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git, pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils import (
+    pve_ct_act,
+    pve_ct_git,
+    pve_ct_progress,
+    pve_ct_venv,
+    pve_progress,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import wrong_option
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import PROBES_MAIN, Target, probes_input
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
@@ -362,7 +368,8 @@ def test_ct_check_mode_reports_the_rebuild_and_the_real_run_does_it_in_one_more_
     # What travels on stdin: the shared modules once each, then the build script's and the reader's sources, run in
     # that order in one process.
     given = json.loads(runner.stdin[1])
-    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in (pve_ct_act, pve_ct_venv, pve_ct_git)}
+    shared = (pve_ct_act, pve_ct_progress, pve_ct_venv, pve_ct_git)
+    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in shared}
     sources = {"build": inspect.getsource(script), "training_venv": inspect.getsource(venv_probe)}
     assert given["sources"] == sources
 
@@ -1147,3 +1154,31 @@ def test_a_failed_swap_over_a_real_venv_directory_puts_it_back_where_it_was(tmp_
     assert old.is_dir() and not old.is_symlink(), "the old venv is not back at its path"
     assert (old / "bin" / "python").read_text() == "#!/bin/sh\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train", "train.20261203T101500Z"]
+
+
+def test_a_build_run_as_an_async_job_tells_its_phases_in_the_jobs_status_file(host, capsys, tmp_path, monkeypatch):
+    """Issue 23 item 4: the module, run as an async job, writes each phase of a real build (uv from a local index)
+    into the job's status file while it works; the result it answers is the same as ever."""
+    job = tmp_path / "async" / "j1.2"
+    job.parent.mkdir()
+    job.write_text(json.dumps({"started": True, "finished": False, "ansible_job_id": "j1.2"}))
+    monkeypatch.setattr(pve_progress, "async_job_file", lambda: str(job))
+    monkeypatch.setattr(pve_progress, "WRITE_INTERVAL", 0.0)
+    seen = []
+    write = pve_progress.Reporter.write
+    monkeypatch.setattr(pve_progress.Reporter, "write", lambda self: (seen.append(dict(self.progress)), write(self)))
+    result = host.run(capsys)
+    assert result["changed"] is True and result["current"] == str(host.version(STAMPS[0]))
+    assert "pve_gpu_recover_progress" not in result
+    phases = list(dict.fromkeys(s["phase"] for s in seen))
+    assert phases == [
+        "starting the build",
+        "`uv venv` with 3.11",
+        "installing the lock with `uv pip sync`",
+        "`uv --version`",
+        "running the new venv's python",
+    ]
+    assert {(s["step"], s["target"]) for s in seen} == {("training_venv", "host gpu1")}
+    status = json.loads(job.read_text())
+    assert (status["started"], status["finished"], status["ansible_job_id"]) == (True, False, "j1.2")
+    assert status["pve_gpu_recover_progress"]["phase"] == "running the new venv's python"

@@ -195,6 +195,59 @@ def test_a_part_that_raised_is_a_probe_error_naming_it():
     assert (str(caught.value), caught.value.kind) == ("CT 200 on pve1: the reset part failed: ValueError: x", "probe")
 
 
+class ProbeRecorder:
+    """A target whose run_probes records what it was called with (an act and its re-read)."""
+
+    label = "CT 200 on pve1"
+
+    def __init__(self):
+        self.calls = []
+
+    def run_probes(self, parts, **kwargs):
+        self.calls.append((parts, kwargs))
+        return {name: {"answer": {}, "seconds": 0.0} for name in parts}
+
+
+@pytest.mark.parametrize("job_file", [True, False], ids=["async job", "plain call"])
+def test_a_long_steps_act_is_followed_only_when_it_runs_as_an_async_job(tmp_path, monkeypatch, job_file):
+    """The progress hook lives in the runner once: a step that names its first phase (``progress``) gets its
+    script's progress into the job's status file while it acts; a plain call, or a step without ``progress``, runs
+    the act exactly as before (no reader, nothing asked of the script)."""
+    status = tmp_path / "j1.2"
+    status.write_text(json.dumps({"started": 1, "finished": 0, "ansible_job_id": "j1.2"}))
+    monkeypatch.setattr(pve_act_runner.pve_progress, "async_job_file", lambda: str(status) if job_file else None)
+    module = SimpleNamespace(params={"size": 1}, check_mode=False, warn=lambda message: None)
+    for long_step, progress in ((True, "starting the demo"), (False, None)):
+        step = Demo(facts())
+        step.progress = progress
+        run = Run(module, step)
+        run.target, run.read_part = ProbeRecorder(), ("reader", {"path": "/x"})
+        payload = {"size": 1}
+        run.act_and_reread("act", "script", payload, 30)
+        ((parts, kwargs),) = run.target.calls
+        assert parts == {"act": ("script", payload), "demo": ("reader", {"path": "/x"})}
+        followed = long_step and job_file
+        assert ("on_output" in kwargs, payload.get("progress")) == (followed, True if followed else None)
+        if followed:
+            told = json.loads(status.read_text())["pve_gpu_recover_progress"]
+            assert (told["step"], told["target"], told["phase"]) == ("demo", "CT 200 on pve1", "starting the demo")
+    assert (training_venv.TrainingVenv.progress, compile_cache.CompileCache.progress) == (
+        "starting the build",
+        "starting the purge and warm-up",
+    )
+    assert [m.__name__ for m in ACTING if getattr(module_step(m), "progress", None)] == [
+        "training_venv",
+        "compile_cache",
+    ]
+
+
+def module_step(module):
+    """The ActingStep class of an acting module."""
+    return next(
+        v for v in vars(module).values() if isinstance(v, type) and issubclass(v, ActingStep) and v is not ActingStep
+    )
+
+
 def test_a_stamp_sorts_by_time():
     assert len(pve_act_runner.utc_stamp()) == len("20261203T101500Z")
     assert pve_act_runner.utc_stamp().endswith("Z")

@@ -86,8 +86,8 @@ def test_summary_names_what_changed_and_what_was_ended():
 def run_playbook(tmp_path, *args):
     """A playbook whose roles are named like recovery steps, run by a real ansible-playbook on localhost."""
     roles = tmp_path / "roles"
-    (roles / "preflight" / "tasks").mkdir(parents=True)
-    (roles / "gpu_processes" / "tasks").mkdir(parents=True)
+    (roles / "preflight" / "tasks").mkdir(parents=True, exist_ok=True)
+    (roles / "gpu_processes" / "tasks").mkdir(parents=True, exist_ok=True)
     (roles / "preflight" / "tasks" / "main.yml").write_text(
         textwrap.dedent("""\
         - name: Read the facts (the fact pass's action names the run)
@@ -107,7 +107,7 @@ def run_playbook(tmp_path, *args):
         """)
     )
     # Stands in for the fact pass: returns the run's id as the real action adds it, and no facts.
-    (tmp_path / "library").mkdir()
+    (tmp_path / "library").mkdir(exist_ok=True)
     (tmp_path / "library" / "target_facts.py").write_text(
         "from ansible.module_utils.basic import AnsibleModule\n"
         "AnsibleModule({}, supports_check_mode=True).exit_json(changed=False, run_id='run-test')\n"
@@ -255,3 +255,76 @@ def test_the_report_is_written_whole_and_readable_with_no_temporary_file_left(tm
     assert [p.name for p in (tmp_path / "reports" / "ct200").iterdir()] == ["run-1.json"]
     assert oct(os.stat(path).st_mode & 0o777) == "0o644"
     assert not os.stat(tmp_path / "reports").st_mode & 0o027
+
+
+# -- the report's schema and its pruning, a long step's progress (issue 23 items 4, 5) ------------------------------
+def test_each_report_carries_its_schema_version(tmp_path):
+    done = run_playbook(tmp_path, "--check", "-e", "fail_it=false")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "reports" / "localhost" / "run-test.json").read_text())
+    assert report["schema_version"] == recover_report.SCHEMA_VERSION == 1
+
+
+def test_docs_reports_md_documents_every_top_level_field(tmp_path):
+    done = run_playbook(tmp_path, "-e", "fail_it=true")
+    assert done.returncode == 2, done.stdout + done.stderr
+    report = json.loads((tmp_path / "reports" / "localhost" / "run-test.json").read_text())
+    documented = (ROOT / "docs" / "reports.md").read_text()
+    for key in report:
+        assert f"`{key}`" in documented, key
+    for key in ("status", "changed", "seconds", "killed"):  # the rest of a step's entry is its module's RETURN
+        assert key in report["steps"]["gpu_processes"] and f"`{key}`" in documented, key
+    for key in report["tasks"][0]:
+        assert f"`{key}`" in documented, key
+    assert f"schema_version` is {recover_report.SCHEMA_VERSION}" in documented
+
+
+def touch(path, age):
+    path.write_text("{}")
+    stamp = 1_700_000_000 - age  # long before any run of the test
+    os.utime(path, (stamp, stamp))
+
+
+def test_pruning_keeps_the_newest_reports_of_a_target_and_nothing_else_is_touched(tmp_path, victim):
+    target = tmp_path / "ct200"
+    target.mkdir()
+    for age, name in enumerate(["r5.json", "r4.json", "r3.json", "r2.json", "r1.json"]):
+        touch(target / name, age)
+    (target / "notes.txt").write_text("mine")
+    (target / ".r0.abc.tmp").write_text("")  # a write in progress of another run
+    (target / "link.json").symlink_to(victim)  # the oldest name of all, a link
+    assert sorted(recover_report.prune_reports(str(target), 2)) == ["r1.json", "r2.json", "r3.json"]
+    assert sorted(p.name for p in target.iterdir()) == [".r0.abc.tmp", "link.json", "notes.txt", "r4.json", "r5.json"]
+    assert victim.read_text() == "precious\n"
+    assert recover_report.prune_reports(str(target), 0) == []  # 0 keeps every report
+
+
+def test_a_manual_run_prunes_the_targets_old_reports_to_keep_reports(tmp_path, monkeypatch):
+    target = tmp_path / "reports" / "localhost"
+    target.mkdir(parents=True)
+    for age in range(5):
+        touch(target / f"old-{age}.json", 1000 + age)
+    done = run_playbook(tmp_path, "--check", "-e", "fail_it=false")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(list(target.iterdir())) == 6  # the default keeps 48
+    monkeypatch.setenv("PVE_GPU_RECOVER_REPORT_KEEP", "2")
+    done = run_playbook(tmp_path, "--check", "-e", "fail_it=false")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in target.iterdir()) == ["old-0.json", "run-test.json"]
+
+
+def test_a_long_steps_progress_is_one_line_at_each_poll():
+    class Display:
+        lines = []
+
+        def display(self, text):
+            self.lines.append(text)
+
+    callback = recover_report.CallbackModule.__new__(recover_report.CallbackModule)
+    callback._display = Display()
+    progress = {"step": "compile_cache", "phase": "warming up", "line": "layer 3/40\nok: [x]", "elapsed_seconds": 75}
+    host = type("Host", (), {"get_name": lambda self: "ct200"})()
+    result = type("Result", (), {"_host": host, "_result": {"pve_gpu_recover_progress": progress}})()
+    callback.v2_runner_on_async_poll(result)
+    callback.v2_runner_on_async_poll(type("Result", (), {"_host": host, "_result": {"finished": False}})())
+    assert Display.lines == ["ct200: compile_cache: warming up (1m15s): layer 3/40 ok: [x]"]

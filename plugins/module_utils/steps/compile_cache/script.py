@@ -37,9 +37,9 @@ import stat
 import subprocess
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_fs
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_fs, pve_ct_progress
 
-SHARED = (pve_ct_act, pve_ct_fs)  # container-side modules Target.run_probes ships with this part
+SHARED = (pve_ct_act, pve_ct_fs, pve_ct_progress)  # container-side modules Target.run_probes ships with this part
 TAIL_LINES = 20
 
 
@@ -207,7 +207,10 @@ def stamp_content(fingerprint):
 
 # -- the warm-up -----------------------------------------------------------------------------------------------
 def run_warmup(warmup, deadline):
-    """Run the warm-up argv once, in a session of its own, as the user; ``(rc, stdout, stderr, seconds)``."""
+    """Run the warm-up argv once, in a session of its own, as the user; ``(rc, stdout, stderr, seconds)``.
+
+    While it runs, its latest output line is told as progress (pve_ct_progress): a cold compile takes minutes.
+    """
     argv = [str(a) for a in warmup["argv"]]
     seconds = max(1.0, min(float(warmup["timeout"]), deadline - time.monotonic()))
     extra = {}
@@ -236,15 +239,17 @@ def run_warmup(warmup, deadline):
         raise pve_ct_act.ActError(
             "warmup_not_found", f"cannot run the warm-up `{argv[0]}`: {error.strerror}", cmd=argv
         ) from None
+    pve_ct_progress.phase(f"warming up the compile cache with `{' '.join(argv)}`")
     try:
-        out, err = process.communicate(timeout=seconds)
-    except subprocess.TimeoutExpired:
+        out, err = pve_ct_progress.communicate(process, seconds)
+    except subprocess.TimeoutExpired as expired:
         with contextlib.suppress(OSError):
             os.killpg(process.pid, signal.SIGKILL)
         try:
-            out, err = process.communicate(timeout=5)
+            rest_out, rest_err = process.communicate(timeout=5)
         except subprocess.TimeoutExpired:
-            out, err = b"", b""
+            rest_out, rest_err = b"", b""
+        out, err = (expired.output or b"") + (rest_out or b""), (expired.stderr or b"") + (rest_err or b"")
         raise pve_ct_act.ActError(
             "warmup_timeout",
             f"the warm-up `{' '.join(argv)}` did not finish within {seconds:g} s (warmup_timeout) and was killed",
@@ -263,6 +268,7 @@ class Act:
         self.homes = {pve_ct_fs.clean(h): list(u) for h, u in payload["homes"].items()}
         self.uid = int(payload["uid"])  # the cache user's: who may own what lies in a directory they can write
         self.warmup = payload.get("warmup")
+        pve_ct_progress.start(payload.get("progress"))  # the module has somewhere to send it (an async job)
         self.unattended = bool(payload.get("unattended"))
         self.window = []  # unattended: roots to purge left as they are, in use by a live process
         self.deadline = time.monotonic() + float(payload["timeout"])
@@ -341,6 +347,7 @@ class Act:
         for index, root in enumerate(self.roots):
             root["size_before"] = self.size(index)
             if root["action"] == "purge":
+                pve_ct_progress.phase(f"purging the stale cache {root['path']}")
                 root["purged"] = Purge(self.fds[index], pve_ct_fs.clean(root["path"]), self.stamp_name).run()
             if root["action"] in ("purge", "stamp"):
                 write_stamp(self.fds[index], self.stamp_name, stamp_content(self.fingerprint))

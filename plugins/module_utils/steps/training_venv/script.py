@@ -49,11 +49,11 @@ import subprocess
 import tempfile
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_progress, pve_ct_venv
 
 # Container-side modules Target.run_probes ships with this part; pve_ct_venv decides what builds the venv, as the
-# probe part's fact pass did before anything changed.
-SHARED = (pve_ct_act, pve_ct_venv)
+# probe part's fact pass did before anything changed; pve_ct_progress tells what a long build is at.
+SHARED = (pve_ct_act, pve_ct_progress, pve_ct_venv)
 MARKER = ".pve-gpu-recover-building"
 STAMP = re.compile(r"^\d{8}T\d{6}Z$")
 _STAMP = r"\d{8}T\d{6}Z"
@@ -545,12 +545,16 @@ class Build:
         self.cleaned = []
         self.window_check = bool(payload.get("window_check"))  # unattended: never swap under a live process
         self.prune_only = bool(payload.get("prune_only"))  # in spec, only old versions beyond keep to remove
+        # Told only when the module has somewhere to send it (an async job); masked as every answer is.
+        secrets = [str(secret) for secret in (network.get("secrets") or [])]
+        pve_ct_progress.start(payload.get("progress"), redact=lambda text: pve_ct_act.redact(text, secrets))
 
     # -- commands ------------------------------------------------------------------------------------------
     def run(self, argv, what):
         """Run ``argv`` (no shell) within the build's deadline; pve_ct_act.ActError when it fails or runs out of time.
 
         The command stays in this process group, so the `timeout` that wraps the whole pct exec kills it too.
+        While it runs, ``what`` and its latest output line are told as progress (pve_ct_progress).
         """
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
@@ -568,19 +572,20 @@ class Build:
             raise pve_ct_act.ActError(
                 "not_found", f"cannot run `{argv[0]}` for {what}: {error.strerror}", cmd=argv
             ) from None
+        pve_ct_progress.phase(what)
         try:
-            out, err = process.communicate(timeout=remaining)
-        except subprocess.TimeoutExpired:
+            out, err = pve_ct_progress.communicate(process, remaining)
+        except subprocess.TimeoutExpired as expired:
             process.kill()
             try:
-                out, err = process.communicate(timeout=5)
+                _, rest = process.communicate(timeout=5)
             except subprocess.TimeoutExpired:  # something it started still holds the pipes
-                out, err = b"", b""
+                rest = b""
             raise pve_ct_act.ActError(
                 "timeout",
                 f"{what} did not finish within the build's {self.timeout:g} s (build_timeout) and was killed",
                 cmd=argv,
-                stderr=err.decode(errors="replace"),
+                stderr=((expired.stderr or b"") + (rest or b"")).decode(errors="replace"),
             ) from None
         return process.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
