@@ -338,14 +338,14 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script as cache_script
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.answer import CacheError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.facts import (
     SPEC,
-    CacheError,
     act_payload,
     module_facts,
     probe_payload,
-    window_line,
 )
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.verdicts import window_line
 
 # The pct exec that acts gets this much more than its script's own deadline, so the script answers first.
 GRACE = 60

@@ -459,19 +459,23 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import script as venv_script
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.compare import (
+    TOOLING,
+    ignored_tooling,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.facts import (
     NAME,
     SPEC,
-    TOOLING,
-    VenvError,
     effective_keep,
+    prune_line,
+    window_message,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.lock import (
+    VenvError,
     expected_python,
-    ignored_tooling,
     lock_format,
     parse_lock,
-    prune_line,
     resolve_lock,
-    window_message,
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.network import (
     network_payload,

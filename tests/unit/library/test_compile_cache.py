@@ -27,6 +27,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act,
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import verdicts as cache_verdicts
 
 from tests.conftest import ROOT, unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
@@ -720,7 +721,7 @@ def test_a_real_torch_compile_warm_up_fills_and_stamps_the_cache_and_a_second_ru
     with capsys.disabled():
         print(
             f"\ntorch.compile first call on CPU ({os.cpu_count()} cores): cold {cold['first_call_s']} s in the warm-up"
-            f" (module run {module_seconds:.1f} s, cache {cache_facts.human_size(warm['size_after'])}), cold again "
+            f" (module run {module_seconds:.1f} s, cache {cache_verdicts.human_size(warm['size_after'])}), cold again "
             f"{cold_again['first_call_s']} s, warm {warm_again['first_call_s']} s",
             file=sys.stderr,
         )

@@ -22,8 +22,13 @@ from pathlib import Path
 import pytest
 import training_code
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import (
+    backups,
+    git_runner,
+    nofollow,
+    script,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import script
 
 from tests.conftest import unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
@@ -170,10 +175,12 @@ def test_ct_check_mode_reports_the_reset_and_the_real_run_does_it_in_one_more_pc
     assert (real["head"], real["branch"], real["head_before"], real["branch_before"]) == (PINNED, None, OTHER, "main")
     assert real["dirty"] == {"staged": [], "unstaged": [], "untracked": []}
     assert (real["backup"], real["removed"], real["fetched"]) == (SAVED, ["notes.txt"], False)
-    # What travels on stdin: the shared git module once, then the reset script's and the reader's sources, run in
-    # that order in one process.
+    # What travels on stdin: the shared modules once (the reset script's parts among them, each after what it
+    # needs), then the reset script's and the reader's sources, run in that order in one process.
     given = json.loads(runner.stdin[1])
-    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in (pve_ct_act, pve_ct_git)}
+    shared = (pve_ct_act, pve_ct_git, git_runner, nofollow, backups)
+    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in shared}
+    assert list(given["shared"]) == [m.__name__ for m in shared]
     sources = {"reset": inspect.getsource(script), "training_code": inspect.getsource(code_probe)}
     assert given["sources"] == sources
 
@@ -633,7 +640,7 @@ def test_a_file_only_the_old_gitignore_ignored_is_kept_and_named(lab, capsys):
 def test_a_backup_that_does_not_fit_stops_before_anything_is_written(lab, capsys, monkeypatch):
     lab.dirty()
     before = snapshot(lab.root)
-    monkeypatch.setattr(script, "free_bytes", lambda directory: 4096)
+    monkeypatch.setattr(backups, "free_bytes", lambda directory: 4096)
     result = lab.run(capsys)
     assert (result["failed"], result["error"]) == (True, "no_space")
     assert f"but {lab.backups} has 0 MiB free" in result["msg"]

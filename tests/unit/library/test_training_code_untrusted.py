@@ -17,7 +17,7 @@ import pytest
 import training_code
 import yaml
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import script
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import nofollow
 
 from tests.conftest import ROOT
 from tests.unit.library.test_training_code import MODEL_V1, PATCHED, STAMPS, Lab, git, snapshot
@@ -236,11 +236,11 @@ def test_an_untracked_file_under_a_directory_that_becomes_a_link_is_never_remove
 
 def test_an_untracked_file_changed_after_it_was_saved_is_not_removed(tmp_path):
     (tmp_path / "f").write_text("saved\n")
-    want = script.entry_digest(str(tmp_path), "f")
+    want = nofollow.entry_digest(str(tmp_path), "f")
     (tmp_path / "f").write_text("written since\n")
-    assert script.remove_entry(str(tmp_path), "f", want) is False
+    assert nofollow.remove_entry(str(tmp_path), "f", want) is False
     assert (tmp_path / "f").read_text() == "written since\n"
-    assert script.remove_entry(str(tmp_path), "f", script.entry_digest(str(tmp_path), "f")) is True
+    assert nofollow.remove_entry(str(tmp_path), "f", nofollow.entry_digest(str(tmp_path), "f")) is True
     assert not (tmp_path / "f").exists()
 
 

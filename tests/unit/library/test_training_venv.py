@@ -35,10 +35,11 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils import (
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import wrong_option
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import PROBES_MAIN, Target, probes_input
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import compare as venv_compare
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import script
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.facts import VenvError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.lock import VenvError
 
 from tests.conftest import ROOT, unavailable
 from tests.fakes import FakeRunner, not_shippable, run_module, run_probes_program
@@ -168,9 +169,9 @@ def test_differences_compare_exact_strings_and_ignore_only_the_named_tooling():
 )
 def test_the_scripts_reader_reads_versions_as_the_fact_pass_does(records, build, pins):
     answer = {"distributions": [{"name": n, "version": v} for n, v in records], "torch_version_py": {"version": build}}
-    assert script.installed_versions(records, build, pins) == venv_facts.installed_versions(answer, pins)
-    assert script.freeze_text(script.installed_versions(records, build, pins)) == venv_facts.freeze_lines(
-        venv_facts.installed_versions(answer, pins)
+    assert script.installed_versions(records, build, pins) == venv_compare.installed_versions(answer, pins)
+    assert script.freeze_text(script.installed_versions(records, build, pins)) == venv_compare.freeze_lines(
+        venv_compare.installed_versions(answer, pins)
     )
 
 
@@ -736,7 +737,7 @@ def test_a_polluted_version_is_rebuilt_and_the_old_one_stays_where_it_is_and_wor
     assert works(host.path, "idna") == str(host.path)
     # The script's reader (the check before the swap) and the fact pass's reader agree on a real polluted venv.
     read = script.read_venv(str(old))
-    assert script.installed_versions(read["records"], read["torch_build"], GOOD) == venv_facts.installed_versions(
+    assert script.installed_versions(read["records"], read["torch_build"], GOOD) == venv_compare.installed_versions(
         probe(old), GOOD
     )
 

@@ -9,7 +9,10 @@ import pytest
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.facts import CacheError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import (
+    fingerprint as cache_fingerprint,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.answer import CacheError
 
 from tests.unit.module_utils.test_pve_cache import CU128, LABEL, MB, answer_of, context, facts_of, root_of, spec_for
 
@@ -38,7 +41,7 @@ def test_stamp_values_that_are_no_strings_are_named_by_their_type_and_long_ones_
         root["reason"]
         == "stamped for torch <dict>, now 2.11.0+cu128; triton <int>, now 3.3.0; GPUs <list>, now NVIDIA H200"
     )
-    described = cache_facts.describe(cache_facts.normalized(stamp))
+    described = cache_fingerprint.describe(cache_fingerprint.normalized(stamp))
     assert described == f"torch <dict> (CUDA {'9' * 100}...), triton <int>, <list>"
 
 

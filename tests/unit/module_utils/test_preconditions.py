@@ -26,13 +26,13 @@ import pytest
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git, pve_ct_venv
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.facts import CacheError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.answer import CacheError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import facts as code_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import script as venv_script
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.facts import VenvError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.lock import VenvError
 
 from tests.fakes import run_probes_program
 from tests.unit.module_utils import test_pve_cache as cache

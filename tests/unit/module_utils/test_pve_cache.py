@@ -16,11 +16,17 @@ from pathlib import Path
 
 import pytest
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import (
+    fingerprint as cache_fingerprint,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.facts import CacheError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import verdicts as cache_verdicts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import warmup as cache_warmup
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.answer import CacheError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
 
 from tests.conftest import unavailable
@@ -114,25 +120,25 @@ MISSING = root_of("/srv/cache/missing", exists=False)
 # -- fingerprints ----------------------------------------------------------------------------------------------
 def test_a_fingerprint_sorts_the_gpu_models_once_each():
     gpus = ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H200"]
-    assert cache_facts.make_fingerprint("2.11.0+cu128", "12.8", "3.3.0", gpus) == {
+    assert cache_fingerprint.make_fingerprint("2.11.0+cu128", "12.8", "3.3.0", gpus) == {
         "torch": "2.11.0+cu128",
         "variant": "cu128",
         "cuda": "12.8",
         "triton": "3.3.0",
         "gpus": ["NVIDIA H100 80GB HBM3", "NVIDIA H200"],
     }
-    assert cache_facts.make_fingerprint("2.13.0+cpu", None, None, [])["variant"] == "cpu"
+    assert cache_fingerprint.make_fingerprint("2.13.0+cpu", None, None, [])["variant"] == "cpu"
 
 
 def test_fingerprints_are_described_and_compared_by_what_differs():
-    assert cache_facts.describe(CU128) == "torch 2.11.0+cu128 (CUDA 12.8), triton 3.3.0, NVIDIA H200"
-    cpu = cache_facts.make_fingerprint("2.13.0+cpu", None, None, [])
-    assert cache_facts.describe(cpu) == "torch 2.13.0+cpu (no CUDA), no triton, no GPU"
-    assert cache_facts.differences(CU130, CU128) == "stamped for torch 2.11.0+cu130, now 2.11.0+cu128"
-    assert cache_facts.differences(dict(CU128, triton="3.2.0"), CU128) == "stamped for triton 3.2.0, now 3.3.0"
-    assert cache_facts.differences(dict(CU128, cuda="12.6"), CU128) == "stamped for CUDA 12.6, now 12.8"
+    assert cache_fingerprint.describe(CU128) == "torch 2.11.0+cu128 (CUDA 12.8), triton 3.3.0, NVIDIA H200"
+    cpu = cache_fingerprint.make_fingerprint("2.13.0+cpu", None, None, [])
+    assert cache_fingerprint.describe(cpu) == "torch 2.13.0+cpu (no CUDA), no triton, no GPU"
+    assert cache_fingerprint.differences(CU130, CU128) == "stamped for torch 2.11.0+cu130, now 2.11.0+cu128"
+    assert cache_fingerprint.differences(dict(CU128, triton="3.2.0"), CU128) == "stamped for triton 3.2.0, now 3.3.0"
+    assert cache_fingerprint.differences(dict(CU128, cuda="12.6"), CU128) == "stamped for CUDA 12.6, now 12.8"
     assert (
-        cache_facts.differences(dict(CU128, gpus=["NVIDIA H100 80GB HBM3"]), CU128)
+        cache_fingerprint.differences(dict(CU128, gpus=["NVIDIA H100 80GB HBM3"]), CU128)
         == "stamped for GPUs NVIDIA H100 80GB HBM3, now NVIDIA H200"
     )
 
@@ -153,7 +159,7 @@ def test_a_stamp_compares_exactly_local_tag_included_and_ignores_gpu_order():
     [(0, "0 bytes"), (1, "1 byte"), (999, "999 bytes"), (1500, "1.5 kB"), (152 * MB, "152 MB"), (3 * 10**9, "3.0 GB")],
 )
 def test_sizes_are_shown_in_decimal_units(size, shown):
-    assert cache_facts.human_size(size) == shown
+    assert cache_verdicts.human_size(size) == shown
 
 
 # -- verdicts, changes, diff -----------------------------------------------------------------------------------
@@ -291,7 +297,7 @@ def test_the_warm_up_runs_after_a_purge_or_when_every_root_is_cold(roots, planne
 
 def test_the_warm_up_environment_is_the_users_single_threaded_inductor_in_the_first_root():
     spec = dict(SPEC, warmup_env={"CUDA_VISIBLE_DEVICES": 0, "HOME": "/scratch", "TRACE": True})
-    assert cache_facts.warmup_environment(spec, "/root", "/tmp/torchinductor_root") == {
+    assert cache_warmup.warmup_environment(spec, "/root", "/tmp/torchinductor_root") == {
         "PATH": "/opt/venvs/train/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": "/scratch",
         "USER": "root",
@@ -342,7 +348,7 @@ def test_the_warm_up_environment_is_the_users_single_threaded_inductor_in_the_fi
     ],
 )
 def test_the_refusal_rules(path, reason):
-    assert cache_facts.refusal(path, HOMES) == reason  # pve_ct_fs.refusal: the node, the probe and the script apply it
+    assert pve_ct_fs.refusal(path, HOMES) == reason  # pve_ct_fs.refusal: the node, the probe and the script apply it
 
 
 def test_a_symlinked_root_is_judged_by_where_it_resolves_too():
@@ -580,7 +586,7 @@ def test_the_probe_expands_the_templates_for_the_user():
     assert [r["path"] for r in answer["roots"]] == ["/tmp/torchinductor_root", f"{home}/.triton/cache"]
     assert answer["homes"][home] == ["root"] or "root" in answer["homes"][home]
     assert cache_probe.expand("{home}/.triton/cache", "bob", None) is None
-    assert cache_facts.clean("//.triton//cache/") == "/.triton/cache"
+    assert pve_ct_fs.clean("//.triton//cache/") == "/.triton/cache"
 
 
 def test_the_probe_walks_by_lstat_names_links_out_and_reads_stamps_without_following(tmp_path):

@@ -9,9 +9,14 @@ out. The probe part and the reset script against real repositories are in tests/
 import pytest
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import (
+    backups,
+    git_runner,
+    nofollow,
+    script,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import facts as code_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import script
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code.facts import CodeError
 
 from tests.fakes import not_shippable
@@ -352,6 +357,6 @@ def test_nothing_on_the_node():
     assert code_facts.read_node(SPEC, None, answer(), CONTEXT) == {}
 
 
-@pytest.mark.parametrize("module", [code_probe, script])
+@pytest.mark.parametrize("module", [code_probe, script, git_runner, nofollow, backups])
 def test_the_parts_that_travel_import_only_the_standard_library_and_what_they_ship(module):
     assert not_shippable(module) == set()

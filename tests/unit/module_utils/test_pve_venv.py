@@ -21,10 +21,13 @@ from pathlib import Path
 
 import pytest
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_torch_build
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import compare as venv_compare
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import lock as venv_lock
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.facts import VenvError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.lock import VenvError
 
 from tests.conftest import FIXTURES, ROOT, unavailable
 from tests.fakes import run_probes_program
@@ -36,7 +39,7 @@ VERSION_PY_CU128 = VERSION_PY_CU130.replace("cu130", "cu128").replace("'13.0'", 
 CONTEXT = {"target": {"label": "CT 200 on pve1", "node": "pve1", "vmid": 200}, "check_mode": True, "steps": {}}
 SPEC = dict(venv_facts.SPEC_DEFAULTS, lock=LOCK)
 PATH = SPEC["path"]
-LOCKED = venv_facts.parse_lock(LOCK)["distributions"]
+LOCKED = venv_lock.parse_lock(LOCK)["distributions"]
 TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
 UV = shutil.which("uv", path=str(ROOT / ".venv" / "bin")) or shutil.which("uv")
 UV_ENV = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_NO_CONFIG="1", UV_NO_PROGRESS="1")
@@ -83,18 +86,18 @@ ABSENT = dict(answer_of([], None), exists=False, directory=False, python=None, p
     ],
 )
 def test_names_are_compared_in_pep_503_form(name, canonical):
-    assert venv_facts.canonical_name(name) == canonical
+    assert venv_lock.canonical_name(name) == canonical
 
 
 def test_freeze_lines_are_sorted_with_one_line_per_record():
     versions = {"torch": "2.11.0+cu128", "six": "1.17.0", "numpy": "2.3.3, 2.3.4"}
-    assert venv_facts.freeze_lines(versions) == "numpy==2.3.3\nnumpy==2.3.4\nsix==1.17.0\ntorch==2.11.0+cu128\n"
-    assert venv_facts.freeze_lines({}) == ""
+    assert venv_compare.freeze_lines(versions) == "numpy==2.3.3\nnumpy==2.3.4\nsix==1.17.0\ntorch==2.11.0+cu128\n"
+    assert venv_compare.freeze_lines({}) == ""
 
 
 # -- the lock --------------------------------------------------------------------------------------------------
 def test_a_uv_lock_gives_its_pins_indexes_torch_index_and_python():
-    lock = venv_facts.parse_lock(LOCK)
+    lock = venv_lock.parse_lock(LOCK)
     assert len(lock["distributions"]) == 26
     assert lock["distributions"]["torch"] == "2.11.0+cu128"
     assert lock["distributions"]["nvidia-cudnn-cu12"] == "9.10.2.21"
@@ -108,7 +111,7 @@ def test_a_uv_lock_gives_its_pins_indexes_torch_index_and_python():
 
 
 def test_index_options_in_every_spelling_and_inline_comments_markers_extras():
-    lock = venv_facts.parse_lock(
+    lock = venv_lock.parse_lock(
         "-i https://mirror.example/simple\n"
         "--extra-index-url=https://download.pytorch.org/whl/cu128/\n"
         "--find-links /srv/wheels\n"
@@ -125,8 +128,8 @@ def test_index_options_in_every_spelling_and_inline_comments_markers_extras():
 
 
 def test_a_lock_without_an_index_for_torch_names_none():
-    assert venv_facts.parse_lock("torch==2.11.0+cu128\n")["torch_index"] is None
-    assert venv_facts.parse_lock("six==1.17.0\n")["torch_index"] is None
+    assert venv_lock.parse_lock("torch==2.11.0+cu128\n")["torch_index"] is None
+    assert venv_lock.parse_lock("six==1.17.0\n")["torch_index"] is None
 
 
 @pytest.mark.parametrize(
@@ -146,42 +149,42 @@ def test_a_lock_without_an_index_for_torch_names_none():
 )
 def test_a_lock_that_is_not_exact_pins_is_refused_naming_the_line(text, message):
     with pytest.raises(VenvError, match=message) as raised:
-        venv_facts.parse_lock(text)
+        venv_lock.parse_lock(text)
     assert raised.value.kind == "lock"
     assert "uv pip compile --generate-hashes" in str(raised.value) or "python-platform" in str(raised.value)
 
 
 def test_a_continued_pin_ends_at_a_comment_line_and_its_line_number_is_its_first():
-    lock = venv_facts.parse_lock("idna==3.10 \\\n# a comment\nsix==1.17.0\n")
+    lock = venv_lock.parse_lock("idna==3.10 \\\n# a comment\nsix==1.17.0\n")
     assert lock["distributions"] == {"idna": "3.10", "six": "1.17.0"}
     with pytest.raises(VenvError, match="line 3: `six>=1` is not"):
-        venv_facts.parse_lock("idna==3.10 \\\n# a comment\nsix>=1\n")
+        venv_lock.parse_lock("idna==3.10 \\\n# a comment\nsix>=1\n")
     with pytest.raises(VenvError, match=re.escape("line 2: `torch~=2.11 --hash=sha256:aa` is not")):
-        venv_facts.parse_lock("idna==3.10\ntorch~=2.11 \\\n    --hash=sha256:aa\n")
+        venv_lock.parse_lock("idna==3.10\ntorch~=2.11 \\\n    --hash=sha256:aa\n")
 
 
 # -- installed versions ----------------------------------------------------------------------------------------
 def test_pypi_torch_says_its_build_only_in_version_py():
     answer = answer_of([{"name": "torch", "version": "2.11.0"}], VERSION_PY_CU130)
-    assert venv_facts.installed_versions(answer) == {"torch": "2.11.0+cu130"}
-    assert venv_facts.installed_versions(answer, LOCKED) == {"torch": "2.11.0+cu130"}
+    assert venv_compare.installed_versions(answer) == {"torch": "2.11.0+cu130"}
+    assert venv_compare.installed_versions(answer, LOCKED) == {"torch": "2.11.0+cu130"}
 
 
 def test_an_index_wheel_says_its_build_in_both():
     answer = answer_of([{"name": "torch", "version": "2.11.0+cu128"}], VERSION_PY_CU128)
-    assert venv_facts.installed_versions(answer) == {"torch": "2.11.0+cu128"}
+    assert venv_compare.installed_versions(answer) == {"torch": "2.11.0+cu128"}
 
 
 def test_a_lock_that_pins_pypi_torch_plain_is_met_by_pypi_torch():
     # Else a venv rebuilt from that very lock would differ from it forever.
     answer = answer_of([{"name": "torch", "version": "2.11.0"}], VERSION_PY_CU130)
-    assert venv_facts.installed_versions(answer, {"torch": "2.11.0"}) == {"torch": "2.11.0"}
+    assert venv_compare.installed_versions(answer, {"torch": "2.11.0"}) == {"torch": "2.11.0"}
 
 
 def test_a_version_py_of_another_release_does_not_replace_the_metadata():
     answer = answer_of([{"name": "torch", "version": "2.10.0"}], VERSION_PY_CU130)
-    assert venv_facts.installed_versions(answer) == {"torch": "2.10.0"}
-    assert "METADATA says 2.10.0 but torch/version.py says 2.11.0+cu130" in venv_facts.torch_inconsistency(answer)
+    assert venv_compare.installed_versions(answer) == {"torch": "2.10.0"}
+    assert "METADATA says 2.10.0 but torch/version.py says 2.11.0+cu130" in venv_compare.torch_inconsistency(answer)
 
 
 def test_names_are_canonical_and_a_name_with_two_records_keeps_both_versions():
@@ -194,7 +197,7 @@ def test_names_are_canonical_and_a_name_with_two_records_keeps_both_versions():
         ],
         None,
     )
-    assert venv_facts.installed_versions(answer) == {
+    assert venv_compare.installed_versions(answer) == {
         "jinja2": "3.1.6",
         "typing-extensions": "4.16.0",
         "numpy": "2.3.3, 2.3.4",
@@ -218,13 +221,13 @@ def test_names_are_canonical_and_a_name_with_two_records_keeps_both_versions():
     ],
 )
 def test_torch_files_and_metadata_must_describe_one_build(distributions, version_py, why):
-    assert venv_facts.torch_inconsistency(answer_of(distributions, version_py)) == why
+    assert venv_compare.torch_inconsistency(answer_of(distributions, version_py)) == why
 
 
 # -- compare ---------------------------------------------------------------------------------------------------
 def test_versions_are_compared_exactly_local_tag_included():
     # PEP 440 says 2.11.0 matches 2.11.0+cu130; the build is what this step checks, so they differ.
-    assert venv_facts.compare({"torch": "2.11.0"}, {"torch": "2.11.0+cu130"}) == {
+    assert venv_compare.compare({"torch": "2.11.0"}, {"torch": "2.11.0+cu130"}) == {
         "missing": [],
         "extra": [],
         "wrong": [{"name": "torch", "locked": "2.11.0", "installed": "2.11.0+cu130"}],
@@ -234,7 +237,7 @@ def test_versions_are_compared_exactly_local_tag_included():
 def test_compare_sorts_missing_extra_and_wrong_by_name():
     locked = {"torch": "2.11.0+cu128", "six": "1.17.0", "idna": "3.10", "numpy": "2.3.4"}
     installed = {"torch": "2.11.0+cu130", "sglang": "0.5.4", "numpy": "2.3.3", "flashinfer-python": "0.4.1"}
-    assert venv_facts.compare(locked, installed, "ignore") == {
+    assert venv_compare.compare(locked, installed, "ignore") == {
         "missing": [{"name": "idna", "locked": "3.10"}, {"name": "six", "locked": "1.17.0"}],
         "extra": [{"name": "flashinfer-python", "installed": "0.4.1"}, {"name": "sglang", "installed": "0.5.4"}],
         "wrong": [
@@ -246,14 +249,14 @@ def test_compare_sorts_missing_extra_and_wrong_by_name():
 
 def test_tooling_is_ignored_unless_locked_or_the_policy_is_exact():
     installed = {"six": "1.17.0", "pip": "25.2", "setuptools": "66.1.1", "wheel": "0.45.1"}
-    assert venv_facts.compare({"six": "1.17.0"}, installed, "ignore")["extra"] == []
-    assert [e["name"] for e in venv_facts.compare({"six": "1.17.0"}, installed, "exact")["extra"]] == [
+    assert venv_compare.compare({"six": "1.17.0"}, installed, "ignore")["extra"] == []
+    assert [e["name"] for e in venv_compare.compare({"six": "1.17.0"}, installed, "exact")["extra"]] == [
         "pip",
         "setuptools",
         "wheel",
     ]
     # A lock that pins one (torch needs setuptools on 3.12) gets it compared like any other.
-    wrong = venv_facts.compare({"six": "1.17.0", "setuptools": "80.9.0"}, installed, "ignore")["wrong"]
+    wrong = venv_compare.compare({"six": "1.17.0", "setuptools": "80.9.0"}, installed, "ignore")["wrong"]
     assert wrong == [{"name": "setuptools", "locked": "80.9.0", "installed": "66.1.1"}]
 
 
@@ -267,7 +270,7 @@ def test_tooling_is_ignored_unless_locked_or_the_policy_is_exact():
     ],
 )
 def test_a_wrong_version_names_both_builds_when_they_differ(installed, locked, line):
-    assert venv_facts.describe_wrong({"name": "torch", "installed": installed, "locked": locked}) == line
+    assert venv_compare.describe_wrong({"name": "torch", "installed": installed, "locked": locked}) == line
 
 
 # -- evaluate_step ---------------------------------------------------------------------------------------------
@@ -360,7 +363,7 @@ def test_a_polluted_venv_names_every_difference():
     assert "jinja2==3.1.6" in before
     assert not [line for line in before if line.startswith("pip==")]
     assert before == sorted(before)
-    assert facts["diff"]["after"] == venv_facts.freeze_lines(LOCKED)
+    assert facts["diff"]["after"] == venv_compare.freeze_lines(LOCKED)
 
 
 def test_the_tooling_policy_exact_counts_pip_of_a_polluted_venv():
@@ -374,7 +377,7 @@ def test_a_missing_venv_is_created_from_the_whole_lock():
     assert facts["changes"] == [f"create venv at {PATH} (python 3.11, 26 distributions from the lock)"]
     assert (facts["pending"], facts["exists"], facts["installed"], facts["torch"]) == (True, False, {}, None)
     assert len(facts["missing"]) == 26
-    assert facts["diff"] == {"before": "", "after": venv_facts.freeze_lines(LOCKED)}
+    assert facts["diff"] == {"before": "", "after": venv_compare.freeze_lines(LOCKED)}
 
 
 def test_a_directory_that_is_not_a_venv_is_replaced():
@@ -599,7 +602,7 @@ def fake_torch_venv(tmp_path, metadata_version, version_py):
 
 def test_no_venv_and_a_directory_that_is_not_one(tmp_path):
     answer = probe(tmp_path / "absent")
-    assert set(answer.pop("build")) == set(venv_facts.BUILD_TYPES)  # what a build would use (tests below)
+    assert set(answer.pop("build")) == set(venv_compare.BUILD_TYPES)  # what a build would use (tests below)
     assert answer == {
         "path": str(tmp_path / "absent"),
         "exists": False,
@@ -715,9 +718,9 @@ def test_a_torch_wheel_installed_by_uv_is_read_from_its_files(tmp_path, metadata
         ("torch", metadata_version, "uv")
     ]
     assert answer["torch_version_py"]["version"] == exact
-    installed = venv_facts.installed_versions(answer)
+    installed = venv_compare.installed_versions(answer)
     assert installed == {"torch": exact}
-    assert venv_facts.variant(installed["torch"]) == variant
+    assert pve_torch_build.variant(installed["torch"]) == variant
     python = answer["python"]
     facts = venv_facts.evaluate_step(
         dict(SPEC, lock="torch==2.11.0+cu128\n", python_version=python), answer, {}, CONTEXT

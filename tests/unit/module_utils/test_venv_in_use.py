@@ -5,6 +5,7 @@ import os
 
 import pytest
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process_runs_from
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import compare as venv_compare
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 
 from tests.unit.module_utils.test_gpu_jobs import fake_proc
@@ -15,7 +16,7 @@ PATH = "/opt/venvs/train"
 REAL = "/opt/venvs/train.20261203T101500Z"
 SPEC = dict(venv_facts.SPEC_DEFAULTS, lock=LOCK, unattended=True)
 POLLUTED = dict(DRIFTED, real_path=REAL)  # sglang and friends, PyPI's cu130 torch; the venv behind the link
-CHANGES = venv_facts.venv_facts(SPEC, POLLUTED, "CT 200 on pve1")["changes"]
+CHANGES = venv_compare.venv_facts(SPEC, POLLUTED, "CT 200 on pve1")["changes"]
 JOB = {
     "pid": 516,
     "ns_pid": 41,

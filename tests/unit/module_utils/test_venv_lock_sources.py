@@ -22,8 +22,9 @@ import pytest
 import training_venv
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import lock as venv_lock
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.facts import VenvError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.lock import VenvError
 
 from tests.conftest import FIXTURES, ROOT, unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
@@ -108,8 +109,8 @@ def compiled(index, tmp_path_factory):
 # -- PEP 751 pylock.toml ---------------------------------------------------------------------------------------
 def test_uvs_pylock_reads_as_the_requirements_lock_of_the_same_resolution(compiled):
     pylock, requirements = compiled["pylock.toml"], compiled["requirements.txt"]
-    assert (venv_facts.lock_format(pylock), venv_facts.lock_format(requirements)) == ("pylock", "requirements")
-    from_pylock, from_requirements = venv_facts.parse_lock(pylock), venv_facts.parse_lock(requirements)
+    assert (venv_lock.lock_format(pylock), venv_lock.lock_format(requirements)) == ("pylock", "requirements")
+    from_pylock, from_requirements = venv_lock.parse_lock(pylock), venv_lock.parse_lock(requirements)
     assert from_pylock["distributions"] == from_requirements["distributions"] == PINS
     assert from_pylock["python"] == from_requirements["python"] == "3.11"  # uv's header names --python-version
     assert set(from_pylock) == set(from_requirements)  # the same form: every consumer reads both alike
@@ -120,7 +121,7 @@ PEP_751 = (FIXTURES / "venv" / "pylock_two_indexes.toml").read_text()
 
 
 def test_a_pylock_written_by_the_spec_gives_pins_indexes_markers_and_torchs_index():
-    assert venv_facts.parse_lock(PEP_751) == {
+    assert venv_lock.parse_lock(PEP_751) == {
         "distributions": {"torch": "2.11.0+cu128", "typing-extensions": "4.15.0", "six": "1.17.0"},
         "indexes": ["https://download.pytorch.org/whl/cu128", "https://pypi.org/simple"],
         "torch_index": "https://download.pytorch.org/whl/cu128",
@@ -180,7 +181,7 @@ HASHED = '[{url = "https://idx/six.whl", hashes = {sha256 = "' + "a" * 64 + '"}}
 )
 def test_a_pylock_that_cannot_say_what_to_install_is_refused_naming_the_package(text, message):
     with pytest.raises(VenvError, match=message) as raised:
-        venv_facts.parse_lock(text)
+        venv_lock.parse_lock(text)
     assert "s3cr3t" not in str(raised.value)
     assert venv_facts.check_spec(dict(venv_facts.SPEC_DEFAULTS, lock=text))  # the settings are refused too
 
@@ -287,7 +288,7 @@ def test_the_probe_reads_the_lock_at_the_pinned_commit_not_the_work_tree(repo, c
     assert payload["lock_from_repo"] == source(repo, "one")
     found = venv_probe.probe(payload)["repo_lock"]
     assert found == {"text": repo["smaller"], "missing": None, "error": None}
-    resolved, deferred = venv_facts.resolve_lock(spec, {"repo_lock": found}, may_defer=False)
+    resolved, deferred = venv_lock.resolve_lock(spec, {"repo_lock": found}, may_defer=False)
     assert (resolved["lock"], resolved["lock_from_repo"], deferred) == (repo["smaller"], None, False)
     two = venv_probe.probe(dict(payload, lock_from_repo=source(repo, "two")))["repo_lock"]
     assert two["text"] == compiled["pylock.toml"]

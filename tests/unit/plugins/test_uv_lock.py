@@ -10,7 +10,7 @@ import threading
 import pytest
 from ansible.errors import AnsibleError
 from ansible.module_utils import _internal as module_internal
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import lock as venv_lock
 
 from tests.conftest import ROOT
 
@@ -64,7 +64,7 @@ def compile_lock(tmp_path, index_url, torch_index_url, requirements):
 def test_torch_comes_from_its_own_index_and_the_lock_is_what_the_venv_step_reads(tmp_path, indexes):
     server, pypi, cu128 = indexes
     text = compile_lock(tmp_path, pypi, cu128, ["torch==2.11.0+cu128", "six"])
-    lock = venv_facts.parse_lock(text)
+    lock = venv_lock.parse_lock(text)
     assert lock["distributions"] == {"six": "1.17.0", "torch": "2.11.0+cu128"}
     assert lock["torch_index"] == cu128
     assert lock["python"] == "3.11"
@@ -132,7 +132,7 @@ def test_another_uv_version_misses_the_cache_and_the_same_one_hits_it(tmp_path, 
     assert lookup.run([["six"]], variables={}, uv=str(old), **options)[0] == first
     assert (compilations(old), compilations(new)) == (1, 0)
     again = lookup.run([["six"]], variables={}, uv=str(new), **options)[0]
-    assert venv_facts.parse_lock(again)["distributions"] == venv_facts.parse_lock(first)["distributions"]
+    assert venv_lock.parse_lock(again)["distributions"] == venv_lock.parse_lock(first)["distributions"]
     assert (compilations(old), compilations(new)) == (1, 1)
     assert len(list((tmp_path / "cache").glob("*.lock"))) == 2
     options["uv_version"] = "uv 0.13.9 (x86_64-unknown-linux-gnu)"
@@ -190,14 +190,14 @@ def test_the_controller_compiles_from_an_index_of_a_private_ca_with_the_settings
         compile_private(tmp_path, url, environment={"SSL_CERT_FILE": str(ca)}, index_credentials=wrong)
     assert "NotTheT0ken" not in str(refused.value)
     text = compile_private(tmp_path, url, environment={"SSL_CERT_FILE": str(ca)}, index_credentials=credentials)
-    assert venv_facts.parse_lock(text)["distributions"] == {"six": "1.17.0"}
+    assert venv_lock.parse_lock(text)["distributions"] == {"six": "1.17.0"}
     assert TOKEN not in text  # the lock names the index, never its credentials
     # The system's store as OpenSSL finds it (SSL_CERT_FILE names the CA) serves as well; the network settings are
     # no part of the cache key: the lock compiled above is read again.
     system = {"environment": {"SSL_CERT_FILE": str(ca)}, "system_certs": True, "index_credentials": credentials}
     assert compile_private(tmp_path, url, **system) == text
     fresh = compile_private(tmp_path / "fresh", url, **system)  # compiled again: the header names another output
-    assert venv_facts.parse_lock(fresh)["distributions"] == {"six": "1.17.0"}
+    assert venv_lock.parse_lock(fresh)["distributions"] == {"six": "1.17.0"}
 
 
 def test_network_settings_that_cannot_work_are_refused_before_uv_runs(tmp_path):
