@@ -116,6 +116,8 @@ CT_HOSTPROC = "/run/pve-gpu-lab/hostproc"
 NVML_DIR = "usr/lib/x86_64-linux-gnu"
 CT_INDEX = "/srv/pve-gpu-lab/index"
 INDEX_PID = "/run/pve-gpu-lab-index.pid"
+# In the CT: what an HTTPS index with a login is given (its key, certificate and user:password), root's alone.
+INDEX_FILES = "/run/pve-gpu-lab-index"
 UVM_MAJOR = 238  # the fixture machine's dynamic nvidia-uvm major
 
 
@@ -321,8 +323,8 @@ def set_ct_library(vmid, version):
         write(os.path.join(lib_dir, f"libnvidia-ml.so.{version}"), "placeholder of the NVIDIA userspace library\n")
 
 
-def lxc(command, vmid, *args, check=True):
-    return run([command, "-P", path("lxc"), "-n", str(vmid), *args], check=check, capture_output=True)
+def lxc(command, vmid, *args, check=True, **kwargs):
+    return run([command, "-P", path("lxc"), "-n", str(vmid), *args], check=check, capture_output=True, **kwargs)
 
 
 def ct_running(vmid):
@@ -838,20 +840,47 @@ def hold(args):
     print(match.group(1))
 
 
-def index_serve(args):
-    """Serve the lab's package indexes (``path('index')``, filled by the tests) on 127.0.0.1 inside a CT."""
-    vmid = int(args.where.removeprefix("ct"))
-    index_stop(args)
-    server = [
+def index_server_argv(port, broken=None, tls=False, auth=False, access_log=None):
+    """The index server's command line inside the CT. Its key, certificate and login are files of INDEX_FILES
+    (copied there first: never a secret on a command line, which every process of the CT can read)."""
+    return [
         "/usr/bin/python3",
         f"{CT_LIB}/index_server.py",
         CT_INDEX,
         "--port",
-        str(args.port),
+        str(port),
         "--pid-file",
         INDEX_PID,
-        *(["--break", args.broken] if args.broken else []),
+        *(["--break", broken] if broken else []),
+        *(["--tls-cert", f"{INDEX_FILES}/cert.pem", "--tls-key", f"{INDEX_FILES}/key.pem"] if tls else []),
+        *(["--auth-file", f"{INDEX_FILES}/auth"] if auth else []),
+        *(["--access-log", access_log] if access_log else []),
     ]
+
+
+def index_files(args):
+    """``{name in INDEX_FILES: this machine's file}`` of index-serve's --tls-cert, --tls-key and --auth-file."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        sys.exit("labctl: index-serve takes --tls-cert and --tls-key together")
+    named = {"cert.pem": args.tls_cert, "key.pem": args.tls_key, "auth": args.auth_file}
+    return {name: source for name, source in named.items() if source}
+
+
+def index_serve(args):
+    """Serve the lab's package indexes (``path('index')``, filled by the tests) on 127.0.0.1 inside a CT: plain
+    HTTP, or HTTPS only with a certificate (of a private CA the CT does not trust: tests/lab/private_ca.py), and
+    wanting Basic credentials with an auth file."""
+    vmid = int(args.where.removeprefix("ct"))
+    files = index_files(args)
+    index_stop(args)
+    for name, source in files.items():
+        with open(source, encoding="utf-8") as handle:
+            content = handle.read()
+        script = f"umask 077 && mkdir -p {INDEX_FILES} && cat > {INDEX_FILES}/{name}"
+        lxc("lxc-attach", vmid, "--clear-env", "--", "sh", "-c", script, input=content)
+    server = index_server_argv(
+        args.port, args.broken, tls="cert.pem" in files, auth="auth" in files, access_log=args.access_log
+    )
     argv = ["lxc-attach", "-P", path("lxc"), "-n", str(vmid), "--clear-env", "--", "setsid", *server]
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True
@@ -859,12 +888,14 @@ def index_serve(args):
     line = proc.stdout.readline().decode()
     if not line.startswith("serving"):
         sys.exit(f"labctl: the index server did not start in CT {vmid} (exit {proc.poll()}): {line!r}")
-    log(f"CT {vmid}: {line.strip()}" + (f", breaking on {args.broken!r}" if args.broken else ""))
+    extras = [f"breaking on {args.broken!r}"] if args.broken else []
+    extras += ["wanting a login"] if "auth" in files else []
+    log(f"CT {vmid}: {line.strip()}" + "".join(f", {extra}" for extra in extras))
 
 
 def index_stop(args):
     vmid = int(args.where.removeprefix("ct"))
-    script = f"[ -f {INDEX_PID} ] && kill $(cat {INDEX_PID}) 2>/dev/null; rm -f {INDEX_PID}; true"
+    script = f"[ -f {INDEX_PID} ] && kill $(cat {INDEX_PID}) 2>/dev/null; rm -rf {INDEX_PID} {INDEX_FILES}; true"
     lxc("lxc-attach", vmid, "--clear-env", "--", "sh", "-c", script, check=False)
 
 
@@ -934,6 +965,10 @@ def main(argv=None):
     p.add_argument("where", help="ct<vmid>")
     p.add_argument("--port", type=int, default=8900)
     p.add_argument("--break", dest="broken", help="cut the first download whose path has this and go down")
+    p.add_argument("--tls-cert", help="HTTPS only, with this certificate (a file here, copied into the CT)")
+    p.add_argument("--tls-key", help="the certificate's key (a file here, copied into the CT, mode 0600)")
+    p.add_argument("--auth-file", help="want Basic credentials: a file here holding user:password (copied in)")
+    p.add_argument("--access-log", help="a file in the CT the server appends '<path> <user or ->' to per request")
     p.set_defaults(func=index_serve)
     p = sub.add_parser("index-stop", help="stop a CT's index server")
     p.add_argument("where", help="ct<vmid>")

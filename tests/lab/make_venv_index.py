@@ -13,9 +13,11 @@ PEP 503 indexes, as a real node sees PyPI and PyTorch's own index:
   package that polluted the real venv (``flashinfer-python``), and ``bigdata`` (30 MiB, to fill a small disk);
 * ``cu128``: torch ``2.11.0+cu128``, the known-good build.
 
-LOCK_DIR gets ``good.lock`` (six, idna, torch 2.11.0+cu128 from the cu128 index) and ``big.lock`` (the same plus
-bigdata), in ``uv pip compile --generate-hashes`` format with the files' real sha256. With ``--uv-wheel-dir``, PyPI's
-uv wheel of the version the controller venv runs is downloaded there (the role installs it into the CT).
+LOCK_DIR gets ``good.lock`` (six, idna, torch 2.11.0+cu128 from the cu128 index), ``big.lock`` (the same plus
+bigdata) and ``tls.lock`` (good.lock's pins from the same indexes served over HTTPS only, on 127.0.0.1:8943:
+``labctl index-serve --port 8943 --tls-cert ...``), in ``uv pip compile --generate-hashes`` format with the files'
+real sha256. With ``--uv-wheel-dir``, PyPI's uv wheel of the version the controller venv runs is downloaded there
+(the role installs it into the CT).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wheelhouse
 
 URL = "http://127.0.0.1:8900"
+TLS_URL = "https://127.0.0.1:8943"  # the same indexes over HTTPS, with a private CA's certificate
 REAL = (("six", "1.17.0"), ("idna", "3.10"))
 
 
@@ -94,6 +97,8 @@ def main():
         options = {"index_url": f"{URL}/pypi/simple", "extra_index_urls": [f"{URL}/cu128/simple"]}
         (args.lock_dir / "good.lock").write_text(wheelhouse.lock_text(pins, **options))
         (args.lock_dir / "big.lock").write_text(wheelhouse.lock_text([*pins, ("bigdata", "1.0", [big])], **options))
+        tls = {"index_url": f"{TLS_URL}/pypi/simple", "extra_index_urls": [f"{TLS_URL}/cu128/simple"]}
+        (args.lock_dir / "tls.lock").write_text(wheelhouse.lock_text(pins, **tls))
     if args.uv_wheel_dir:
         version = metadata.version("uv")
         download(f"uv=={version}", str(args.uv_wheel_dir), "--platform", "manylinux_2_17_x86_64")

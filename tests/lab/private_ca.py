@@ -6,12 +6,18 @@ Test code, on the controller: it uses the ``cryptography`` package (requirements
 the server certificate names ``localhost`` and ``127.0.0.1``, where tests/lab/standins/index_server.py listens.
 
     ca = make_ca(directory)  # {"ca": ca.pem, "cert": server.pem, "key": server.key} (paths)
+
+From the command line (molecule's training_venv scenario, for an index served over HTTPS inside a lab CT):
+
+    private_ca.py DIRECTORY  # writes the three files, prints their paths as JSON
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
+import sys
 from pathlib import Path
 
 from cryptography import x509
@@ -72,3 +78,14 @@ def make_ca(directory, hosts=("localhost",), addresses=("127.0.0.1",)):
     )
     paths["key"].chmod(0o600)
     return paths
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        sys.exit("usage: private_ca.py DIRECTORY")
+    print(json.dumps({name: str(path) for name, path in make_ca(argv[0]).items()}))
+
+
+if __name__ == "__main__":
+    main()
