@@ -83,6 +83,18 @@ def inventory_problem(host, vmid_set, vmid, node_set, node):
     )
 
 
+# Role variables renamed in 2.0.0 (CHANGELOG.md): one left in an inventory would be ignored without a word.
+RENAMED_VARIABLES = {"training_venv_python": "training_venv_python_version"}
+
+
+def renamed_variable_problem(host, names):
+    """The first renamed role variable among ``names`` (the host's variables) with its new name; ``""`` if none."""
+    for old, new in RENAMED_VARIABLES.items():
+        if old in names:
+            return f"{host}: {old} was renamed {new} in pve_gpu.recover 2.0.0 (CHANGELOG.md); rename it"
+    return ""
+
+
 def run_id_problem(run_id):
     """Why ``run_id`` (given by the task: ``preflight_run_id``) cannot name a run, or None."""
     if isinstance(run_id, str) and RUN_ID_SHAPE.fullmatch(run_id):
@@ -290,6 +302,9 @@ class ActionModule(NormalAction):
                 "pve_node" in task_vars,
                 self._templar.template(task_vars["pve_node"]) if "pve_node" in task_vars else None,
             )
+        if not problem:
+            problem = renamed_variable_problem(task_vars.get("inventory_hostname"), task_vars)
+            kind = "inventory" if problem else kind
         if problem:
             # Before any connection: a vmid that is not a CT id never reaches a node.
             return {"failed": True, "changed": False, "msg": problem, "error": kind, "run_id": run_id}

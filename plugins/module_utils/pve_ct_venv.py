@@ -15,6 +15,7 @@ import shutil
 import stat
 import sys
 
+_NAME_SEPARATORS = re.compile(r"[-_.]+")
 _VERSION_NAME = r"\.\d{8}T\d{6}Z"  # <path>.<UTC stamp>: a version the training venv step built
 VENV_INSIDE = ("bin", "pyvenv.cfg", "lib")  # what the venv's python reads or runs at start-up, with lib/pythonX.Y/...
 
@@ -262,3 +263,32 @@ def build_needs(uv, minor, path):
         "uv_python": uv_python(minor, path),
         "own": own_minor(),
     }
+
+
+def canonical_name(name):
+    """PEP 503 normalization: ``Typing_Extensions`` -> ``typing-extensions``, ``zope.interface`` ->
+    ``zope-interface``."""
+    return _NAME_SEPARATORS.sub("-", name).lower()
+
+
+def installed_versions(records, torch_build, pins=None):
+    """``{canonical name: exact version}`` of a venv from its ``[(name, version)]`` METADATA records and the version
+    its torch/version.py says (``torch_build``; None without one). The fact pass and the build script both read a
+    venv through this one rule.
+
+    torch's METADATA may say less than its build: PyPI's torch says ``2.11.0`` there and ``2.11.0+cu130`` in
+    torch/version.py, so ``[("torch", "2.11.0")]`` with ``"2.11.0+cu130"`` -> ``{"torch": "2.11.0+cu130"}``. A cu128
+    index wheel says ``2.11.0+cu128`` in both and stays so. Only when ``pins`` (the lock) pins exactly the plain
+    version the METADATA says does the plain version stand: that pin names PyPI's wheel, which is what is installed
+    (else a rebuild from that very lock would still differ). A name with several records gives their versions
+    joined by ``", "``, which never equals a pin.
+    """
+    found = {}
+    for name, version in records:
+        found.setdefault(canonical_name(name), set()).add(version)
+    versions = {name: ", ".join(sorted(each)) for name, each in found.items()}
+    metadata = versions.get("torch")
+    plain_pin = (pins or {}).get("torch") == metadata
+    if torch_build and metadata and "+" not in metadata and torch_build.startswith(f"{metadata}+") and not plain_pin:
+        versions["torch"] = torch_build
+    return versions

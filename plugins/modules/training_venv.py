@@ -519,6 +519,17 @@ BUILT_KEYS = {"current": str, "builder": dict, "lock_file": str, "cleaned": list
 BUILT_KEYS.update({"retention_skipped": list, "previous": (dict, type(None))})
 
 
+def python_option_problem(python):
+    """Why ``python`` cannot be the CT's interpreter: before 2.0.0 this module's ``python`` was the venv's version
+    (now ``python_version``), and a version given there must not be run as a command. ``""`` when it can."""
+    if re.fullmatch(r"\d+\.\d+", python or ""):
+        return (
+            f"python is {python!r}, a version: python is the CT's interpreter (python3), and the venv's Python "
+            f"version is python_version since 2.0.0 (role variable training_venv_python_version)"
+        )
+    return ""
+
+
 def build_payload(spec, params, stamp, prune_only=False):
     """What the build script needs, the lock's meaning included (the script parses nothing of ours).
 
@@ -675,7 +686,7 @@ class TrainingVenv(ActingStep):
     progress = "starting the build"  # run as an async job (the role, for a build): followed as it runs
 
     def check_params(self, params):
-        return network_problem(params)
+        return python_option_problem(params.get("python")) or network_problem(params)
 
     def evaluate(self, run, answer, done=None):
         if done is None:

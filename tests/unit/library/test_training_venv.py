@@ -169,8 +169,8 @@ def test_differences_compare_exact_strings_and_ignore_only_the_named_tooling():
 )
 def test_the_scripts_reader_reads_versions_as_the_fact_pass_does(records, build, pins):
     answer = {"distributions": [{"name": n, "version": v} for n, v in records], "torch_version_py": {"version": build}}
-    assert script.installed_versions(records, build, pins) == venv_compare.installed_versions(answer, pins)
-    assert script.freeze_text(script.installed_versions(records, build, pins)) == venv_compare.freeze_lines(
+    assert pve_ct_venv.installed_versions(records, build, pins) == venv_compare.installed_versions(answer, pins)
+    assert script.freeze_text(pve_ct_venv.installed_versions(records, build, pins)) == venv_compare.freeze_lines(
         venv_compare.installed_versions(answer, pins)
     )
 
@@ -476,6 +476,11 @@ def test_ct_options_that_cannot_work_fail_before_any_call(monkeypatch, capsys):
     result = run_module(training_venv, dict(CT_PARAMS, keep=0), FakeRunner(), monkeypatch, capsys)
     assert (result["failed"], result["error"]) == (True, "invalid")
     assert result["msg"].startswith("keep is 0;")
+    # Before 2.0.0 `python` was the venv's version: one given there is never run as the CT's interpreter.
+    result = run_module(training_venv, dict(CT_PARAMS, python="3.11"), FakeRunner(), monkeypatch, capsys)
+    assert (result["failed"], result["error"]) == (True, "invalid")
+    assert "python is '3.11', a version" in result["msg"]
+    assert "python_version since 2.0.0" in result["msg"]
 
 
 # -- real venvs on a bare host ---------------------------------------------------------------------------------
@@ -737,9 +742,9 @@ def test_a_polluted_version_is_rebuilt_and_the_old_one_stays_where_it_is_and_wor
     assert works(host.path, "idna") == str(host.path)
     # The script's reader (the check before the swap) and the fact pass's reader agree on a real polluted venv.
     read = script.read_venv(str(old))
-    assert script.installed_versions(read["records"], read["torch_build"], GOOD) == venv_compare.installed_versions(
-        probe(old), GOOD
-    )
+    assert pve_ct_venv.installed_versions(
+        read["records"], read["torch_build"], GOOD
+    ) == venv_compare.installed_versions(probe(old), GOOD)
 
 
 def test_an_in_spec_venv_is_left_alone_and_nothing_is_built(host, capsys):

@@ -161,6 +161,14 @@ def test_the_inventory_is_checked_as_the_preflight_role_documents_it(action):
     )
 
 
+def test_a_role_variable_renamed_in_a_major_version_is_named_with_its_new_name(action):
+    assert action.renamed_variable_problem("ct", {"pve_vmid": 200, "training_venv_python_version": "3.11"}) == ""
+    assert action.renamed_variable_problem("ct", {"training_venv_python": None}) == (
+        "ct: training_venv_python was renamed training_venv_python_version in pve_gpu.recover 2.0.0 "
+        "(CHANGELOG.md); rename it"
+    )
+
+
 def test_a_run_id_of_the_tasks_own_must_be_able_to_name_a_file(action):
     for good in ("20261204T101500Z-3f2a1c", "ops-4711", "a", "nightly.2026_12_04", "x" * 64):
         assert action.run_id_problem(good) is None, good
@@ -266,6 +274,7 @@ def test_an_inventory_mistake_fails_before_any_connection(tmp_path):
         "    ct1: {pve_vmid: '200; touch /tmp/pgr-pwned', pve_node: pve1}\n"
         "    ct2: {pve_vmid: 201}\n"
         "    ct3: {pve_vmid: null, pve_node: pve1}\n"
+        "    ct4: {pve_vmid: 204, pve_node: pve1, training_venv_python: '3.11'}\n"
     )
     args = '{"vmid": "{{ pve_vmid }}", "node_name": "{{ pve_node | default(inventory_hostname) }}", "steps": {}}'
     done = ad_hoc(tmp_path, str(hosts), "-a", args)
@@ -275,6 +284,10 @@ def test_an_inventory_mistake_fails_before_any_connection(tmp_path):
     ), done.stdout[-2000:]
     assert errors["ct2"]["msg"] == f'ct2: {SHAPE}; got pve_vmid="201", pve_node=unset. Fix the inventory.'
     assert errors["ct3"]["msg"] == f'ct3: {SHAPE}; got pve_vmid="None", pve_node=pve1. Fix the inventory.'
+    assert errors["ct4"]["msg"] == (
+        "ct4: training_venv_python was renamed training_venv_python_version in pve_gpu.recover 2.0.0 "
+        "(CHANGELOG.md); rename it"
+    )
     assert {e["kind"] for e in errors.values()} == {"inventory"}
     assert "UNREACHABLE" not in done.stdout
 

@@ -91,7 +91,7 @@ def run(tmp_path, facts, *extra):
         "fake_facts": facts,
         "training_venv_lock_file": str(tmp_path / "lock.txt"),
         "training_venv_path": str(tmp_path / "venvs" / "train"),
-        "training_venv_python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        "training_venv_python_version": f"{sys.version_info[0]}.{sys.version_info[1]}",
         "training_venv_progress_interval": 1,
         "compile_cache_enabled": True,
         "compile_cache_warmup": ["true"],

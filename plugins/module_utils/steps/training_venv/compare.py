@@ -10,11 +10,12 @@ Exact means exact: versions are compared as strings, local tag included (facts.p
 
 from __future__ import annotations
 
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_ct_venv import canonical_name
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import variant
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.lock import (
     VenvError,
-    canonical_name,
     expected_python,
     lock_source,
     parse_lock,
@@ -99,23 +100,10 @@ def installed_records(answer):
 
 
 def installed_versions(answer, pins=None):
-    """``{canonical name: exact version}`` of the venv, from the probe's answer.
-
-    torch's METADATA may say less than its build: PyPI's torch says ``2.11.0`` there and ``2.11.0+cu130`` in
-    torch/version.py, so ``{"distributions": [{"name": "torch", "version": "2.11.0"}], "torch_version_py":
-    {"version": "2.11.0+cu130"}}`` -> ``{"torch": "2.11.0+cu130"}``. A cu128 index wheel says ``2.11.0+cu128``
-    in both and stays so. Only when ``pins`` (the lock) pins exactly the plain version the METADATA says does the
-    plain version stand: that pin names PyPI's wheel, which is what is installed (else a rebuild from that very
-    lock would still differ). A name with several records gives their versions joined by ``", "``, which never
-    equals a pin.
-    """
-    versions = {name: ", ".join(sorted(set(found))) for name, found in installed_records(answer).items()}
-    build = (answer.get("torch_version_py") or {}).get("version")
-    metadata = versions.get("torch")
-    plain_pin = (pins or {}).get("torch") == metadata
-    if build and metadata and "+" not in metadata and build.startswith(f"{metadata}+") and not plain_pin:
-        versions["torch"] = build
-    return versions
+    """``{canonical name: exact version}`` of the venv, from the probe's answer (the rule:
+    :func:`pve_ct_venv.installed_versions`, which the build script reads its venv by too)."""
+    records = [(dist["name"], dist["version"]) for dist in answer["distributions"]]
+    return pve_ct_venv.installed_versions(records, (answer.get("torch_version_py") or {}).get("version"), pins)
 
 
 def torch_inconsistency(answer):

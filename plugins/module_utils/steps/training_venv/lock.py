@@ -6,8 +6,8 @@ The lock is a ``uv pip compile --generate-hashes`` requirements file (:func:`par
 ``pylock.toml`` (:func:`parse_pylock`, read into the same form), given as text or read inside the target from the
 training repository at the commit the training code step pins (``lock_from_repo``, :func:`resolve_lock`). Anything
 that is not an exact pin, a name pinned twice or a URL with credentials in it is refused (VenvError, the step's
-error, raised by the comparison too). Names are compared PEP 503-normalized (:func:`canonical_name`); what the venv
-or the lock chose is shown escaped and bounded (:func:`shown`).
+error, raised by the comparison too). Names are compared PEP 503-normalized (:func:`pve_ct_venv.canonical_name`);
+what the venv or the lock chose is shown escaped and bounded (:func:`shown`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import posixpath
 import re
 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_ct_act import redact
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_ct_venv import canonical_name
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import variant
 
-_NAME_SEPARATORS = re.compile(r"[-_.]+")
 _PIN = re.compile(
     r"^(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*(?:\[[^\]]*\])?\s*"
     r"==\s*(?P<version>[A-Za-z0-9][A-Za-z0-9.+!_-]*)\s*(?:;\s*(?P<marker>.+))?$"
@@ -54,12 +54,6 @@ class VenvError(RecoverError):
 
 
 # -- names and versions ----------------------------------------------------------------------------------------
-def canonical_name(name):
-    """PEP 503 normalization: ``Typing_Extensions`` -> ``typing-extensions``, ``zope.interface`` ->
-    ``zope-interface``."""
-    return _NAME_SEPARATORS.sub("-", name).lower()
-
-
 def shown(text):
     """A name or version the venv chose, as a message or diff line may show it (one line, escaped, bounded)."""
     return printable(text, NAME_SHOWN)

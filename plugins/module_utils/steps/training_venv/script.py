@@ -98,7 +98,6 @@ SYSTEM_CERTS_SETTINGS = ("UV_SYSTEM_CERTS", "UV_NATIVE_TLS")
 PYTHON_CHECK = "import sys; print(tuple(sys.version_info[:2]))"
 _PYTHON_TUPLE = re.compile(r"\((\d+), (\d+)\)")
 _LIB_PYTHON = re.compile(r"^python(\d+\.\d+)$")
-_NAME_SEPARATORS = re.compile(r"[-_.]+")
 _ERROR = re.compile(r"^(?:error|ERROR)\s*:\s*")
 _CAUSE = re.compile(r"^(?:cause|Caused by)\s*:\s*")
 _TORCH_VERSION = re.compile(r"""^__version__\s*(?::[^=\n]*)?=\s*['"]([^'"\\]+)['"]\s*$""", re.MULTILINE)
@@ -166,11 +165,6 @@ FAILURES = (
 
 
 # -- names and layout (pure) -----------------------------------------------------------------------------------
-def canonical_name(name):
-    """PEP 503: ``Typing_Extensions`` -> ``typing-extensions``."""
-    return _NAME_SEPARATORS.sub("-", name).lower()
-
-
 def version_dir(path, stamp):
     """``/opt/venvs/train`` + ``20261203T101500Z`` -> ``/opt/venvs/train.20261203T101500Z``."""
     return f"{path}.{stamp}"
@@ -264,26 +258,6 @@ def failure_line(text):
     if first is None or first == last:
         return last
     return f"{first}: {last}"
-
-
-def installed_versions(records, torch_build, pins):
-    """``{canonical name: version}`` from ``[(name, version)]`` records, torch as the facts' installed_versions reads
-    it: PyPI's torch says ``2.11.0`` in METADATA and ``2.11.0+cu130`` in torch/version.py, which is its version unless
-    the lock pins exactly that plain version. A name with several records joins their versions with ``", "``."""
-    found = {}
-    for name, version in records:
-        found.setdefault(canonical_name(name), set()).add(version)
-    versions = {name: ", ".join(sorted(each)) for name, each in found.items()}
-    metadata = versions.get("torch")
-    if (
-        torch_build
-        and metadata
-        and "+" not in metadata
-        and torch_build.startswith(f"{metadata}+")
-        and (pins or {}).get("torch") != metadata
-    ):
-        versions["torch"] = torch_build
-    return versions
 
 
 def differences(expected, installed, ignore):
@@ -704,7 +678,7 @@ class Build:
             "installing the lock with pip",
         )
         version = self.must_run([*pip, "--version"], "`pip --version`").split()
-        present = {canonical_name(n) for n, _ in read_venv(self.new)["records"]}
+        present = {pve_ct_venv.canonical_name(n) for n, _ in read_venv(self.new)["records"]}
         drop = [name for name in self.drop_tooling if name in present]
         if drop:  # `-m venv` seeds pip/setuptools; with tooling=exact the lock decides whether they stay
             self.must_run([*pip, "uninstall", "--yes", *drop], f"removing {', '.join(drop)} (not in the lock)")
@@ -727,7 +701,7 @@ class Build:
             raise pve_ct_act.ActError("check", f"the new venv's python is {minor}, expected {self.python}")
         venv = read_venv(self.new, minor)
         problems = [f"{record} has no readable Name/Version" for record in venv["broken"]]
-        installed = installed_versions(venv["records"], venv["torch_build"], self.expected)
+        installed = pve_ct_venv.installed_versions(venv["records"], venv["torch_build"], self.expected)
         problems += differences(self.expected, installed, self.ignore)
         if problems:
             raise pve_ct_act.ActError("check", f"the new venv is not the lock: {'; '.join(problems)}")
@@ -735,7 +709,9 @@ class Build:
 
     def save_freeze(self, old_dir, freeze_to):
         venv = read_venv(old_dir)
-        write_atomic(freeze_to, freeze_text(installed_versions(venv["records"], venv["torch_build"], self.expected)))
+        write_atomic(
+            freeze_to, freeze_text(pve_ct_venv.installed_versions(venv["records"], venv["torch_build"], self.expected))
+        )
 
     def swap(self, kind, old_dir):
         """Point ``path`` at the new version; a real directory there is first renamed aside (and back on failure)."""
