@@ -292,3 +292,27 @@ def installed_versions(records, torch_build, pins=None):
     if torch_build and metadata and "+" not in metadata and torch_build.startswith(f"{metadata}+") and not plain_pin:
         versions["torch"] = torch_build
     return versions
+
+
+def metadata_header(path):
+    """``{"name": ..., "version": ...}`` of a METADATA / PKG-INFO file, reading only its header (up to the first
+    blank line); None when the file cannot be read.
+
+    Stops as soon as both are known: they are the second and third lines of every real METADATA, and the long
+    description after the header can be megabytes.
+    """
+    found = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if not line.strip():
+                    break
+                key, sep, value = line.partition(":")
+                key = key.lower()
+                if sep and key in ("name", "version") and key not in found:
+                    found[key] = value.strip()
+                    if len(found) == 2:
+                        break
+    except OSError:
+        return None
+    return found

@@ -8,7 +8,7 @@ import types
 from pathlib import Path
 
 import pytest
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs, pve_ct_git, pve_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs, pve_ct_git, pve_ct_venv, pve_target
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target, TargetError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
@@ -329,7 +329,7 @@ def test_parts_with_shared_modules_answer_in_a_ct_exactly_as_on_a_bare_host(tmp_
     in_ct = ct(one_pct_exec).run_probes(parts)
     on_host = Target(runner=FakeRunner()).run_probes(parts)
     assert len(calls) == 1
-    assert list(json.loads(calls[0])["shared"]) == [pve_ct_fs.__name__, pve_ct_git.__name__]
+    assert list(json.loads(calls[0])["shared"]) == [pve_ct_fs.__name__, pve_ct_venv.__name__, pve_ct_git.__name__]
     for name in parts:
         assert "error" not in in_ct[name], in_ct[name]
         assert dict(in_ct[name]["answer"], pid=None) == dict(on_host[name]["answer"], pid=None)  # pid: its own

@@ -28,9 +28,9 @@ import stat
 import subprocess
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs, pve_ct_venv
 
-SHARED = (pve_ct_fs,)  # container-side modules Target.run_probes ships with this part
+SHARED = (pve_ct_fs, pve_ct_venv)  # container-side modules Target.run_probes ships with this part
 # torch/version.py assigns plain literals (`cuda: Optional[str] = '12.8'`); an annotation may sit before `=`.
 _ASSIGNMENT = re.compile(r"^(\w+)\s*(?::[^=\n]*)?=\s*(.+?)\s*$", re.MULTILINE)
 _STRING = re.compile(r"""^(?:'([^'\\]*)'|"([^"\\]*)")$""")
@@ -66,25 +66,6 @@ def parse_torch_version_py(text):
     for name, value in _ASSIGNMENT.findall(text):
         if name in TORCH_VERSION_KEYS:
             found[TORCH_VERSION_KEYS[name]] = _literal(value)
-    return found
-
-
-def _header(path):
-    """Name and Version of a METADATA file, from its header only; None when it cannot be read."""
-    found = {}
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if not line.strip():
-                    break
-                key, sep, value = line.partition(":")
-                key = key.lower()
-                if sep and key in ("name", "version") and key not in found:
-                    found[key] = value.strip()
-                    if len(found) == 2:
-                        break
-    except OSError:
-        return None
     return found
 
 
@@ -126,7 +107,7 @@ def read_venv(path):
     for record in records:
         name = _NAME_SEPARATORS.sub("-", record[: -len(".dist-info")].rsplit("-", 1)[0]).lower()
         if name in TRITON_NAMES and name not in found:
-            header = _header(os.path.join(site_packages, record, "METADATA")) or {}
+            header = pve_ct_venv.metadata_header(os.path.join(site_packages, record, "METADATA")) or {}
             if header.get("version"):
                 found[name] = {"name": name, "version": header["version"]}
     answer["triton"] = next((found[name] for name in TRITON_NAMES if name in found), None)

@@ -84,29 +84,6 @@ def _minor(version):
     return f"{match.group(1)}.{match.group(2)}" if match else None
 
 
-def _header(path):
-    """Name and Version of a METADATA / PKG-INFO file, reading only its header (up to the first blank line).
-
-    Stops as soon as both are known: they are the second and third lines of every real METADATA, and the
-    long description after the header can be megabytes. None when the file cannot be read.
-    """
-    found = {}
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if not line.strip():
-                    break
-                key, sep, value = line.partition(":")
-                key = key.lower()
-                if sep and key in ("name", "version") and key not in found:
-                    found[key] = value.strip()
-                    if len(found) == 2:
-                        break
-    except OSError:
-        return None
-    return found
-
-
 def record_tops(text, site_packages):
     """The top-level entries of site-packages a RECORD's text lists: ``"torch/__init__.py,sha256=..,1\n"
     "../../../bin/torchrun,,\nsix.py,,\n"`` -> ``{"torch", "six.py"}`` (paths outside site-packages left out).
@@ -173,7 +150,7 @@ def _distribution(site_packages, entry):
         if metadata_name not in names:
             return None, f"no {metadata_name}"
         metadata = os.path.join(record, metadata_name)
-    header = _header(metadata)
+    header = pve_ct_venv.metadata_header(metadata)
     if header is None:
         return None, "its metadata cannot be read"
     if not header.get("name") or not header.get("version"):

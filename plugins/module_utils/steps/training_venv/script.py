@@ -284,24 +284,6 @@ def freeze_text(versions):
 
 
 # -- reading a venv --------------------------------------------------------------------------------------------
-def _header(path):
-    """Name and Version from the header of a METADATA / PKG-INFO file (None when unreadable)."""
-    found = {}
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if not line.strip():
-                    break
-                key, sep, value = line.partition(":")
-                if sep and key.lower() in ("name", "version") and key.lower() not in found:
-                    found[key.lower()] = value.strip()
-                    if len(found) == 2:
-                        break
-    except OSError:
-        return None
-    return found
-
-
 def read_venv(venv, python=None):
     """What a venv holds, from its files: ``{"records": [(name, version)], "broken": [record], "torch_build"}``.
 
@@ -325,7 +307,7 @@ def read_venv(venv, python=None):
                 metadata = os.path.join(record, "METADATA" if entry.endswith(".dist-info") else "PKG-INFO")
             else:
                 metadata = record  # a distutils egg-info is one file
-            header = _header(metadata)
+            header = pve_ct_venv.metadata_header(metadata)
             if header and header.get("name") and header.get("version"):
                 records.append((header["name"], header["version"]))
             else:
