@@ -95,6 +95,11 @@ def renamed_variable_problem(host, names):
     return ""
 
 
+def unreachable_message(node, error):
+    """What an unreachable node's result says: the node by its inventory name, then Ansible's own sentence."""
+    return f"the node {node} could not be reached: {error}"
+
+
 def run_id_problem(run_id):
     """Why ``run_id`` (given by the task: ``preflight_run_id``) cannot name a run, or None."""
     if isinstance(run_id, str) and RUN_ID_SHAPE.fullmatch(run_id):
@@ -316,7 +321,10 @@ class ActionModule(NormalAction):
             result = self._run_keeping_payload(tmp, task_vars)
         except AnsibleConnectionFailure as error:
             # What TaskExecutor makes of it, with the run's id: an unreachable node's report is named by it too.
-            return {"unreachable": True, "msg": str(error), "run_id": run_id}
+            # Ansible's own words depend on when ssh died ("Connection refused" names the port, a "Broken pipe"
+            # while the payload was written names only the address): the node is named whatever they say.
+            node = args.get("node_name") or task_vars.get("inventory_hostname")
+            return {"unreachable": True, "msg": unreachable_message(node, error), "run_id": run_id}
         result["run_id"] = run_id  # the report names the run by it, whether the pass succeeded or not
         return result
 

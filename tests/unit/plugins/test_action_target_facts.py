@@ -299,6 +299,7 @@ def test_a_vmid_the_task_gives_itself_is_the_modules_to_check_and_an_unreachable
     hosts.write_text("all:\n  hosts:\n    pve1: " + CLOSED + "\n")
     done = ad_hoc(tmp_path, str(hosts), "-a", '{"vmid": 200, "run_id": "ops-4711", "steps": {}}')
     assert "UNREACHABLE" in done.stdout, done.stdout[-2000:]
+    assert "the node pve1 could not be reached: " in done.stdout  # named, whatever ssh's failure said
     (report,) = reports_of(tmp_path)["pve1"]
     assert (report["run_id"], report["status"]) == ("ops-4711", "failed")
     assert (tmp_path / "reports" / "pve1" / "ops-4711.json").exists()
