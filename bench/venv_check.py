@@ -36,6 +36,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import conftest  # noqa: E402,F401  (the collection importable as ansible_collections.pve_gpu.recover)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import PROBES_MAIN, probes_input  # noqa: E402
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import (  # noqa: E402
+    compare as venv_compare,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import (  # noqa: E402
     facts as venv_facts,
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import (  # noqa: E402
@@ -75,7 +78,7 @@ def lock_of(answer, torch=None, torch_index=None):
 
     The hashes are placeholders: the in-spec check compares names and versions, and this lock is never built from.
     """
-    versions = venv_facts.installed_versions(answer)
+    versions = venv_compare.installed_versions(answer)
     if torch:
         versions["torch"] = torch
     header = "# lock made by bench/venv_check.py from the venv itself (placeholder hashes: never built from)\n"
@@ -88,7 +91,7 @@ def check_once(venv, python):
     """The converged fact pass's venv work: probe in a fresh python, then the comparison with the lock."""
     started = time.perf_counter()
     seconds, answer = read_venv(venv, python)
-    versions = venv_facts.installed_versions(answer)
+    versions = venv_compare.installed_versions(answer)
     spec = dict(venv_facts.SPEC_DEFAULTS, path=venv, lock=lock_of(answer))
     context = {"target": {"label": "bench", "vmid": None, "node": "bench"}, "steps": {}}
     facts = venv_facts.evaluate_step(spec, answer, {}, context)
