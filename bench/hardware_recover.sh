@@ -12,6 +12,23 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 . bench/hardware_env.sh
 VENV=$(python3 -c 'import sys; print(sys.prefix)')
+# A machine's venv may hold a .pth that no distribution installed (the device's sandbox adds a CA hook,
+# _sandboxing_egress_ca.pth): import drift that the venv step rightly rebuilds for, and no index is reachable there.
+# So the run works on a copy of the venv without such files; the machine's own venv is never touched.
+SOURCE_VENV=$VENV VENV=/tmp/pgr-venv
+rm -rf "$VENV" && cp -a "$SOURCE_VENV" "$VENV"
+python3 - "$VENV" <<'PY'
+import glob, os, sys
+site = glob.glob(os.path.join(sys.argv[1], "lib", "python3*", "site-packages"))[0]
+listed = set()
+for record in glob.glob(os.path.join(site, "*.dist-info", "RECORD")):
+    with open(record, encoding="utf-8") as handle:
+        listed.update(line.split(",", 1)[0] for line in handle)
+for pth in sorted(glob.glob(os.path.join(site, "*.pth"))):
+    if os.path.basename(pth) not in listed:
+        os.remove(pth)
+        print(f"the copy drops {os.path.basename(pth)} (no RECORD lists it)")
+PY
 GPUS=$(nvidia-smi -L | wc -l)
 REPO=/tmp/pgr-train CACHE=/tmp/pgr-inductor
 log="$OUT/recover-runs.log"
@@ -69,7 +86,7 @@ run() {  # run NAME PLAYBOOK ARGS...: one run; its wall time, exit code and outp
 latest_report() { python3 -c 'import json, glob, os; print(json.dumps(json.load(open(max(glob.glob(os.environ["OUT"] + "/reports/localhost/*.json"), key=os.path.getmtime)))))'; }
 
 { echo "== environment"; date -u; nvidia-smi -L; python3 -V; ansible-playbook --version | head -1
-  echo "venv $VENV; pinned $PINNED; holder $HOLDER"
+  echo "venv $VENV (a copy of $SOURCE_VENV); pinned $PINNED; holder $HOLDER"
   nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv; } >> "$log" 2>&1
 
 before=$(snapshot)
