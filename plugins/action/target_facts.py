@@ -7,6 +7,14 @@ these was a task of its own (a set_fact, an assert, two ``pipe`` lookups), and e
 
 Then the module runs exactly as Ansible's ``normal`` action runs it, with its AnsiballZ payload kept between runs.
 
+One ssh connection per node, whatever the fork count: with ``ControlMaster=auto`` every fork that reaches a node
+before its master socket exists opens a connection of its own (8 forks, 8 connections: docs/benchmarks.md, the
+fleet). So before the module runs, a fork that finds no socket takes a lock beside it, looks again and, still
+finding none, opens the master with one ``true`` through the connection; the forks waiting on the lock then find the
+socket. A converged run pays one ``stat`` per target; the first target of a node one ``true`` per ControlPersist
+window. Where the ControlPath is not a plain path (ssh's ``%`` tokens), a password is in play, the connection is not
+ssh or its internals changed, this does nothing and Ansible connects as it always does.
+
 Building the payload is the largest controller cost of a converged run (recursive_finder parses every module_utils
 file the module reaches with ``ast``: about 0.45 s of a 2.7 s run, docs/benchmarks.md), and Ansible caches it only
 inside one ansible-playbook process. This action keeps the payload Ansible built in ``pve-gpu-recover-ansiballz``
@@ -26,6 +34,7 @@ tests, these included, on both ends); on any other version Ansible builds the pa
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import getpass
 import hashlib
 import json
@@ -98,6 +107,23 @@ def renamed_variable_problem(host, names):
 def unreachable_message(node, error):
     """What an unreachable node's result says: the node by its inventory name, then Ansible's own sentence."""
     return f"the node {node} could not be reached: {error}"
+
+
+def control_socket(argv):
+    """The master socket an ssh command line names (``-o ControlPath=...``; str or bytes arguments); None when it
+    names none, ``none``, or one with ssh's ``%`` tokens (only ssh knows what they expand to)."""
+    for arg in argv:
+        text = arg.decode("utf-8", "surrogateescape") if isinstance(arg, bytes) else str(arg)
+        for prefix in ("ControlPath=", "-oControlPath="):
+            if text.startswith(prefix):
+                path = text[len(prefix) :].strip().strip('"')
+                return None if "%" in path or path.lower() == "none" or not path else path
+    return None
+
+
+def lock_beside(socket):
+    """An open descriptor of ``<socket>.pve-gpu-recover.lock`` (created 0600, never through a link) to flock."""
+    return os.open(f"{socket}.pve-gpu-recover.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 def run_id_problem(run_id):
@@ -318,6 +344,7 @@ class ActionModule(NormalAction):
             if args.get(option) in (None, ""):
                 args[option] = value
         try:
+            self._one_master()
             result = self._run_keeping_payload(tmp, task_vars)
         except AnsibleConnectionFailure as error:
             # What TaskExecutor makes of it, with the run's id: an unreachable node's report is named by it too.
@@ -338,6 +365,33 @@ class ActionModule(NormalAction):
             )
             run_id = new_run_id()
         return run_id
+
+    def _master_socket(self):
+        """The node's ssh master socket, or None when this connection's is not one to guard (the module docstring)."""
+        connection = self._connection
+        if getattr(connection, "transport", None) != "ssh" or connection.get_option("password"):
+            return None
+        connection.host = connection.get_option("host") or self._play_context.remote_addr
+        argv = connection._build_command(connection.get_option("ssh_executable"), "ssh", "-O", "check", connection.host)
+        return control_socket(argv)
+
+    def _one_master(self):
+        """Open the node's ssh master once, under a lock beside its socket, before this fork's module run."""
+        try:
+            socket = self._master_socket()
+            if socket is None or os.path.exists(socket):
+                return
+            descriptor = lock_beside(socket)
+        except Exception as error:  # by design: Ansible's internals or the lock file, never a failure of the run
+            display.vvv(f"target_facts: no shared ssh master ({type(error).__name__}: {error}); ssh connects alone")
+            return
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            if not os.path.exists(socket):
+                # A connection failure here is the node's: the caller reports it as unreachable.
+                self._low_level_execute_command("true", sudoable=False)
+        finally:
+            os.close(descriptor)  # releases the lock
 
     def _run_keeping_payload(self, tmp, task_vars):
         place = guarded("looked up", self._payload_place)

@@ -13,6 +13,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -376,3 +379,97 @@ def test_the_payload_is_filed_under_the_name_ansible_builds_it_by(action):
     collection = "/x/collections/ansible_collections/pve_gpu/recover/plugins/modules/target_facts.py"
     assert action.module_fqn(collection) == "ansible_collections.pve_gpu.recover.plugins.modules.target_facts"
     assert action.module_fqn("/srv/library/target_facts.py") == "ansible.legacy.target_facts"
+
+
+# -- one ssh master per node -----------------------------------------------------------------------------------
+def test_the_master_socket_is_read_from_the_ssh_command_line(action):
+    assert action.control_socket([b"ssh", b"-o", b'ControlPath="/root/.ansible/cp/0a1b2c"', b"node"]) == (
+        "/root/.ansible/cp/0a1b2c"
+    )
+    assert action.control_socket(["ssh", "-oControlPath=/tmp/cp/x", "node"]) == "/tmp/cp/x"
+    # ssh's own tokens: only ssh knows the path, so nothing is guarded.
+    for unknown in ([b"-o", b"ControlPath=~/.ssh/cm-%C"], [b"-o", b"ControlPath=none"], [b"ssh", b"node"]):
+        assert action.control_socket(unknown) is None, unknown
+
+
+def bare_action(action, *, socket=None, fail=None):
+    """The action without Ansible's task machinery: what _one_master uses, and a `true` that opens a master."""
+    instance = action.ActionModule.__new__(action.ActionModule)
+    instance.opened = []
+
+    def master_socket():
+        if fail:
+            raise fail
+        return socket
+
+    def low_level(command, sudoable=True):
+        time.sleep(0.2)  # the master's handshake: every other fork arrives meanwhile
+        instance.opened.append(command)
+        socket_path = Path(socket)
+        socket_path.write_text("")  # the master's socket
+        return {"rc": 0}
+
+    instance._master_socket = master_socket
+    instance._low_level_execute_command = low_level
+    return instance
+
+
+def test_eight_forks_reaching_one_node_open_one_master(action, tmp_path):
+    socket = tmp_path / "cp" / "0a1b2c"
+    socket.parent.mkdir()
+    forks = [bare_action(action, socket=str(socket)) for _ in range(8)]
+    threads = [threading.Thread(target=fork._one_master) for fork in forks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert sum(len(fork.opened) for fork in forks) == 1
+    assert [command for fork in forks for command in fork.opened] == ["true"]
+    # With the socket there, a later fork pays a stat only.
+    later = bare_action(action, socket=str(socket))
+    later._one_master()
+    assert later.opened == []
+
+
+def test_anything_unexpected_leaves_ssh_to_connect_as_always(action, tmp_path):
+    broken = bare_action(action, fail=AttributeError("_build_command"))
+    broken._one_master()  # no exception: Ansible's internals changed, the run goes on
+    assert broken.opened == []
+    unknown = bare_action(action, socket=None)
+    unknown._one_master()
+    assert unknown.opened == []
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "cp").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere" / "s.pve-gpu-recover.lock").symlink_to(tmp_path / "elsewhere" / "target")
+    linked = bare_action(action, socket=str(tmp_path / "elsewhere" / "s"))
+    linked._one_master()  # a lock file that is a link is never followed: no lock, no master of ours
+    assert linked.opened == []
+    assert not (tmp_path / "elsewhere" / "target").exists()
+
+
+def test_the_socket_is_where_ansibles_ssh_connection_puts_it(action, tmp_path):
+    """The internals the guard reads (transport, _build_command's ControlPath) on the ansible-core under test: the
+    socket it finds is the one Ansible's ssh makes, in control_path_dir and named by its own hash."""
+    # Imported here, not at the top: like the action (see its fixture), only when this test runs.
+    from ansible.playbook.play_context import PlayContext  # noqa: PLC0415
+    from ansible.plugins.loader import connection_loader  # noqa: PLC0415
+
+    context = PlayContext()
+    context.remote_addr = "192.0.2.10"
+    connection = connection_loader.get("ssh", context, None)
+    connection.set_options(
+        direct={
+            "host": "192.0.2.10",
+            "port": 2222,
+            "remote_user": "root",
+            "control_path_dir": str(tmp_path),
+            "ssh_args": "-o ControlMaster=auto -o ControlPersist=60s",
+        }
+    )
+    instance = action.ActionModule.__new__(action.ActionModule)
+    instance._connection = connection
+    instance._play_context = context
+    socket = instance._master_socket()
+    assert socket is not None
+    assert Path(socket).parent == tmp_path
+    assert Path(socket).name == connection._create_control_path("192.0.2.10", 2222, "root").split("/")[-1]
