@@ -35,9 +35,14 @@ def open_top(top):
     """The directory ``top`` (absolute, as realpath gives it) opened from ``/`` one component at a time, never
     through a link: every read, digest and removal of the reset works from this fd, so a repository renamed away
     and replaced by a link (by whoever owns its parent) is never followed."""
-    fd = os.open("/", DIRECTORY)
+    return descend(os.open("/", DIRECTORY), [p for p in top.split("/") if p])
+
+
+def descend(fd, parts):
+    """The directory ``parts`` names below the open directory ``fd``, each component opened with O_NOFOLLOW; ``fd``
+    is consumed (closed, also when a component is a link or missing: OSError then)."""
     try:
-        for part in [p for p in top.split("/") if p]:
+        for part in parts:
             deeper = os.open(part, DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = deeper
@@ -53,15 +58,7 @@ def parent_fd(top, path):
     turned into a link to elsewhere is never entered (OSError then)."""
     fd = os.dup(top) if isinstance(top, int) else open_top(os.path.realpath(top))
     parts = path.split("/")
-    try:
-        for part in parts[:-1]:
-            deeper = os.open(part, DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = deeper
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, parts[-1]
+    return descend(fd, parts[:-1]), parts[-1]
 
 
 class Hashing:

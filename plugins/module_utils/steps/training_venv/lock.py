@@ -82,6 +82,20 @@ def _logical_lines(text):
         yield start, " ".join(p for p in pending if p)
 
 
+def empty_lock():
+    """What a lock means before its lines are read, the same for a requirements lock and a pylock.toml."""
+    return {
+        "distributions": {},
+        "indexes": [],
+        "torch_index": None,
+        "find_links": [],
+        "no_index": False,
+        "sources": {},
+        "markers": {},
+        "python": None,
+    }
+
+
 def parse_lock(text):
     """The pins and sources of a ``uv pip compile --generate-hashes`` lock.
 
@@ -100,16 +114,7 @@ def parse_lock(text):
     """
     if lock_format(text) == "pylock":
         return parse_pylock(text)
-    lock = {
-        "distributions": {},
-        "indexes": [],
-        "torch_index": None,
-        "find_links": [],
-        "no_index": False,
-        "sources": {},
-        "markers": {},
-        "python": None,
-    }
+    lock = empty_lock()
     indexes = {"index": [], "extra": []}
     last, in_header = None, True
     for number, line in _logical_lines(text):
@@ -230,16 +235,7 @@ def parse_pylock(text):
     packages = data.get("packages")
     if not isinstance(packages, list) or not packages:
         raise VenvError(f"the lock (pylock.toml) lists no package; {_PYLOCK_FIX}", kind="lock")
-    lock = {
-        "distributions": {},
-        "indexes": [],
-        "torch_index": None,
-        "find_links": [],
-        "no_index": False,
-        "sources": {},
-        "markers": {},
-        "python": None,
-    }
+    lock = empty_lock()
     for number, package in enumerate(packages, 1):
         _read_package(lock, number, package)
     for line in text.splitlines():  # uv's header: the comment lines before the first key
