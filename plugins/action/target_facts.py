@@ -9,11 +9,13 @@ Then the module runs exactly as Ansible's ``normal`` action runs it, with its An
 
 One ssh connection per node, whatever the fork count: with ``ControlMaster=auto`` every fork that reaches a node
 before its master socket exists opens a connection of its own (8 forks, 8 connections: docs/benchmarks.md, the
-fleet). So before the module runs, a fork that finds no socket takes a lock beside it, looks again and, still
-finding none, opens the master with one ``true`` through the connection; the forks waiting on the lock then find the
-socket. A converged run pays one ``stat`` per target; the first target of a node one ``true`` per ControlPersist
-window. Where the ControlPath is not a plain path (ssh's ``%`` tokens), a password is in play, the connection is not
-ssh or its internals changed, this does nothing and Ansible connects as it always does.
+fleet). So the first fork to find no socket takes a lock beside it and runs its module, which opens the master;
+the lock is let go the moment the socket appears (a watcher thread), and the forks that waited on it then share
+that master. No remote call is added: a converged run pays one ``stat`` per target. A fork that had to wait and
+still finds no socket (the first one's node did not answer) connects alone at once, so an unreachable node's
+targets still fail in parallel, not one timeout after another. Where the ControlPath is not a plain path (ssh's
+``%`` tokens), a password is in play, the connection is not ssh or its internals changed, this does nothing and
+Ansible connects as it always does.
 
 Building the payload is the largest controller cost of a converged run (recursive_finder parses every module_utils
 file the module reaches with ``ast``: about 0.45 s of a 2.7 s run, docs/benchmarks.md), and Ansible caches it only
@@ -46,6 +48,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import threading
 import time
 
 import ansible
@@ -124,6 +127,30 @@ def control_socket(argv):
 def lock_beside(socket):
     """An open descriptor of ``<socket>.pve-gpu-recover.lock`` (created 0600, never through a link) to flock."""
     return os.open(f"{socket}.pve-gpu-recover.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def master_watch(socket, descriptor, interval=0.01):
+    """Let go of the lock ``descriptor`` holds as soon as ``socket`` exists (this fork's connection opened the
+    master) or when the returned callable is called (its module run ended, whatever happened), whichever is first."""
+    done = threading.Event()
+    guard = threading.Lock()
+    state = {"open": True}
+
+    def release():
+        done.set()
+        with guard:
+            if state["open"]:
+                state["open"] = False
+                os.close(descriptor)  # releases the lock
+
+    def watch():
+        while not done.wait(interval):
+            if os.path.exists(socket):
+                break
+        release()
+
+    threading.Thread(target=watch, name="pve-gpu-recover-ssh-master", daemon=True).start()
+    return release
 
 
 def run_id_problem(run_id):
@@ -343,8 +370,8 @@ class ActionModule(NormalAction):
         for option, value in controller_defaults().items():
             if args.get(option) in (None, ""):
                 args[option] = value
+        release = self._first_to_node()
         try:
-            self._one_master()
             result = self._run_keeping_payload(tmp, task_vars)
         except AnsibleConnectionFailure as error:
             # What TaskExecutor makes of it, with the run's id: an unreachable node's report is named by it too.
@@ -352,6 +379,8 @@ class ActionModule(NormalAction):
             # while the payload was written names only the address): the node is named whatever they say.
             node = args.get("node_name") or task_vars.get("inventory_hostname")
             return {"unreachable": True, "msg": unreachable_message(node, error), "run_id": run_id}
+        finally:
+            release()
         result["run_id"] = run_id  # the report names the run by it, whether the pass succeeded or not
         return result
 
@@ -375,23 +404,29 @@ class ActionModule(NormalAction):
         argv = connection._build_command(connection.get_option("ssh_executable"), "ssh", "-O", "check", connection.host)
         return control_socket(argv)
 
-    def _one_master(self):
-        """Open the node's ssh master once, under a lock beside its socket, before this fork's module run."""
+    def _first_to_node(self):
+        """Before this fork's module run: wait while another fork opens the node's master; when this one is the
+        first, hold the lock until its own connection's socket appears. Returns what lets the lock go (idempotent)."""
         try:
             socket = self._master_socket()
             if socket is None or os.path.exists(socket):
-                return
+                return lambda: None
             descriptor = lock_beside(socket)
         except Exception as error:  # by design: Ansible's internals or the lock file, never a failure of the run
             display.vvv(f"target_facts: no shared ssh master ({type(error).__name__}: {error}); ssh connects alone")
-            return
+            return lambda: None
         try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            # Another fork is opening the master: wait for it, then share its socket, or (its node did not answer)
+            # connect alone at once.
             fcntl.flock(descriptor, fcntl.LOCK_EX)
-            if not os.path.exists(socket):
-                # A connection failure here is the node's: the caller reports it as unreachable.
-                self._low_level_execute_command("true", sudoable=False)
-        finally:
-            os.close(descriptor)  # releases the lock
+            os.close(descriptor)
+            return lambda: None
+        if os.path.exists(socket):
+            os.close(descriptor)
+            return lambda: None
+        return master_watch(socket, descriptor)
 
     def _run_keeping_payload(self, tmp, task_vars):
         place = guarded("looked up", self._payload_place)

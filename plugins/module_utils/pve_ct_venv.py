@@ -16,6 +16,9 @@ import stat
 import sys
 
 _NAME_SEPARATORS = re.compile(r"[-_.]+")
+# A METADATA header as the target wrote it is read this far at most (Name and Version are its lines 2 and 3).
+HEADER_LINES = 200
+HEADER_LINE_CHARS = 8192
 _VERSION_NAME = r"\.\d{8}T\d{6}Z"  # <path>.<UTC stamp>: a version the training venv step built
 VENV_INSIDE = ("bin", "pyvenv.cfg", "lib")  # what the venv's python reads or runs at start-up, with lib/pythonX.Y/...
 
@@ -299,12 +302,14 @@ def metadata_header(path):
     blank line); None when the file cannot be read.
 
     Stops as soon as both are known: they are the second and third lines of every real METADATA, and the long
-    description after the header can be megabytes.
+    description after the header can be megabytes. A file the target wrote is read bounded: at most
+    HEADER_LINES lines of at most HEADER_LINE_CHARS characters each.
     """
     found = {}
     try:
         with open(path, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
+            for _line_number in range(HEADER_LINES):
+                line = handle.readline(HEADER_LINE_CHARS)
                 if not line.strip():
                     break
                 key, sep, value = line.partition(":")

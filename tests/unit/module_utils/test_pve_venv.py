@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_torch_build
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_venv, pve_torch_build
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import compare as venv_compare
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
@@ -1004,3 +1004,16 @@ def test_the_probe_lists_finished_versions_only(tmp_path):
         str(tmp_path / "train.20261201T101500Z"),
         str(tmp_path / "train.20261202T101500Z"),
     ]
+
+
+def test_a_metadata_header_is_read_bounded_whatever_the_target_wrote(tmp_path):
+    real = tmp_path / "METADATA"
+    real.write_text("Metadata-Version: 2.4\nName: Six\nVersion: 1.17.0\n\n" + "long description\n" * 100000)
+    assert pve_ct_venv.metadata_header(real) == {"name": "Six", "version": "1.17.0"}
+    endless = tmp_path / "ENDLESS"
+    endless.write_text("X" * 20_000_000)  # one line of 20 MB, no newline: never read whole
+    assert pve_ct_venv.metadata_header(endless) == {}
+    late = tmp_path / "LATE"
+    late.write_text("Classifier: x\n" * (pve_ct_venv.HEADER_LINES + 5) + "Name: late\nVersion: 1\n")
+    assert pve_ct_venv.metadata_header(late) == {}  # past the bound: unknown, as an unreadable header is
+    assert pve_ct_venv.metadata_header(tmp_path / "missing") is None

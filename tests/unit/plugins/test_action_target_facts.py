@@ -392,58 +392,85 @@ def test_the_master_socket_is_read_from_the_ssh_command_line(action):
         assert action.control_socket(unknown) is None, unknown
 
 
+HANDSHAKE = 0.2  # seconds from ssh's start to the master's socket (or to a timeout, the node not answering)
+MODULE = 0.3  # the module's run over the connection, after the handshake
+
+
 def bare_action(action, *, socket=None, fail=None):
-    """The action without Ansible's task machinery: what _one_master uses, and a `true` that opens a master."""
+    """The action without Ansible's task machinery: what _first_to_node uses."""
     instance = action.ActionModule.__new__(action.ActionModule)
-    instance.opened = []
 
     def master_socket():
         if fail:
             raise fail
         return socket
 
-    def low_level(command, sudoable=True):
-        time.sleep(0.2)  # the master's handshake: every other fork arrives meanwhile
-        instance.opened.append(command)
-        socket_path = Path(socket)
-        socket_path.write_text("")  # the master's socket
-        return {"rc": 0}
-
     instance._master_socket = master_socket
-    instance._low_level_execute_command = low_level
     return instance
 
 
-def test_eight_forks_reaching_one_node_open_one_master(action, tmp_path):
-    socket = tmp_path / "cp" / "0a1b2c"
-    socket.parent.mkdir()
-    forks = [bare_action(action, socket=str(socket)) for _ in range(8)]
-    threads = [threading.Thread(target=fork._one_master) for fork in forks]
+def fork_run(action, socket, node_answers, seen):
+    """One fork as run() does it: the guard, then a module run whose ssh opens a master unless one is there (and
+    the node answers), then the guard let go."""
+    fork = bare_action(action, socket=str(socket))
+    release = fork._first_to_node()
+    try:
+        started = time.monotonic()
+        if socket.exists():
+            seen.append(("shared", started))
+            time.sleep(MODULE)
+        elif node_answers:
+            time.sleep(HANDSHAKE)
+            socket.write_text("")  # ControlMaster=auto: this connection is the master now
+            seen.append(("opened", started))
+            time.sleep(MODULE)
+        else:
+            time.sleep(HANDSHAKE)
+            seen.append(("failed", started))
+    finally:
+        release()
+
+
+def run_forks(action, socket, node_answers, count=8):
+    seen = []
+    threads = [threading.Thread(target=fork_run, args=(action, socket, node_answers, seen)) for _ in range(count)]
+    started = time.monotonic()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(10)
-    assert sum(len(fork.opened) for fork in forks) == 1
-    assert [command for fork in forks for command in fork.opened] == ["true"]
-    # With the socket there, a later fork pays a stat only.
-    later = bare_action(action, socket=str(socket))
-    later._one_master()
-    assert later.opened == []
+    return seen, time.monotonic() - started
+
+
+def test_eight_forks_reaching_one_node_open_one_master_and_add_no_remote_call(action, tmp_path):
+    socket = tmp_path / "cp" / "0a1b2c"
+    socket.parent.mkdir()
+    seen, _ = run_forks(action, socket, node_answers=True)
+    assert sorted(kind for kind, _ in seen) == ["opened"] + ["shared"] * 7
+    # The others go on once the socket is there, not when the first fork's module is done.
+    (opened,) = [at for kind, at in seen if kind == "opened"]
+    assert max(at for kind, at in seen if kind == "shared") < opened + HANDSHAKE + MODULE
+    # With the socket there, a later fork pays a stat only: no lock taken.
+    assert bare_action(action, socket=str(socket))._first_to_node()() is None
+    assert not (tmp_path / "cp" / "0a1b2c.pve-gpu-recover.lock").read_text()
+
+
+def test_a_node_that_does_not_answer_fails_its_forks_in_parallel(action, tmp_path):
+    socket = tmp_path / "cp" / "0a1b2c"
+    socket.parent.mkdir()
+    seen, seconds = run_forks(action, socket, node_answers=False)
+    assert [kind for kind, _ in seen] == ["failed"] * 8
+    assert seconds < 4 * HANDSHAKE  # the first fork's timeout, then all the others at once, not 8 in a row
 
 
 def test_anything_unexpected_leaves_ssh_to_connect_as_always(action, tmp_path):
     broken = bare_action(action, fail=AttributeError("_build_command"))
-    broken._one_master()  # no exception: Ansible's internals changed, the run goes on
-    assert broken.opened == []
-    unknown = bare_action(action, socket=None)
-    unknown._one_master()
-    assert unknown.opened == []
+    assert broken._first_to_node()() is None  # no exception: Ansible's internals changed, the run goes on
+    assert bare_action(action, socket=None)._first_to_node()() is None
     (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "cp").symlink_to(tmp_path / "elsewhere")
     (tmp_path / "elsewhere" / "s.pve-gpu-recover.lock").symlink_to(tmp_path / "elsewhere" / "target")
     linked = bare_action(action, socket=str(tmp_path / "elsewhere" / "s"))
-    linked._one_master()  # a lock file that is a link is never followed: no lock, no master of ours
-    assert linked.opened == []
+    assert linked._first_to_node()() is None  # a lock file that is a link is never followed
     assert not (tmp_path / "elsewhere" / "target").exists()
 
 
