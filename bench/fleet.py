@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 # Copyright: pve-gpu-recover contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Benchmark (not a test): a converged recover.yml and the check-mode drift run over fleets of 1, 4 and 16 CTs.
+"""Benchmark (not a test): a converged recover.yml and the check-mode drift run over fleets of 1, 16 and 64 CTs.
 
-    /usr/bin/python3 tests/lab/fleet.py create --nodes 2 --cts-per-node 8
-    .venv/bin/python bench/fleet.py --runs 3 --delays 0,0.3,1.0 --sizes 1,4,16 --forks 16 \\
+    /usr/bin/python3 tests/lab/fleet.py create --nodes 4 --cts-per-node 16 --gpus-per-node 16
+    .venv/bin/python bench/fleet.py --runs 3 --delays 0,0.3,1.0 --sizes 1,16,64 --forks 16 \\
         --out docs/benchmarks/fleet-YYYY-MM-DD.json
 
 For each pct cost in ``--delays`` (``fleet.py pct-delay``: every node's ``pct`` sleeps that long per call, like a
@@ -19,8 +19,11 @@ Each run starts cold (a fresh ssh ControlPath directory). Per run it measures th
 (the ``Accepted`` lines of every node's sshd log), ssh client invocations (bench/ssh-counting), ``pct exec`` calls
 (every node's pct call log), module executions (from the run's reports: the steps' remote tasks that ran) and the
 controller's CPU seconds (user + system of the run and every descendant it waited for: ``getrusage
-(RUSAGE_CHILDREN)`` before and after). Every run must find the fleet converged (recover: each target's report ``ok``
-with nothing pending; drift: exit 0, every target in spec), or the benchmark stops: figures of a run that did work
+(RUSAGE_CHILDREN)`` before and after) and the node side's (the whole machine's busy CPU seconds from
+``/proc/stat`` less the controller's: the lab's nodes, their sshd, modules, ``pct`` and the CTs' probes share this
+machine; the ssh masters, which leave the run's process tree, count there too). Every run must find the fleet
+converged (recover: each target's report ``ok`` with nothing pending; drift: exit 0, every target in spec), or the
+benchmark stops: figures of a run that did work
 would mean something else. It prints a markdown table of the medians with each figure's ratio to the smallest size,
 and writes every run as JSON with ``--out``.
 """
@@ -46,7 +49,15 @@ FLEET = ["/usr/bin/python3", str(ROOT / "tests/lab/fleet.py")]
 FLEET_DIR = Path(os.environ.get("PVE_GPU_FLEET_DIR", "/var/lib/pve-gpu-recover-fleet"))
 BIN = Path(sys.executable).parent
 KINDS = ("recover", "drift")
-METRICS = ("seconds", "cpu_seconds", "ssh_connections", "ssh_invocations", "pct_exec", "module_executions")
+METRICS = (
+    "seconds",
+    "cpu_seconds",
+    "node_cpu_seconds",
+    "ssh_connections",
+    "ssh_invocations",
+    "pct_exec",
+    "module_executions",
+)
 RUN_TIMEOUT = 900  # seconds: a 16-CT run at a 1 s pct takes well under a minute
 
 
@@ -69,6 +80,14 @@ def node_counters(nodes):
 def cpu_seconds():
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def machine_cpu_seconds(stat="/proc/stat"):
+    """CPU seconds this machine has been busy (every process: user, nice, system, irq, softirq, steal)."""
+    with open(stat, encoding="ascii") as handle:
+        fields = [int(v) for v in handle.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def module_executions(reports):
@@ -125,6 +144,7 @@ def run_once(kind, size, inventory, *, forks, nodes, workdir):
     )
     before = node_counters(nodes)
     cpu = cpu_seconds()
+    machine = machine_cpu_seconds()
     started = time.monotonic()
     done = subprocess.run(
         command_for(kind, inventory, forks, workdir, reports),
@@ -137,6 +157,7 @@ def run_once(kind, size, inventory, *, forks, nodes, workdir):
     )
     seconds = time.monotonic() - started
     cpu = cpu_seconds() - cpu
+    machine = machine_cpu_seconds() - machine
     after = node_counters(nodes)
     # End the run's ssh masters now, so no connection is reused and no close is billed to the next run.
     for socket in Path(control).iterdir():
@@ -145,6 +166,9 @@ def run_once(kind, size, inventory, *, forks, nodes, workdir):
     return {
         "seconds": round(seconds, 3),
         "cpu_seconds": round(cpu, 3),
+        # The node side: what the machine burnt beyond the controller (the nodes' sshd, modules, pct, the CTs'
+        # probes); the lab's nodes share this machine, so it is their sum.
+        "node_cpu_seconds": round(max(machine - cpu, 0.0), 3),
         "ssh_connections": after["ssh_connections"] - before["ssh_connections"],
         "ssh_invocations": count_lines(ssh_log),
         "pct_exec": after["pct_exec"] - before["pct_exec"],
@@ -183,8 +207,9 @@ def markdown(results):
         f"Medians of {results['runs_per_figure']} runs, forks {results['forks']}; in parentheses: the ratio to "
         f"{base} CT{'s' if base > 1 else ''}.",
         "",
-        "| pct cost | run | CTs | wall s | controller CPU s | new ssh connections | `pct exec` | module executions |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| pct cost | run | CTs | wall s | controller CPU s | node CPU s | new ssh connections | `pct exec` "
+        "| module executions | controller CPU s per CT | node CPU s per CT |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for delay, data in results["delays"].items():
         for kind in KINDS:
@@ -192,6 +217,7 @@ def markdown(results):
                 m = data["medians"][kind][str(size)]
                 r = data[f"ratios_to_{base}"][kind][str(size)]
                 cells = [ratio_text(m[key], r[key]) for key in METRICS if key != "ssh_invocations"]
+                cells += [f"{m[key] / size:.3f}" for key in ("cpu_seconds", "node_cpu_seconds")]
                 lines.append(f"| {delay} s | {kind} | {size} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
