@@ -4,7 +4,7 @@
 """Benchmark (not a test): a converged recover.yml and the check-mode drift run over fleets of 1, 16 and 64 CTs.
 
     /usr/bin/python3 tests/lab/fleet.py create --nodes 4 --cts-per-node 16 --gpus-per-node 16
-    .venv/bin/python bench/fleet.py --runs 3 --delays 0,0.3,1.0 --sizes 1,16,64 --forks 16 \\
+    .venv/bin/python bench/fleet.py --runs 3 --delays 0,0.3,1.0 --sizes 1,16,64 --forks 64 \\
         --out docs/benchmarks/fleet-YYYY-MM-DD.json
 
 For each pct cost in ``--delays`` (``fleet.py pct-delay``: every node's ``pct`` sleeps that long per call, like a
@@ -14,11 +14,14 @@ warm-up run of each that is not counted):
 
 * ``recover``: ``ansible-playbook recover.yml --forks F`` on the converged fleet;
 * ``drift``: ``drift/runner.py --forks F``, recover.yml ``--check --diff`` through ansible-runner, as the timer runs it.
+* ``recover-per-ct``: ``recover`` with ``-e preflight_per_node=false``: each CT read in a module execution of its
+  own, as before 2.1.0.
 
 Each run starts cold (a fresh ssh ControlPath directory). Per run it measures the wall time, new ssh connections
-(the ``Accepted`` lines of every node's sshd log), ssh client invocations (bench/ssh-counting), ``pct exec`` calls
-(every node's pct call log), module executions (from the run's reports: the steps' remote tasks that ran) and the
-controller's CPU seconds (user + system of the run and every descendant it waited for: ``getrusage
+(the ``Accepted`` lines of every node's sshd log), ssh sessions (bench/ssh-counting; each is one module execution
+on a node, ssh being pipelined), ``pct exec`` calls (every node's pct call log), remote tasks (from the run's
+reports: the steps' tasks that ran, one per target even where targets share an execution) and the controller's
+CPU seconds (user + system of the run and every descendant it waited for: ``getrusage
 (RUSAGE_CHILDREN)`` before and after) and the node side's (the whole machine's busy CPU seconds from
 ``/proc/stat`` less the controller's: the lab's nodes, their sshd, modules, ``pct`` and the CTs' probes share this
 machine; the ssh masters, which leave the run's process tree, count there too). Every run must find the fleet
@@ -48,7 +51,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FLEET = ["/usr/bin/python3", str(ROOT / "tests/lab/fleet.py")]
 FLEET_DIR = Path(os.environ.get("PVE_GPU_FLEET_DIR", "/var/lib/pve-gpu-recover-fleet"))
 BIN = Path(sys.executable).parent
-KINDS = ("recover", "drift")
+# recover-per-ct: recover.yml with each CT read in an execution of its own (preflight_per_node=false), the way
+# every run read them before 2.1.0, measured in the same loop so the ratio between the two is this run's.
+KINDS = ("recover", "drift", "recover-per-ct")
 METRICS = (
     "seconds",
     "cpu_seconds",
@@ -56,9 +61,9 @@ METRICS = (
     "ssh_connections",
     "ssh_invocations",
     "pct_exec",
-    "module_executions",
+    "remote_tasks",
 )
-RUN_TIMEOUT = 900  # seconds: a 16-CT run at a 1 s pct takes well under a minute
+RUN_TIMEOUT = 900  # seconds: a 64-CT run at a 1 s pct takes about a minute
 
 
 def pct_execs(lab_dir):
@@ -90,16 +95,21 @@ def machine_cpu_seconds(stat="/proc/stat"):
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def module_executions(reports):
-    """Remote tasks that ran (not skipped), from the recover_report reports: one per converged target."""
+def remote_tasks(reports):
+    """Remote tasks that ran (not skipped), from the recover_report reports: one per converged target, also where
+    targets of one node shared a module execution (those are the ssh sessions)."""
     return sum(
         1 for report in reports for task in report.get("tasks", []) if task["remote"] and task["status"] != "skipped"
     )
 
 
 def command_for(kind, inventory, forks, workdir, reports):
-    if kind == "recover":
-        return [str(BIN / "ansible-playbook"), "-i", str(inventory), "--forks", str(forks), str(ROOT / "recover.yml")]
+    if kind in ("recover", "recover-per-ct"):
+        per_ct = ["-e", "preflight_per_node=false"] if kind == "recover-per-ct" else []
+        return [
+            *(str(BIN / "ansible-playbook"), "-i", str(inventory), "--forks", str(forks), *per_ct),
+            str(ROOT / "recover.yml"),
+        ]
     return [
         sys.executable,
         str(ROOT / "drift/runner.py"),
@@ -111,7 +121,7 @@ def command_for(kind, inventory, forks, workdir, reports):
 def converged_reports(kind, size, done, workdir, reports):
     """The run's reports, after checking that it found every target converged (else the benchmark stops)."""
     tail = f"\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    if kind == "recover":
+    if kind in ("recover", "recover-per-ct"):
         found = [json.loads(p.read_text()) for p in sorted(reports.glob("*/*.json"))]
         busy = [r["target"] for r in found if r["status"] != "ok" or (r.get("before") or {}).get("pending")]
         if done.returncode != 0 or len(found) != size or busy:
@@ -172,7 +182,7 @@ def run_once(kind, size, inventory, *, forks, nodes, workdir):
         "ssh_connections": after["ssh_connections"] - before["ssh_connections"],
         "ssh_invocations": count_lines(ssh_log),
         "pct_exec": after["pct_exec"] - before["pct_exec"],
-        "module_executions": module_executions(found),
+        "remote_tasks": remote_tasks(found),
     }
 
 
@@ -207,16 +217,16 @@ def markdown(results):
         f"Medians of {results['runs_per_figure']} runs, forks {results['forks']}; in parentheses: the ratio to "
         f"{base} CT{'s' if base > 1 else ''}.",
         "",
-        "| pct cost | run | CTs | wall s | controller CPU s | node CPU s | new ssh connections | `pct exec` "
-        "| module executions | controller CPU s per CT | node CPU s per CT |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| pct cost | run | CTs | wall s | controller CPU s | node CPU s | new ssh connections | ssh sessions "
+        "(module executions) | `pct exec` | remote tasks | controller CPU s per CT | node CPU s per CT |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for delay, data in results["delays"].items():
         for kind in KINDS:
             for size in results["sizes"]:
                 m = data["medians"][kind][str(size)]
                 r = data[f"ratios_to_{base}"][kind][str(size)]
-                cells = [ratio_text(m[key], r[key]) for key in METRICS if key != "ssh_invocations"]
+                cells = [ratio_text(m[key], r[key]) for key in METRICS]
                 cells += [f"{m[key] / size:.3f}" for key in ("cpu_seconds", "node_cpu_seconds")]
                 lines.append(f"| {delay} s | {kind} | {size} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

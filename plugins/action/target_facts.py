@@ -17,6 +17,14 @@ targets still fail in parallel, not one timeout after another. Where the Control
 ``%`` tokens), a password is in play, the connection is not ssh or its internals changed, this does nothing and
 Ansible connects as it always does.
 
+One module execution per node, not per target (``per_node``, on by default): the forks of one run whose targets
+share a node and its connection post their options to a queue in the run's own temp directory (``local_tmp``, so
+never another run's); the first to take the node's lock reads, in one execution, every target that has posted by
+then (``batch``: the passes run side by side on the node), writes each its result and lets go, and each waiting
+fork returns its own. Every target keeps its own task, result, report, ``--limit`` and failure; each one's options
+are the ones Ansible templated for it, so nothing of another host's is guessed. A lone target (one host in the
+play batch, or a bare host) runs exactly as before. Forks that arrive while a read runs are the next read's.
+
 Building the payload is the largest controller cost of a converged run (recursive_finder parses every module_utils
 file the module reaches with ``ast``: about 0.45 s of a 2.7 s run, docs/benchmarks.md), and Ansible caches it only
 inside one ansible-playbook process. This action keeps the payload Ansible built in ``pve-gpu-recover-ansiballz``
@@ -54,6 +62,7 @@ import time
 import ansible
 from ansible import constants as C
 from ansible.errors import AnsibleConnectionFailure
+from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.plugins.action.normal import ActionModule as NormalAction
 from ansible.utils.display import Display
 
@@ -71,6 +80,12 @@ VMID_MAX = 999999999
 # The pid of ansible-playbook, set by the recover_report callback in that process (the drift runner clears any
 # value it inherited, so it never names the wrong process).
 CONTROLLER_PID_ENV = "PVE_GPU_RECOVER_CONTROLLER_PID"
+# The queue of the targets of one node waiting for the fact pass, in the run's own temp directory (NodeQueue).
+QUEUE_DIR = "pve-gpu-recover-node-passes"
+# A fork that reads its node's targets first waits for the others of its wave: until none has come for
+# GATHER_IDLE seconds, never longer than GATHER_LONGEST in all (the strategy starts a fork every few ms).
+GATHER_IDLE = 0.15
+GATHER_LONGEST = 2.0
 # A run id names report files and lock records: a path component of safe characters only.
 RUN_ID_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -337,6 +352,96 @@ def keep(store, key, local_cache, fqn, limit=KEEP):
     return len(names)
 
 
+def node_pass_failed(why):
+    """The result of a target whose node's pass (another fork's module execution) did not read it."""
+    return {"failed": True, "changed": False, "error": "failed", "msg": f"the fact pass of this node failed: {why}"}
+
+
+def write_json_atomically(path, value):
+    """``value`` as JSON at ``path`` through a temporary file beside it: a reader never sees half of it."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(value, handle, default=str)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+class NodeQueue:
+    """The targets of one node waiting for their fact pass in one run of one task (module docstring).
+
+    A directory (mode 0700) with ``requests/`` (each waiting target's module options, posted by its fork),
+    ``results/`` (each one's result, written by the fork that read it) and ``lead`` (the lock that fork holds while
+    it reads). A fork that takes the lock and finds no result of its own claims every request posted by then: the
+    fork before it wrote a result for each request it claimed before it let go, so its own is among them.
+    """
+
+    def __init__(self, directory):
+        self.directory = directory
+        for part in ("requests", "results"):
+            os.makedirs(os.path.join(directory, part), mode=0o700, exist_ok=True)
+
+    def post(self, options):
+        """Queue one target's ``options``; the name its result will be found under."""
+        name = f"{time.monotonic_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}"
+        write_json_atomically(os.path.join(self.directory, "requests", f"{name}.json"), options)
+        return name
+
+    @contextlib.contextmanager
+    def lead(self):
+        """Hold the node's lock (blocking): one fork reads the node's targets at a time."""
+        descriptor = os.open(os.path.join(self.directory, "lead"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(descriptor)
+
+    def waiting(self):
+        """The names of the requests no fork has claimed yet, oldest first."""
+        return sorted(
+            n[: -len(".json")] for n in os.listdir(os.path.join(self.directory, "requests")) if n.endswith(".json")
+        )
+
+    def gather(self, idle=GATHER_IDLE, longest=GATHER_LONGEST, clock=time.monotonic, sleep=time.sleep):
+        """Wait while more targets of this node are still coming: until none came for ``idle`` seconds, at most
+        ``longest`` in all. How many are waiting then."""
+        started = last_change = clock()
+        count = len(self.waiting())
+        while clock() - last_change < idle and clock() - started < longest:
+            sleep(0.01)
+            now = len(self.waiting())
+            if now != count:
+                count, last_change = now, clock()
+        return count
+
+    def claim(self):
+        """Every waiting request, taken off the queue: ``[(name, options)]``, oldest first."""
+        claimed = []
+        for name in self.waiting():
+            path = os.path.join(self.directory, "requests", f"{name}.json")
+            with open(path, encoding="utf-8") as handle:
+                claimed.append((name, json.load(handle)))
+            os.unlink(path)
+        return claimed
+
+    def answer(self, name, result):
+        write_json_atomically(os.path.join(self.directory, "results", f"{name}.json"), result)
+
+    def result(self, name):
+        """The result written for ``name``, taken off the queue; None when there is none yet."""
+        path = os.path.join(self.directory, "results", f"{name}.json")
+        try:
+            with open(path, encoding="utf-8") as handle:
+                found = json.load(handle)
+        except FileNotFoundError:
+            return None
+        os.unlink(path)
+        return found
+
+
 class ActionModule(NormalAction):
     """``normal``, after the controller's checks and defaults, with the module's payload restored before and kept
     after (module docstring)."""
@@ -370,19 +475,91 @@ class ActionModule(NormalAction):
         for option, value in controller_defaults().items():
             if args.get(option) in (None, ""):
                 args[option] = value
+        queue = self._node_queue(task_vars)
+        result = self._read_with_node(queue, tmp, task_vars) if queue else self._read_alone(tmp, task_vars)
+        result["run_id"] = run_id  # the report names the run by it, whether the pass succeeded or not
+        return result
+
+    def _read_alone(self, tmp, task_vars, batch=None):
+        """This target's pass (and ``batch``'s, the other targets' options) in one module execution."""
+        args = self._task.args
+        if batch:
+            args["batch"] = batch
         release = self._first_to_node()
         try:
-            result = self._run_keeping_payload(tmp, task_vars)
+            return self._run_keeping_payload(tmp, task_vars)
         except AnsibleConnectionFailure as error:
             # What TaskExecutor makes of it, with the run's id: an unreachable node's report is named by it too.
             # Ansible's own words depend on when ssh died ("Connection refused" names the port, a "Broken pipe"
             # while the payload was written names only the address): the node is named whatever they say.
             node = args.get("node_name") or task_vars.get("inventory_hostname")
-            return {"unreachable": True, "msg": unreachable_message(node, error), "run_id": run_id}
+            return {"unreachable": True, "msg": unreachable_message(node, error)}
         finally:
             release()
-        result["run_id"] = run_id  # the report names the run by it, whether the pass succeeded or not
-        return result
+            args.pop("batch", None)
+
+    def _read_with_node(self, queue, tmp, task_vars):
+        """This target's pass read with every other target of its node waiting then (NodeQueue)."""
+        mine = queue.post({k: v for k, v in self._task.args.items() if k != "batch"})
+        with queue.lead():
+            found = queue.result(mine)
+            if found is not None:
+                return found
+            queue.gather()  # the others of this wave: the strategy starts their forks a few ms apart
+            claimed = [(name, options) for name, options in queue.claim() if name != mine]
+            answered = set()
+            try:
+                result = self._read_alone(tmp, task_vars, [options for _, options in claimed])
+                others = result.pop("batch", None)
+                # This target's invocation shows its own options, not the other targets' it carried.
+                ((result.get("invocation") or {}).get("module_args") or {}).pop("batch", None)
+                if result.get("unreachable"):
+                    others = [dict(result) for _ in claimed]
+                if not isinstance(others, list) or len(others) != len(claimed):
+                    # The module did not read them (it failed before): each of them fails with its reason.
+                    others = [node_pass_failed(result.get("msg") or "no result")] * len(claimed)
+                for (name, _options), other in zip(claimed, others, strict=True):
+                    queue.answer(name, other)
+                    answered.add(name)
+                return result
+            finally:
+                # Whatever happened, no fork waits for a result that will never come.
+                for name, _options in claimed:
+                    if name not in answered:
+                        queue.answer(name, node_pass_failed("it ended before this target was read"))
+
+    def _node_queue(self, task_vars):
+        """The queue of this target's node (NodeQueue), or None when it is read alone: ``per_node`` off, a bare
+        host (no vmid), one host in the play batch, or a queue that cannot be made (then said at -vvv)."""
+        args = self._task.args
+        # As the module reads it: "false" from an extra var is false.
+        if not boolean(args.get("per_node", True), strict=False) or args.get("vmid") in (None, ""):
+            return None
+        if len(task_vars.get("ansible_play_batch") or ()) < 2:
+            return None
+        try:
+            delegated = (task_vars.get("ansible_delegated_vars") or {}).get(self._task.delegate_to) or {}
+            context = self._play_context
+            # Targets share an execution only where it reaches the very same node the very same way.
+            reach = [
+                self._task.delegate_to,
+                getattr(self._connection, "transport", None),
+                context.remote_addr,
+                context.port,
+                context.remote_user,
+                context.private_key_file,
+                context.become,
+                context.become_user,
+                delegated.get("ansible_python_interpreter"),
+                self._task.environment,
+                self._task.no_log,
+                self._task._uuid,
+            ]
+            key = hashlib.sha256(json.dumps(reach, default=str).encode()).hexdigest()[:32]
+            return NodeQueue(os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, key))
+        except Exception as error:  # by design: the queue only saves time; the target is then read alone
+            display.vvv(f"target_facts: no node queue ({type(error).__name__}: {error}); this target is read alone")
+            return None
 
     @staticmethod
     def _run_id():

@@ -104,6 +104,24 @@ options:
       - Either this or the module's own check mode makes the pass plan for a check run.
     type: bool
     default: false
+  per_node:
+    description:
+      - Whether the action reads the targets of one node that run this task at the same time in one execution of
+        this module on the node (I(batch)), instead of one execution each. Every target keeps its own result,
+        report, lock and failure. The module itself ignores it.
+      - The roles set it from C(preflight_per_node).
+    type: bool
+    default: true
+  batch:
+    description:
+      - Other targets of the same node to read in this same execution, beside the task's own. Each item holds
+        this module's options for one target (what its own task would pass, I(batch) and I(per_node) aside), and
+        is checked as a task's options are.
+      - The passes run side by side; each target takes its own lock and has its own result in RV(batch), and one
+        target's failure is its own. The action fills it in (I(per_node)); a task does not set it.
+    type: list
+    elements: dict
+    default: []
 requirements:
   - On the node, C(pct) (for a CT), coreutils C(timeout) and C(nvidia-smi).
   - In the target, Python 3.9+ and C(nvidia-smi).
@@ -226,6 +244,14 @@ lock:
   description: On failure because another run holds the lock, the lock file, its holder and C(action=locked).
   returned: failure
   type: dict
+batch:
+  description:
+    - One result per item of I(batch), in its order, each what that target's own task would have returned
+      (C(changed), C(ansible_facts), and on failure C(failed), C(msg), C(error) and the failure's keys; C(warnings)
+      when any). The action hands each to its target's task.
+  returned: when I(batch) is not empty
+  type: list
+  elements: dict
 run_id:
   description: The run's id (I(run_id), or the one the action named), added by the action on success and failure
     alike, so a report is named by it even when the pass failed.
@@ -234,7 +260,10 @@ run_id:
   sample: 20261203T101500Z-3f2a1c
 """
 
+import threading
+
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_lock import DEFAULT_LOCK_DIR, DEFAULT_TTL
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES, fact_pass, validate_specs
@@ -244,55 +273,120 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import 
     Target,
 )
 
+# The options of one target's pass: the task's own, and each item of I(batch).
+PASS_ARGUMENT_SPEC = {
+    **TARGET_ARGUMENT_SPEC,
+    **PYTHON_ARGUMENT_SPEC,
+    "run_id": {"type": "str", "required": True},
+    "owner": {"type": "str", "default": "unknown"},
+    "controller": {"type": "str"},
+    "controller_pid": {"type": "int"},
+    "lock_ttl": {"type": "int", "default": DEFAULT_TTL},
+    "lock_dir": {"type": "path", "default": DEFAULT_LOCK_DIR},
+    "steps": {"type": "dict", "default": {}},
+    "fail_on_problems": {"type": "bool", "default": True},
+    "check_run": {"type": "bool", "default": False},
+    "per_node": {"type": "bool", "default": True},
+}
+# Targets of one node read at once: each pass mostly waits on its pct exec, so they run side by side.
+MAX_PARALLEL = 32
 
-def main():
-    module = AnsibleModule(
-        argument_spec={
-            **TARGET_ARGUMENT_SPEC,
-            **PYTHON_ARGUMENT_SPEC,
-            "run_id": {"type": "str", "required": True},
-            "owner": {"type": "str", "default": "unknown"},
-            "controller": {"type": "str"},
-            "controller_pid": {"type": "int"},
-            "lock_ttl": {"type": "int", "default": DEFAULT_TTL},
-            "lock_dir": {"type": "path", "default": DEFAULT_LOCK_DIR},
-            "steps": {"type": "dict", "default": {}},
-            "fail_on_problems": {"type": "bool", "default": True},
-            "check_run": {"type": "bool", "default": False},
-        },
-        supports_check_mode=True,
-    )
-    p = module.params
+
+def read_target(params, check_mode):
+    """The fact pass of one target (``params``: PASS_ARGUMENT_SPEC's options, validated), as its task's result:
+    ``changed``, ``ansible_facts``, and on failure ``failed``, ``msg``, ``error``; ``warnings`` when any."""
+    warnings = []
     try:
-        specs = validate_specs(p["steps"])
-        target = Target.from_params(p)
+        specs = validate_specs(params["steps"])
+        target = Target.from_params(params)
         facts = fact_pass(
             target,
             specs,
             lock={
-                "lock_dir": p["lock_dir"],
-                "run_id": p["run_id"],
-                "owner": p["owner"],
-                "ttl": p["lock_ttl"],
-                "controller": p["controller"],
-                "controller_pid": p["controller_pid"],
+                "lock_dir": params["lock_dir"],
+                "run_id": params["run_id"],
+                "owner": params["owner"],
+                "ttl": params["lock_ttl"],
+                "controller": params["controller"],
+                "controller_pid": params["controller_pid"],
             },
-            python=p["python"],
-            check_mode=module.check_mode or p["check_run"],
-            warn=module.warn,
+            python=params["python"],
+            check_mode=check_mode or params["check_run"],
+            warn=warnings.append,
         )
     except RecoverError as error:
-        module.fail_json(**error.to_result())  # every error of the pass already names its target
+        # Every error of the pass already names its target.
+        return {"failed": True, "changed": False, **error.to_result(), **({"warnings": warnings} if warnings else {})}
     # A step's findings set to warn (verify's health checks) are shown at no cost: no task of their own.
     for name in STEP_NAMES:
-        for warning in (facts.get(name) or {}).get("warnings") or []:
-            module.warn(warning)
-    if facts["problems"] and p["fail_on_problems"]:
+        warnings += (facts.get(name) or {}).get("warnings") or []
+    result = {"changed": False, "ansible_facts": {"pve_gpu_recover": facts}}
+    if facts["problems"] and params["fail_on_problems"]:
         # Every problem at once, before anything changes (each already names its target).
-        module.fail_json(
-            msg=" | ".join(facts["problems"]), error="problems", changed=False, ansible_facts={"pve_gpu_recover": facts}
-        )
-    module.exit_json(changed=False, ansible_facts={"pve_gpu_recover": facts})
+        result.update(failed=True, msg=" | ".join(facts["problems"]), error="problems")
+    if warnings:
+        result["warnings"] = warnings
+    return result
+
+
+def read_batch_item(item, check_mode):
+    """One item of I(batch): its options checked as a task's would be, then its pass (read_target)."""
+    checked = ArgumentSpecValidator(PASS_ARGUMENT_SPEC).validate(item)
+    if checked.error_messages:
+        return {
+            "failed": True,
+            "changed": False,
+            "msg": f"batch item for CT {item.get('vmid')}: {'; '.join(checked.error_messages)}",
+            "error": "invalid",
+        }
+    return read_target(checked.validated_parameters, check_mode)
+
+
+def read_targets(own, batch, check_mode, *, parallel=MAX_PARALLEL):
+    """This task's target and every item of ``batch``, side by side: (own result, [batch results in order]).
+    A pass that raised anything else is that target's failure alone."""
+
+    def guarded(read, *args):
+        try:
+            return read(*args)
+        except Exception as error:  # by design: one target's bug never costs the others their facts
+            return {"failed": True, "changed": False, "msg": f"{type(error).__name__}: {error}", "error": "failed"}
+
+    if not batch:
+        return read_target(own, check_mode), []
+    results = [None] * (len(batch) + 1)
+    slots = threading.BoundedSemaphore(parallel)
+
+    def work(index, read, params):
+        with slots:
+            results[index] = guarded(read, params, check_mode)
+
+    threads = [threading.Thread(target=work, args=(0, read_target, own), daemon=True)]
+    threads += [
+        threading.Thread(target=work, args=(index, read_batch_item, item), daemon=True)
+        for index, item in enumerate(batch, start=1)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results[0], results[1:]
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={**PASS_ARGUMENT_SPEC, "batch": {"type": "list", "elements": "dict", "default": []}},
+        supports_check_mode=True,
+    )
+    own = {name: module.params[name] for name in PASS_ARGUMENT_SPEC}
+    result, others = read_targets(own, module.params["batch"], module.check_mode)
+    for warning in result.pop("warnings", []):
+        module.warn(warning)
+    if module.params["batch"]:
+        result["batch"] = others
+    if result.get("failed"):
+        module.fail_json(**result)
+    module.exit_json(**result)
 
 
 if __name__ == "__main__":

@@ -403,3 +403,75 @@ def test_a_check_run_is_planned_as_one_although_the_task_runs_for_real(modes, tm
     args = params(tmp_path, vmid=200, check_run=check_run)
     run_module(target_facts, args, FakeRunner(), monkeypatch, capsys, check_mode=check_mode)
     assert seen["check_mode"] is planned_as_check
+
+
+# -- batch: the targets of one node in one execution (the action's per_node) -----------------------------------------
+def probe_of(vmid, rc=0, stderr=""):
+    """CT ``vmid``'s one probe, healthy or failing with ``rc`` and ``stderr``."""
+    argv = [str(vmid) if a == "200" else a for a in ANCHORS["probe_argv"]]
+    out = json.dumps({"preflight": {"answer": ANCHORS["healthy"]}}) if rc == 0 else ""
+    return [*argv, json.dumps({"preflight": ANCHORS["payload"]})], (rc, out, stderr)
+
+
+def test_a_batch_reads_each_target_once_side_by_side_and_each_keeps_its_own_result(tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    stopped = probe_of(202, rc=255, stderr="container '202' not running!\n")
+    runner = FakeRunner(probe_of(200), probe_of(201), stopped, probe_of(203))
+    batch = [
+        params(tmp_path, vmid=201, run_id="run-1", owner="bob@ctl"),
+        params(tmp_path, vmid=202),
+        params(tmp_path, vmid=203, steps={"nope": {}}),  # its own mistake: fails alone, before any call of its own
+        params(tmp_path, vmid=203),
+    ]
+    result = run_module(target_facts, params(tmp_path, vmid=200, batch=batch), runner, monkeypatch, capsys)
+    assert result["changed"] is False and not result.get("failed")
+    assert facts_of(result)["target"]["vmid"] == 200
+    first, stopped_one, wrong, last = result["batch"]
+    assert facts_of(first)["target"]["label"] == "CT 201 on pve1"
+    assert facts_of(first)["lock"]["who"]["owner"] == "bob@ctl"  # each item's own options
+    assert (stopped_one["failed"], stopped_one["error"]) == (True, "stopped")
+    assert stopped_one["msg"].startswith("CT 202 on pve1 is not running")
+    assert (wrong["failed"], wrong["error"]) == (True, "invalid_step")
+    assert facts_of(last)["target"]["vmid"] == 203 and not last.get("failed")
+    assert all(item["changed"] is False for item in result["batch"])
+
+
+def test_a_batch_item_with_wrong_options_fails_alone(tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    runner = FakeRunner(probe_of(200))
+    batch = [{"vmid": "two hundred", "run_id": "run-1"}, {"vmid": 201}]  # a wrong type; no run_id
+    result = run_module(target_facts, params(tmp_path, vmid=200, batch=batch), runner, monkeypatch, capsys)
+    assert not result.get("failed")
+    assert [item["error"] for item in result["batch"]] == ["invalid", "invalid"]
+    assert "vmid" in result["batch"][0]["msg"] and "run_id" in result["batch"][1]["msg"]
+
+
+def test_the_tasks_own_failure_still_returns_every_batch_result(tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    runner = FakeRunner(probe_of(200, rc=255, stderr="container '200' not running!\n"), probe_of(201))
+    args = params(tmp_path, vmid=200, batch=[params(tmp_path, vmid=201)])
+    result = run_module(target_facts, args, runner, monkeypatch, capsys)
+    assert (result["failed"], result["error"]) == (True, "stopped")
+    assert facts_of(result["batch"][0])["target"]["vmid"] == 201 and not result["batch"][0].get("failed")
+
+
+def test_batch_passes_run_side_by_side(tmp_path, monkeypatch, capsys):
+    """Four targets' probes all run at once (a barrier of four that one at a time would never pass)."""
+    node_version(monkeypatch, NODE_VERSION)
+    barrier = threading.Barrier(4, timeout=5)
+
+    class Meeting(FakeRunner):
+        def __call__(self, argv, **kwargs):
+            barrier.wait()  # every probe is running at once, or this times out and fails the test
+            return super().__call__(argv, **kwargs)
+
+    runner = Meeting(*(probe_of(vmid) for vmid in (200, 201, 202, 203)))
+    batch = [params(tmp_path, vmid=vmid) for vmid in (201, 202, 203)]
+    result = run_module(target_facts, params(tmp_path, vmid=200, batch=batch), runner, monkeypatch, capsys)
+    assert [facts_of(r)["target"]["vmid"] for r in [result, *result["batch"]]] == [200, 201, 202, 203]
+
+
+def test_without_a_batch_the_result_has_no_batch_key(tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    result = run_module(target_facts, params(tmp_path, vmid=200), FakeRunner(probe_of(200)), monkeypatch, capsys)
+    assert "batch" not in result and facts_of(result)["target"]["vmid"] == 200

@@ -227,10 +227,10 @@ def test_who_runs_it_is_filled_in_from_the_controller(action):
 UNKNOWN_STEP = '{"steps": {"nope": {}}}'
 
 
-def ad_hoc(local_tmp, hosts, *args, debug=False):
-    """The real module through the action, in its own ansible process; ``args`` after the host pattern. The
-    project's report callback writes each host's result to ``<local_tmp>/reports/<host>/<run id>.json``."""
-    env = dict(
+def ansible_env(local_tmp):
+    """The environment of a real ansible process of these tests: the project's config, Ansible's temp directory
+    in ``local_tmp``, the report callback writing to ``<local_tmp>/reports``."""
+    return dict(
         os.environ,
         ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
         PYTHONPATH=os.pathsep.join(p for p in [str(local_tmp / "site"), os.environ.get("PYTHONPATH")] if p),
@@ -239,6 +239,12 @@ def ad_hoc(local_tmp, hosts, *args, debug=False):
         ANSIBLE_LOAD_CALLBACK_PLUGINS="1",
         PVE_GPU_RECOVER_REPORT_DIR=str(local_tmp / "reports"),
     )
+
+
+def ad_hoc(local_tmp, hosts, *args, debug=False):
+    """The real module through the action, in its own ansible process; ``args`` after the host pattern. The
+    project's report callback writes each host's result to ``<local_tmp>/reports/<host>/<run id>.json``."""
+    env = ansible_env(local_tmp)
     if debug:
         env["ANSIBLE_DEBUG"] = "1"
     argv = [os.path.join(os.path.dirname(sys.executable), "ansible"), "all", "-i", hosts, *args]
@@ -500,3 +506,159 @@ def test_the_socket_is_where_ansibles_ssh_connection_puts_it(action, tmp_path):
     assert socket is not None
     assert Path(socket).parent == tmp_path
     assert Path(socket).name == connection._create_control_path("192.0.2.10", 2222, "root").split("/")[-1]
+
+
+# -- per node: the targets of one node in one module execution ------------------------------------------------------
+class Task:
+    def __init__(self, args):
+        self.args = args
+
+
+def queued_fork(action, queue, vmid, executions, *, module=MODULE, outcome="read"):
+    """One fork as _read_with_node runs it, its module run replaced: it records each execution's targets and
+    answers each target with its own vmid (``outcome``: ``read``, ``unreachable``, or ``raise``)."""
+    fork = action.ActionModule.__new__(action.ActionModule)
+    fork._task = Task({"vmid": vmid, "run_id": "run-1"})
+
+    def read_alone(_tmp, _task_vars, batch=None):
+        executions.append([vmid, *(options["vmid"] for options in batch or [])])
+        time.sleep(module)
+        if outcome == "raise":
+            raise RuntimeError("the worker broke")
+        if outcome == "unreachable":
+            return {"unreachable": True, "msg": action.unreachable_message("pve1", "Connection refused")}
+        return {"changed": False, "read": vmid, "batch": [{"changed": False, "read": o["vmid"]} for o in batch or []]}
+
+    fork._read_alone = read_alone
+    try:
+        return fork._read_with_node(queue, None, {"ansible_play_batch": ["a", "b"]})
+    except RuntimeError as error:
+        return {"raised": str(error)}
+
+
+def run_queued(action, queue, vmids, *, stagger=0.0, **kwargs):
+    executions, results = [], {}
+
+    def one(vmid):
+        results[vmid] = queued_fork(action, queue, vmid, executions, **kwargs)
+
+    threads = []
+    for vmid in vmids:
+        threads.append(threading.Thread(target=one, args=(vmid,)))
+        threads[-1].start()
+        time.sleep(stagger)
+    for thread in threads:
+        thread.join(20)
+    assert not any(t.is_alive() for t in threads), "a fork waits for a result that never comes"
+    return executions, results
+
+
+def test_the_forks_of_one_node_are_read_in_one_execution_each_with_its_own_result(action, tmp_path):
+    queue = action.NodeQueue(str(tmp_path / "q"))
+    executions, results = run_queued(action, queue, range(200, 208), stagger=0.01)
+    assert len(executions) == 1 and sorted(executions[0]) == list(range(200, 208))
+    assert {vmid: r["read"] for vmid, r in results.items()} == {vmid: vmid for vmid in range(200, 208)}
+    assert all("batch" not in r for r in results.values())
+    assert not os.listdir(tmp_path / "q" / "requests") and not os.listdir(tmp_path / "q" / "results")
+
+
+def test_forks_that_come_while_a_read_runs_are_the_next_reads(action, tmp_path):
+    """Forks arrive one every 0.1 s for 1.5 s, with a read taking 0.3 s: fewer executions than forks, each target
+    in exactly one of them."""
+    queue = action.NodeQueue(str(tmp_path / "q"))
+    vmids = list(range(200, 216))
+    executions, results = run_queued(action, queue, vmids, stagger=0.1)
+    assert sorted(v for execution in executions for v in execution) == vmids
+    assert len(executions) < len(vmids) / 2
+    assert all(results[v]["read"] == v for v in vmids)
+
+
+def test_an_unreachable_node_fails_every_waiting_target_as_unreachable(action, tmp_path):
+    queue = action.NodeQueue(str(tmp_path / "q"))
+    executions, results = run_queued(action, queue, [200, 201, 202], stagger=0.01, outcome="unreachable")
+    assert len(executions) == 1
+    assert all(r["unreachable"] and "the node pve1 could not be reached" in r["msg"] for r in results.values())
+
+
+def test_a_read_that_raises_never_leaves_a_fork_waiting(action, tmp_path):
+    queue = action.NodeQueue(str(tmp_path / "q"))
+    executions, results = run_queued(action, queue, [200, 201, 202], stagger=0.01, outcome="raise")
+    (leader,) = [v for v, r in results.items() if "raised" in r]  # its own task fails with the exception
+    others = [r for v, r in results.items() if v != leader]
+    assert len(executions) == 1
+    assert all(r["failed"] and r["msg"].startswith("the fact pass of this node failed") for r in others)
+
+
+def test_a_module_that_returned_no_batch_fails_the_waiting_targets_with_its_reason(action, tmp_path):
+    queue = action.NodeQueue(str(tmp_path / "q"))
+    fork = action.ActionModule.__new__(action.ActionModule)
+    fork._task = Task({"vmid": 200})
+    other = queue.post({"vmid": 201})
+    fork._read_alone = lambda *_args: {"failed": True, "msg": "MODULE FAILURE"}
+    assert fork._read_with_node(queue, None, {}) == {"failed": True, "msg": "MODULE FAILURE"}
+    assert queue.result(other)["msg"] == "the fact pass of this node failed: MODULE FAILURE"
+
+
+def test_the_gathering_waits_while_targets_still_come_and_never_longer_than_its_bound(action, tmp_path):
+    queue = action.NodeQueue(str(tmp_path / "q"))
+    now = [0.0]
+
+    def sleep(seconds):
+        now[0] += seconds
+        if now[0] < 0.5:
+            queue.post({"vmid": int(now[0] * 1000)})  # a new target every 10 ms for half a second
+
+    assert queue.gather(idle=0.15, longest=1.0, clock=lambda: now[0], sleep=sleep) >= 49
+    assert 0.6 < now[0] < 0.7  # 0.15 s after the last one came
+    now[0] = 0.0
+    assert queue.gather(idle=0.15, longest=0.3, clock=lambda: now[0], sleep=sleep) > 0
+    assert now[0] < 0.32
+
+
+def test_no_queue_where_a_target_is_read_alone(action):
+    def queue_of(args, play_batch):
+        fork = action.ActionModule.__new__(action.ActionModule)
+        fork._task = Task(args)
+        return fork._node_queue({"ansible_play_batch": play_batch})
+
+    assert queue_of({"vmid": 200, "per_node": False}, ["a", "b"]) is None
+    assert queue_of({"per_node": True}, ["a", "b"]) is None  # a bare host: no vmid
+    assert queue_of({"vmid": 200, "per_node": True}, ["a"]) is None  # alone in its play batch
+    assert queue_of({"vmid": 200}, ["a", "b"]) is None  # no task machinery here: read alone, no exception
+
+
+def playbook_on_one_node(tmp_path, *extra):
+    """Three CTs of one node (the controller itself, local) through the real action and module, the way the
+    preflight role runs the pass (delegated to the node); ct2 with a step setting of its own that is wrong. Returns
+    (module executions, {host: report})."""
+    (tmp_path / "hosts.yml").write_text(
+        "all:\n  children:\n    nodes:\n      hosts:\n        pve1: {ansible_connection: local}\n"
+        "    cts:\n      vars: {pve_node: pve1}\n      hosts:\n"
+        "        ct1: {pve_vmid: 201}\n        ct2: {pve_vmid: 202, ct_steps: {nope: {}}}\n"
+        "        ct3: {pve_vmid: 203}\n"
+    )
+    (tmp_path / "play.yml").write_text(
+        "- hosts: cts\n  gather_facts: false\n  tasks:\n    - pve_gpu.recover.target_facts:\n"
+        '        vmid: "{{ pve_vmid }}"\n        node_name: "{{ pve_node }}"\n'
+        '        steps: "{{ ct_steps | default({}) }}"\n        per_node: "{{ per_node | default(true) }}"\n'
+        '      delegate_to: "{{ pve_node }}"\n'
+    )
+    argv = [os.path.join(os.path.dirname(sys.executable), "ansible-playbook"), "-i", str(tmp_path / "hosts.yml")]
+    argv += ["-f", "3", "-vvv", "-e", f"ansible_python_interpreter={sys.executable}", *extra]
+    argv.append(str(tmp_path / "play.yml"))
+    done = subprocess.run(
+        argv, cwd=ROOT, env=ansible_env(tmp_path), capture_output=True, text=True, timeout=120, check=False
+    )
+    executions = len(re.findall(r"EXEC /bin/sh -c '\S+ \S+/AnsiballZ_target_facts\.py", done.stdout))
+    return executions, {host: report for host, (report,) in reports_of(tmp_path).items()}
+
+
+@pytest.mark.parametrize(("per_node", "executions"), [("true", 1), ("false", 3)])
+def test_one_nodes_targets_are_read_in_one_module_execution_each_with_its_own_result(tmp_path, per_node, executions):
+    counted, reports = playbook_on_one_node(tmp_path, "-e", f"per_node={per_node}")
+    assert counted == executions, reports
+    assert sorted(reports) == ["ct1", "ct2", "ct3"]
+    assert "unknown step(s) nope" in reports["ct2"]["error"]["msg"]  # its own options, its own failure
+    for host in ("ct1", "ct3"):
+        assert "pct not found in PATH of node pve1" in reports[host]["error"]["msg"]
+    assert len({report["run_id"] for report in reports.values()}) == 1
