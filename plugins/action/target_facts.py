@@ -352,11 +352,6 @@ def keep(store, key, local_cache, fqn, limit=KEEP):
     return len(names)
 
 
-def node_pass_failed(why):
-    """The result of a target whose node's pass (another fork's module execution) did not read it."""
-    return {"failed": True, "changed": False, "error": "failed", "msg": f"the fact pass of this node failed: {why}"}
-
-
 def write_json_atomically(path, value):
     """``value`` as JSON at ``path`` through a temporary file beside it: a reader never sees half of it."""
     fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
@@ -383,21 +378,30 @@ class NodeQueue:
         for part in ("requests", "results"):
             os.makedirs(os.path.join(directory, part), mode=0o700, exist_ok=True)
 
-    def post(self, options):
-        """Queue one target's ``options``; the name its result will be found under."""
-        name = f"{time.monotonic_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}"
+    def post(self, options, name=None):
+        """Queue one target's ``options`` (again, under ``name``); the name its result will be found under."""
+        name = name or f"{time.monotonic_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}"
         write_json_atomically(os.path.join(self.directory, "requests", f"{name}.json"), options)
         return name
 
-    @contextlib.contextmanager
-    def lead(self):
-        """Hold the node's lock (blocking): one fork reads the node's targets at a time."""
-        descriptor = os.open(os.path.join(self.directory, "lead"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def withdraw(self, name):
+        """Take ``name``'s request off the queue if no fork claimed it: a target whose fork left is never read."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.directory, "requests", f"{name}.json"))
+
+    def hold(self):
+        """Wait for the node's lock and hold it (one fork reads the node's targets at a time): its descriptor, to
+        close to let go; None when it cannot be had (the target is then read alone)."""
+        try:
+            descriptor = os.open(os.path.join(self.directory, "lead"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX)
-            yield
-        finally:
+        except OSError:
             os.close(descriptor)
+            return None
+        return descriptor
 
     def waiting(self):
         """The names of the requests no fork has claimed yet, oldest first."""
@@ -418,25 +422,30 @@ class NodeQueue:
         return count
 
     def claim(self):
-        """Every waiting request, taken off the queue: ``[(name, options)]``, oldest first."""
+        """Every waiting request, taken off the queue: ``[(name, options)]``, oldest first (one that cannot be read
+        is dropped: its fork, finding no result, reads its target itself)."""
         claimed = []
         for name in self.waiting():
             path = os.path.join(self.directory, "requests", f"{name}.json")
-            with open(path, encoding="utf-8") as handle:
-                claimed.append((name, json.load(handle)))
-            os.unlink(path)
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    claimed.append((name, json.load(handle)))
+            except (OSError, ValueError):
+                pass
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         return claimed
 
     def answer(self, name, result):
         write_json_atomically(os.path.join(self.directory, "results", f"{name}.json"), result)
 
     def result(self, name):
-        """The result written for ``name``, taken off the queue; None when there is none yet."""
+        """The result written for ``name``, taken off the queue; None when there is none (yet, or readable)."""
         path = os.path.join(self.directory, "results", f"{name}.json")
         try:
             with open(path, encoding="utf-8") as handle:
                 found = json.load(handle)
-        except FileNotFoundError:
+        except (OSError, ValueError):
             return None
         os.unlink(path)
         return found
@@ -468,6 +477,8 @@ class ActionModule(NormalAction):
         if not problem:
             problem = renamed_variable_problem(task_vars.get("inventory_hostname"), task_vars)
             kind = "inventory" if problem else kind
+        if not problem and args.get("batch"):
+            problem, kind = "batch is filled in by the action (per_node), never by a task", "invalid"
         if problem:
             # Before any connection: a vmid that is not a CT id never reaches a node.
             return {"failed": True, "changed": False, "msg": problem, "error": kind, "run_id": run_id}
@@ -499,34 +510,58 @@ class ActionModule(NormalAction):
             args.pop("batch", None)
 
     def _read_with_node(self, queue, tmp, task_vars):
-        """This target's pass read with every other target of its node waiting then (NodeQueue)."""
-        mine = queue.post({k: v for k, v in self._task.args.items() if k != "batch"})
-        with queue.lead():
+        """This target's pass read with every other target of its node waiting then (NodeQueue).
+
+        A fork that finds no result of its own when it gets the node's lock reads: its own target and every one
+        waiting. So no fork ever waits on another for good: whatever the reading fork met (its module failed
+        before it read the others, it raised, a file could not be written), the targets it did not answer are
+        queued again and the next fork to get the lock reads them."""
+        try:
+            mine = queue.post({k: v for k, v in self._task.args.items() if k != "batch"})
+        except Exception as error:  # by design: the queue only saves time
+            display.vvv(f"target_facts: not queued ({type(error).__name__}: {error}); this target is read alone")
+            return self._read_alone(tmp, task_vars)
+        descriptor = queue.hold()
+        try:
+            if descriptor is None:
+                queue.withdraw(mine)
+                return self._read_alone(tmp, task_vars)
             found = queue.result(mine)
-            if found is not None:
-                return found
+            if found is None:
+                return self._lead(queue, mine, tmp, task_vars)
+        finally:
+            if descriptor is not None:
+                os.close(descriptor)  # lets the lock go
+            queue.withdraw(mine)  # a fork that leaves unread (a task timeout, ^C) is never read by another
+        return found
+
+    def _lead(self, queue, mine, tmp, task_vars):
+        """Read this target and every target waiting on its node in one module execution; answer each of them."""
+        with contextlib.suppress(OSError):
             queue.gather()  # the others of this wave: the strategy starts their forks a few ms apart
-            claimed = [(name, options) for name, options in queue.claim() if name != mine]
-            answered = set()
-            try:
-                result = self._read_alone(tmp, task_vars, [options for _, options in claimed])
-                others = result.pop("batch", None)
-                # This target's invocation shows its own options, not the other targets' it carried.
-                ((result.get("invocation") or {}).get("module_args") or {}).pop("batch", None)
-                if result.get("unreachable"):
-                    others = [dict(result) for _ in claimed]
-                if not isinstance(others, list) or len(others) != len(claimed):
-                    # The module did not read them (it failed before): each of them fails with its reason.
-                    others = [node_pass_failed(result.get("msg") or "no result")] * len(claimed)
-                for (name, _options), other in zip(claimed, others, strict=True):
-                    queue.answer(name, other)
-                    answered.add(name)
-                return result
-            finally:
-                # Whatever happened, no fork waits for a result that will never come.
-                for name, _options in claimed:
-                    if name not in answered:
-                        queue.answer(name, node_pass_failed("it ended before this target was read"))
+        claimed = [(name, options) for name, options in queue.claim() if name != mine]
+        answered = set()
+        try:
+            result = self._read_alone(tmp, task_vars, [options for _, options in claimed])
+            others = result.pop("batch", None)
+            invocation = result.get("invocation") or {}
+            # This target's invocation shows its own options, not the other targets' it carried.
+            (invocation.get("module_args") or {}).pop("batch", None)
+            if result.get("unreachable"):
+                others = [dict(result) for _ in claimed]  # one node, one timeout for all of them
+            if not isinstance(others, list) or len(others) != len(claimed):
+                return result  # not read (this target's own options failed the module, say): queued again below
+            for (name, options), other in zip(claimed, others, strict=True):
+                if invocation and isinstance(other, dict):
+                    other.setdefault("invocation", {"module_args": options})
+                queue.answer(name, other)
+                answered.add(name)
+            return result
+        finally:
+            for name, options in claimed:
+                if name not in answered:
+                    with contextlib.suppress(Exception):
+                        queue.post(options, name)
 
     def _node_queue(self, task_vars):
         """The queue of this target's node (NodeQueue), or None when it is read alone: ``per_node`` off, a bare
@@ -535,7 +570,7 @@ class ActionModule(NormalAction):
         # As the module reads it: "false" from an extra var is false.
         if not boolean(args.get("per_node", True), strict=False) or args.get("vmid") in (None, ""):
             return None
-        if len(task_vars.get("ansible_play_batch") or ()) < 2:
+        if len(task_vars.get("ansible_play_batch") or ()) < 2 or getattr(self._task, "async_val", 0):
             return None
         try:
             delegated = (task_vars.get("ansible_delegated_vars") or {}).get(self._task.delegate_to) or {}
@@ -550,7 +585,10 @@ class ActionModule(NormalAction):
                 context.private_key_file,
                 context.become,
                 context.become_user,
-                delegated.get("ansible_python_interpreter"),
+                context.become_method,
+                context.check_mode,
+                # The node's own connection variables (its ssh arguments, a jump host, its interpreter).
+                {k: v for k, v in delegated.items() if k.startswith("ansible_") and isinstance(v, (str, int, bool))},
                 self._task.environment,
                 self._task.no_log,
                 self._task._uuid,

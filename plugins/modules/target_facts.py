@@ -115,8 +115,9 @@ options:
   batch:
     description:
       - Other targets of the same node to read in this same execution, beside the task's own. Each item holds
-        this module's options for one target (what its own task would pass, I(batch) and I(per_node) aside), and
-        is checked as a task's options are.
+        this module's options for one target (what its own task would pass, I(batch) and I(per_node) aside; the
+        keys are the options above), and is checked as a task's options are; an item that fails the check fails
+        alone.
       - The passes run side by side; each target takes its own lock and has its own result in RV(batch), and one
         target's failure is its own. The action fills it in (I(per_node)); a task does not set it.
     type: list
@@ -252,6 +253,13 @@ batch:
   returned: when I(batch) is not empty
   type: list
   elements: dict
+  sample:
+    - changed: false
+      ansible_facts: {pve_gpu_recover: {run_id: 20261203T101500Z-3f2a1c, pending: [], problems: []}}
+    - failed: true
+      changed: false
+      error: stopped
+      msg: "CT 201 on pve1 is not running (pct: container '201' not running!); start it with `pct start 201` on pve1"
 run_id:
   description: The run's id (I(run_id), or the one the action named), added by the action on success and failure
     alike, so a report is named by it even when the pass failed.

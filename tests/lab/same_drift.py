@@ -18,7 +18,8 @@ import sys
 
 # What names or times one run: never the same in two runs, whatever they found.
 RUN_KEYS = frozenset({"report", "run_id", "seconds"})
-RUN_SERIES = re.compile(r"^pve_gpu_recover_\w*(timestamp_seconds|duration_seconds|_seconds)\b|run_id=")
+RUN_SERIES = re.compile(r"^pve_gpu_recover_\w*_seconds\b")  # timestamps and durations
+RUN_LABEL = re.compile(r'run_id="[^"]*",?')
 
 
 def comparable_summary(summary):
@@ -35,9 +36,9 @@ def comparable_summary(summary):
 
 
 def comparable_textfile(text):
-    """The textfile's series lines that do not name or time a run, sorted."""
+    """The textfile's series lines that do not time a run, less the label that names it, sorted."""
     series = [line for line in text.splitlines() if line and not line.startswith("#")]
-    return sorted(line for line in series if not RUN_SERIES.search(line))
+    return sorted(RUN_LABEL.sub("", line) for line in series if not RUN_SERIES.search(line))
 
 
 def differences(summary_a, text_a, summary_b, text_b):

@@ -56,6 +56,8 @@ def test_a_status_reason_or_series_that_differs_is_named():
     found = same_drift.differences(SUMMARY, TEXTFILE, summary, text)
     assert found[0].startswith("target ct201: ")
     assert 'only in the first textfile: pve_gpu_recover_target_status{status="failed",target="ct201"} 1.0' in found
+    moved = TEXTFILE.replace('node="pve-lab",run_id="a"', 'node="pve-b",run_id="a"')
+    assert any("pve-b" in line for line in same_drift.differences(SUMMARY, TEXTFILE, SUMMARY, moved))
     del summary["targets"]["ct200"]
     assert any(line.startswith("target ct200: ") for line in same_drift.differences(SUMMARY, TEXTFILE, summary, text))
 

@@ -516,15 +516,19 @@ class Task:
 
 def queued_fork(action, queue, vmid, executions, *, module=MODULE, outcome="read"):
     """One fork as _read_with_node runs it, its module run replaced: it records each execution's targets and
-    answers each target with its own vmid (``outcome``: ``read``, ``unreachable``, or ``raise``)."""
+    answers each target with its own vmid. ``outcome``: ``read``, ``unreachable``, ``raise`` or ``fail`` (the
+    module failed on this fork's own options before it read the batch) for the run's first execution."""
     fork = action.ActionModule.__new__(action.ActionModule)
     fork._task = Task({"vmid": vmid, "run_id": "run-1"})
 
     def read_alone(_tmp, _task_vars, batch=None):
         executions.append([vmid, *(options["vmid"] for options in batch or [])])
         time.sleep(module)
-        if outcome == "raise":
+        first = len(executions) == 1
+        if outcome == "raise" and first:
             raise RuntimeError("the worker broke")
+        if outcome == "fail" and first:
+            return {"failed": True, "msg": f"Unsupported parameters for CT {vmid}"}
         if outcome == "unreachable":
             return {"unreachable": True, "msg": action.unreachable_message("pve1", "Connection refused")}
         return {"changed": False, "read": vmid, "batch": [{"changed": False, "read": o["vmid"]} for o in batch or []]}
@@ -580,23 +584,40 @@ def test_an_unreachable_node_fails_every_waiting_target_as_unreachable(action, t
     assert all(r["unreachable"] and "the node pve1 could not be reached" in r["msg"] for r in results.values())
 
 
-def test_a_read_that_raises_never_leaves_a_fork_waiting(action, tmp_path):
+@pytest.mark.parametrize("outcome", ["raise", "fail"])
+def test_targets_a_read_did_not_answer_are_read_by_the_next_fork(action, tmp_path, outcome):
+    """The first read raised, or its own options failed the module before it read the others: that target alone
+    fails, and the targets it carried are read by the next fork, together."""
     queue = action.NodeQueue(str(tmp_path / "q"))
-    executions, results = run_queued(action, queue, [200, 201, 202], stagger=0.01, outcome="raise")
-    (leader,) = [v for v, r in results.items() if "raised" in r]  # its own task fails with the exception
-    others = [r for v, r in results.items() if v != leader]
-    assert len(executions) == 1
-    assert all(r["failed"] and r["msg"].startswith("the fact pass of this node failed") for r in others)
+    executions, results = run_queued(action, queue, [200, 201, 202, 203], stagger=0.01, outcome=outcome)
+    first = executions[0][0]
+    assert "raised" in results[first] or results[first]["failed"]
+    assert len(executions) == 2 and sorted(executions[1]) == sorted(set(range(200, 204)) - {first})
+    assert all(results[v]["read"] == v for v in range(200, 204) if v != first)
 
 
-def test_a_module_that_returned_no_batch_fails_the_waiting_targets_with_its_reason(action, tmp_path):
+def test_a_fork_that_leaves_unread_is_never_read_by_another(action, tmp_path):
+    queue = action.NodeQueue(str(tmp_path / "q"))
+    gone = queue.post({"vmid": 201})
+    queue.withdraw(gone)  # what its fork's `finally` does when a task timeout or ^C ends it in the wait
+    executions, _results = run_queued(action, queue, [200])
+    assert executions == [[200]]
+
+
+def test_the_targets_a_read_carried_get_an_invocation_of_their_own_options(action, tmp_path):
     queue = action.NodeQueue(str(tmp_path / "q"))
     fork = action.ActionModule.__new__(action.ActionModule)
     fork._task = Task({"vmid": 200})
-    other = queue.post({"vmid": 201})
-    fork._read_alone = lambda *_args: {"failed": True, "msg": "MODULE FAILURE"}
-    assert fork._read_with_node(queue, None, {}) == {"failed": True, "msg": "MODULE FAILURE"}
-    assert queue.result(other)["msg"] == "the fact pass of this node failed: MODULE FAILURE"
+    other = queue.post({"vmid": 201, "steps": {}})
+
+    def read_alone(_tmp, _task_vars, batch=None):
+        options = {"vmid": 200, "batch": batch}
+        return {"changed": False, "invocation": {"module_args": options}, "batch": [{"changed": False}]}
+
+    fork._read_alone = read_alone
+    mine = fork._read_with_node(queue, None, {})
+    assert mine["invocation"] == {"module_args": {"vmid": 200}}  # not the others' options it carried
+    assert queue.result(other)["invocation"] == {"module_args": {"vmid": 201, "steps": {}}}
 
 
 def test_the_gathering_waits_while_targets_still_come_and_never_longer_than_its_bound(action, tmp_path):
@@ -628,23 +649,26 @@ def test_no_queue_where_a_target_is_read_alone(action):
 
 
 def playbook_on_one_node(tmp_path, *extra):
-    """Three CTs of one node (the controller itself, local) through the real action and module, the way the
-    preflight role runs the pass (delegated to the node); ct2 with a step setting of its own that is wrong. Returns
-    (module executions, {host: report})."""
+    """Four CTs of one node (the controller itself, local) through the real action and module, the way the
+    preflight role runs the pass (delegated to the node); ct2 and ct3 each with wrong step settings of their own and
+    ct4 with an option of the module that is wrong, so that each result says whose it is. Returns (module
+    executions, {host: report})."""
     (tmp_path / "hosts.yml").write_text(
         "all:\n  children:\n    nodes:\n      hosts:\n        pve1: {ansible_connection: local}\n"
         "    cts:\n      vars: {pve_node: pve1}\n      hosts:\n"
         "        ct1: {pve_vmid: 201}\n        ct2: {pve_vmid: 202, ct_steps: {nope: {}}}\n"
-        "        ct3: {pve_vmid: 203}\n"
+        "        ct3: {pve_vmid: 203, ct_steps: {preflight: {bogus: 1}}}\n"
+        "        ct4: {pve_vmid: 204, ct_timeout: sixty}\n"
     )
     (tmp_path / "play.yml").write_text(
         "- hosts: cts\n  gather_facts: false\n  tasks:\n    - pve_gpu.recover.target_facts:\n"
         '        vmid: "{{ pve_vmid }}"\n        node_name: "{{ pve_node }}"\n'
         '        steps: "{{ ct_steps | default({}) }}"\n        per_node: "{{ per_node | default(true) }}"\n'
+        '        timeout: "{{ ct_timeout | default(60) }}"\n'
         '      delegate_to: "{{ pve_node }}"\n'
     )
     argv = [os.path.join(os.path.dirname(sys.executable), "ansible-playbook"), "-i", str(tmp_path / "hosts.yml")]
-    argv += ["-f", "3", "-vvv", "-e", f"ansible_python_interpreter={sys.executable}", *extra]
+    argv += ["-f", "4", "-vvv", "-e", f"ansible_python_interpreter={sys.executable}", *extra]
     argv.append(str(tmp_path / "play.yml"))
     done = subprocess.run(
         argv, cwd=ROOT, env=ansible_env(tmp_path), capture_output=True, text=True, timeout=120, check=False
@@ -653,12 +677,16 @@ def playbook_on_one_node(tmp_path, *extra):
     return executions, {host: report for host, (report,) in reports_of(tmp_path).items()}
 
 
-@pytest.mark.parametrize(("per_node", "executions"), [("true", 1), ("false", 3)])
+@pytest.mark.parametrize(("per_node", "executions"), [("true", 1), ("false", 4)])
 def test_one_nodes_targets_are_read_in_one_module_execution_each_with_its_own_result(tmp_path, per_node, executions):
     counted, reports = playbook_on_one_node(tmp_path, "-e", f"per_node={per_node}")
-    assert counted == executions, reports
-    assert sorted(reports) == ["ct1", "ct2", "ct3"]
-    assert "unknown step(s) nope" in reports["ct2"]["error"]["msg"]  # its own options, its own failure
-    for host in ("ct1", "ct3"):
-        assert "pct not found in PATH of node pve1" in reports[host]["error"]["msg"]
+    # Per node: one execution, or two where a busy machine started a fork after the first read began, or ct4
+    # led and its own options failed the module before it read the others (they are then read together).
+    assert counted == executions if per_node == "false" else counted < 3, reports
+    assert sorted(reports) == ["ct1", "ct2", "ct3", "ct4"]
+    # Each its own options, its own result.
+    assert "pct not found in PATH of node pve1" in reports["ct1"]["error"]["msg"]
+    assert "unknown step(s) nope" in reports["ct2"]["error"]["msg"]
+    assert "settings of step preflight: unknown setting(s) bogus" in reports["ct3"]["error"]["msg"]
+    assert "timeout" in reports["ct4"]["error"]["msg"] and "int" in reports["ct4"]["error"]["msg"]
     assert len({report["run_id"] for report in reports.values()}) == 1
