@@ -652,6 +652,21 @@ def probes_argv(python):
     return [python, "-I", "-c", PROBES_MAIN]
 
 
+# Sources read so far (module_source), by module name.
+_SOURCES = {}
+_SOURCES_LOCK = threading.Lock()
+
+
+def module_source(module):
+    """``inspect.getsource(module)``, read once per process and under a lock: the passes of one node's targets run in
+    threads (target_facts' ``batch``), and two threads reading sources from AnsiballZ's zip at once made inspect
+    fail with "could not get source code" (linecache's cache is not safe from threads; seen at 16 CTs)."""
+    with _SOURCES_LOCK:
+        if module.__name__ not in _SOURCES:
+            _SOURCES[module.__name__] = inspect.getsource(module)
+        return _SOURCES[module.__name__]
+
+
 def probes_input(parts):
     """The stdin of PROBES_MAIN for ``parts`` (``{name: (module, payload)}``): one JSON document holding the
     container-side modules the parts declare in ``SHARED`` (each once, a module's own ``SHARED`` before it), then
@@ -659,8 +674,8 @@ def probes_input(parts):
     may be (MAX_ARG_STRLEN, 128 KiB)."""
     return json.dumps(
         {
-            "shared": {m.__name__: inspect.getsource(m) for m in shared_modules(m for m, _ in parts.values())},
-            "sources": {name: inspect.getsource(module) for name, (module, _) in parts.items()},
+            "shared": {m.__name__: module_source(m) for m in shared_modules(m for m, _ in parts.values())},
+            "sources": {name: module_source(module) for name, (module, _) in parts.items()},
             "payloads": {name: payload for name, (_, payload) in parts.items()},
         }
     )

@@ -293,11 +293,14 @@ bad_row:
   type: str
 """
 
-import inspect
 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import NvidiaSmi
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import ActingStep, run_step_module
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import TARGET_ARGUMENT_SPEC, TargetError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
+    TARGET_ARGUMENT_SPEC,
+    TargetError,
+    module_source,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts as verify_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.answers import (
@@ -340,7 +343,7 @@ def read_torch(target, venv, timeout):
     """
     argv = torch_argv(venv)
     try:
-        source = inspect.getsource(verify_probe)
+        source = module_source(verify_probe)
         result = target.run(argv, stdin=source, timeout=timeout, env=TORCH_ENV, check=False)
     except TargetError as error:
         if error.kind in ("not_found", "timeout"):

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -463,3 +464,41 @@ def test_another_pct_parameter_error_is_not_taken_for_an_old_pct():
         Target(200, node="pve1", runner=runner).run(["true"])
     assert raised.value.kind == "invalid"
     runner.assert_done()
+
+
+def test_module_sources_are_read_once_and_never_by_two_threads_at_once(monkeypatch):
+    """The passes of one node's targets build their probe input in threads. Reading a source from AnsiballZ's
+    zip in two threads at once made inspect fail with "could not get source code" (linecache is not safe from
+    threads; the fleet bench saw it at 16 CTs): here a getsource that fails whenever two threads are in it."""
+    inside, calls, errors = [], [], []
+
+    def getsource(module):
+        if inside:
+            raise OSError("could not get source code")
+        inside.append(module)
+        calls.append(module.__name__)
+        time.sleep(0.01)
+        inside.pop()
+        return f"# {module.__name__}\n"
+
+    monkeypatch.setattr(pve_target.inspect, "getsource", getsource)
+    monkeypatch.setattr(pve_target, "_SOURCES", {})
+    modules = [types.ModuleType(f"probe_{index}") for index in range(4)]
+    barrier = threading.Barrier(16)
+    found = []
+
+    def read(module):
+        barrier.wait()
+        try:
+            found.append(pve_target.module_source(module))
+        except OSError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=read, args=(modules[i % 4],)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert errors == []
+    assert sorted(calls) == [f"probe_{index}" for index in range(4)]  # each read once
+    assert sorted(found) == sorted(f"# probe_{i % 4}\n" for i in range(16))
