@@ -289,7 +289,13 @@ def run_in_real_python(argv, *, stdin=None, timeout=None, env=None):
     return pve_target.CommandResult(argv=argv, rc=done.returncode, stdout=done.stdout, stderr=done.stderr)
 
 
-def test_the_probes_program_runs_every_part_in_one_real_python_and_isolates_failures():
+def sources_of(monkeypatch, getsource):
+    """The probe input's sources from ``getsource``, with none kept from another test (module_source's cache)."""
+    monkeypatch.setattr(pve_target.inspect, "getsource", getsource)
+    monkeypatch.setattr(pve_target, "_SOURCES", {})
+
+
+def test_the_probes_program_runs_every_part_in_one_real_python_and_isolates_failures(monkeypatch):
     """The program fed to the CT's python, run for real: two parts, one raising, each in its own namespace."""
     good = types.ModuleType("pve_probe_good")
     bad = types.ModuleType("pve_probe_bad")
@@ -297,12 +303,8 @@ def test_the_probes_program_runs_every_part_in_one_real_python_and_isolates_fail
     bad_source = "HELPER = 'bad'\n\ndef probe(payload):\n    raise ValueError('broken ' + HELPER)\n"
     sources = {good: good_source, bad: bad_source}
 
-    original = pve_target.inspect.getsource
-    pve_target.inspect.getsource = lambda module: sources[module]
-    try:
-        answers = ct(run_in_real_python).run_probes({"good": (good, {"x": [1]}), "bad": (bad, {})})
-    finally:
-        pve_target.inspect.getsource = original
+    sources_of(monkeypatch, lambda module: sources[module])
+    answers = ct(run_in_real_python).run_probes({"good": (good, {"x": [1]}), "bad": (bad, {})})
     assert answers["good"]["answer"] == {"echo": {"x": [1]}, "helper": "good"}
     assert answers["bad"]["error"] == "ValueError: broken bad"
 
@@ -346,20 +348,16 @@ def test_shared_modules_go_once_with_their_own_dependencies_first():
     assert pve_target.shared_modules([first, second, types.ModuleType("plain")]) == [base, fs, git]
 
 
-def test_a_part_never_imports_an_ansible_found_where_it_runs():
+def test_a_part_never_imports_an_ansible_found_where_it_runs(monkeypatch):
     # The python running this test has ansible installed, as a CT might: a part gets only what was shipped.
     part = types.ModuleType("pve_probe_greedy")
     source = "def probe(payload):\n    from ansible.module_utils import basic\n    return 1\n"
-    original = pve_target.inspect.getsource
-    pve_target.inspect.getsource = lambda module: source
-    try:
-        answers = ct(run_in_real_python).run_probes({"greedy": (part, {})})
-    finally:
-        pve_target.inspect.getsource = original
+    sources_of(monkeypatch, lambda module: source)
+    answers = ct(run_in_real_python).run_probes({"greedy": (part, {})})
     assert answers["greedy"]["error"].startswith("ImportError: cannot import name 'basic'"), answers
 
 
-def test_a_part_never_imports_a_module_of_ours_that_was_not_shipped_with_it():
+def test_a_part_never_imports_a_module_of_ours_that_was_not_shipped_with_it(monkeypatch):
     # A CT may hold a copy of this collection (an older one): a part gets only the modules its SHARED names.
     part = types.ModuleType("pve_probe_greedy")
     source = (
@@ -367,12 +365,8 @@ def test_a_part_never_imports_a_module_of_ours_that_was_not_shipped_with_it():
         "    from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock\n"
         "    return 1\n"
     )
-    original = pve_target.inspect.getsource
-    pve_target.inspect.getsource = lambda module: source
-    try:
-        answers = ct(run_in_real_python).run_probes({"greedy": (part, {})})
-    finally:
-        pve_target.inspect.getsource = original
+    sources_of(monkeypatch, lambda module: source)
+    answers = ct(run_in_real_python).run_probes({"greedy": (part, {})})
     assert answers["greedy"]["error"].startswith("ImportError: cannot import name 'pve_lock'"), answers
 
 
@@ -481,8 +475,7 @@ def test_module_sources_are_read_once_and_never_by_two_threads_at_once(monkeypat
         inside.pop()
         return f"# {module.__name__}\n"
 
-    monkeypatch.setattr(pve_target.inspect, "getsource", getsource)
-    monkeypatch.setattr(pve_target, "_SOURCES", {})
+    sources_of(monkeypatch, getsource)
     modules = [types.ModuleType(f"probe_{index}") for index in range(4)]
     barrier = threading.Barrier(16)
     found = []
