@@ -542,17 +542,17 @@ class ActionModule(NormalAction):
     def _lead(self, queue, mine, tmp, task_vars):
         """Read this target and every target waiting on its node in one module execution; answer each of them."""
         with contextlib.suppress(OSError):
-            queue.gather()  # the others of this wave: the strategy starts their forks a few ms apart
+            queue.gather()  # the others of this wave: the strategy starts their forks tens of ms apart
         claimed = [(name, options) for name, options in queue.claim() if name != mine]
         answered = set()
         try:
-            result = self._read_alone(tmp, task_vars, [options for _, options in claimed])
+            result = self._read_alone(tmp, task_vars, [options for _name, options in claimed])
             others = result.pop("batch", None)
             invocation = result.get("invocation") or {}
             # This target's invocation shows its own options, not the other targets' it carried.
             (invocation.get("module_args") or {}).pop("batch", None)
             if result.get("unreachable"):
-                others = [dict(result) for _ in claimed]  # one node, one timeout for all of them
+                others = [dict(result) for _claimed in claimed]  # one node, one timeout for all of them
             if not isinstance(others, list) or len(others) != len(claimed):
                 return result  # not read (this target's own options failed the module, say): queued again below
             for (name, options), other in zip(claimed, others, strict=True):

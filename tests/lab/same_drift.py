@@ -1,10 +1,9 @@
-#!/usr/bin/python3
 # Copyright: pve-gpu-recover contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Whether two drift runs of the same fleet said the same: their summaries' targets and their textfiles, less what
 names or times a run (run ids, report paths, seconds, timestamps, durations).
 
-    same_drift.py SUMMARY_A TEXTFILE_A SUMMARY_B TEXTFILE_B
+    python3 same_drift.py SUMMARY_A TEXTFILE_A SUMMARY_B TEXTFILE_B
 
 Exit 0 when they agree; 1 with every difference on stderr. Molecule's recover scenario compares a run that reads
 each node's CTs in one execution (``preflight_per_node``, the default) with one that reads each CT alone.
