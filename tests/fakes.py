@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import yaml
+from ansible.module_utils.common import warnings as ansible_warnings
 from ansible.module_utils.testing import patch_module_args
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_target
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import CommandResult
@@ -98,6 +99,8 @@ def not_shippable(module):
 def run_module(module, args, runner, monkeypatch, capsys, *, check_mode=False):
     """Run ``module.main()`` with ``args`` and the fake runner; return the JSON it exited with."""
     monkeypatch.setattr(pve_target, "run_local", runner)
+    # module.warn() collects process-wide, as if every module run so far were one: a run in a test is its own.
+    monkeypatch.setattr(ansible_warnings, "_global_warnings", {})
     if check_mode:
         args = dict(args, _ansible_check_mode=True)
     with patch_module_args(args), pytest.raises(SystemExit):

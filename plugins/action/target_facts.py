@@ -19,15 +19,16 @@ Ansible connects as it always does.
 
 One module execution per node, not per target (``per_node``, on by default): the forks of one run whose targets
 share a node and its connection post their options to a queue in the run's own temp directory (``local_tmp``, so
-never another run's); the first to take the node's lock reads, in one execution, every target that has posted by
-then (``batch``: the passes run side by side on the node), writes each its result and lets go, and each waiting
-fork returns its own. Every target keeps its own task, result, report, ``--limit`` and failure; each one's options
-are the ones Ansible templated for it, so nothing of another host's is guessed. A lone target (one host in the
-play batch, or a bare host) runs exactly as before. Forks that arrive while a read runs are the next read's. A
-read that did not answer the targets it carried (its own options failed the module before it read them, it
-raised) queues them again for the next fork; an unreachable node answers each of them unreachable at once; a
-fork that leaves its wait (a task timeout) takes its request back; any failure of the queue itself reads the
-target alone. The queue only ever saves time.
+never another run's); the first to take the node's lock waits until every host of the play batch has posted (to
+its own node's queue or another's) or none has for GATHER_IDLE seconds, then reads, in one execution, every target
+of its node that has posted by then (``batch``: the passes run side by side on the node), writes each its result
+and lets go, and each waiting fork returns its own. Every target keeps its own task, result, report, ``--limit``
+and failure; each one's options are the ones Ansible templated for it, so nothing of another host's is guessed. A
+lone target (one host in the play batch, or a bare host) runs exactly as before. Forks that arrive while a read
+runs are the next read's. A read that did not answer the targets it carried (its own options failed the module
+before it read them, it raised) queues them again for the next fork; an unreachable node answers each of them
+unreachable at once; a fork that leaves its wait (a task timeout) takes its request back; any failure of the queue
+itself reads the target alone. The queue only ever saves time.
 
 Building the payload is the largest controller cost of a converged run (recursive_finder parses every module_utils
 file the module reaches with ``ast``: about 0.45 s of a 2.7 s run, docs/benchmarks.md), and Ansible caches it only
@@ -86,10 +87,12 @@ VMID_MAX = 999999999
 CONTROLLER_PID_ENV = "PVE_GPU_RECOVER_CONTROLLER_PID"
 # The queue of the targets of one node waiting for the fact pass, in the run's own temp directory (NodeQueue).
 QUEUE_DIR = "pve-gpu-recover-node-passes"
-# A fork that reads its node's targets first waits for the others of its wave: until none has come for
-# GATHER_IDLE seconds, never longer than GATHER_LONGEST in all (the strategy starts a fork every few ms).
+# A fork that reads its node's targets first waits for the others: until every host of the play batch has come
+# (to any node), or none has come for GATHER_IDLE seconds, never longer than GATHER_LONGEST in all. The strategy
+# starts the forks of a task one after another (64 take about 2 s on 2 busy cores), round-robin over the nodes in
+# an inventory like the lab's, so a wait for the node's own targets alone split them into two reads or more.
 GATHER_IDLE = 0.15
-GATHER_LONGEST = 2.0
+GATHER_LONGEST = 5.0
 # A run id names report files and lock records: a path component of safe characters only.
 RUN_ID_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -375,18 +378,34 @@ class NodeQueue:
     ``results/`` (each one's result, written by the fork that read it) and ``lead`` (the lock that fork holds while
     it reads). A fork that takes the lock and finds no result of its own claims every request posted by then: the
     fork before it wrote a result for each request it claimed before it let go, so its own is among them.
+
+    ``arrivals``: a directory the queues of every node of this task share, where each fork marks its host as it
+    posts; ``expected``: how many hosts the play batch has. The gathering then knows when no fork is left to come.
+    Without them, it waits for this node's own requests only.
     """
 
-    def __init__(self, directory):
+    def __init__(self, directory, arrivals=None, expected=None):
         self.directory = directory
+        self.arrivals = arrivals
+        self.expected = expected
         for part in ("requests", "results"):
             os.makedirs(os.path.join(directory, part), mode=0o700, exist_ok=True)
+        if arrivals:
+            os.makedirs(arrivals, mode=0o700, exist_ok=True)
 
-    def post(self, options, name=None):
-        """Queue one target's ``options`` (again, under ``name``); the name its result will be found under."""
+    def post(self, options, name=None, host=None):
+        """Queue one target's ``options`` (again, under ``name``); the name its result will be found under. ``host``:
+        the inventory host that arrives with them (its first post)."""
         name = name or f"{time.monotonic_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}"
         write_json_atomically(os.path.join(self.directory, "requests", f"{name}.json"), options)
+        if host is not None and self.arrivals:
+            marker = hashlib.sha256(host.encode()).hexdigest()[:32]
+            os.close(os.open(os.path.join(self.arrivals, marker), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
         return name
+
+    def arrived(self):
+        """How many have come: hosts of the task to any node (``arrivals``), else this node's waiting requests."""
+        return len(os.listdir(self.arrivals)) if self.arrivals else len(self.waiting())
 
     def withdraw(self, name):
         """Take ``name``'s request off the queue if no fork claimed it: a target whose fork left is never read."""
@@ -414,16 +433,17 @@ class NodeQueue:
         )
 
     def gather(self, idle=GATHER_IDLE, longest=GATHER_LONGEST, clock=time.monotonic, sleep=time.sleep):
-        """Wait while more targets of this node are still coming: until none came for ``idle`` seconds, at most
-        ``longest`` in all. How many are waiting then."""
+        """Wait while more targets are still coming: until all ``expected`` have, or none came for ``idle``
+        seconds, at most ``longest`` in all. How many of this node's are waiting then."""
         started = last_change = clock()
-        count = len(self.waiting())
-        while clock() - last_change < idle and clock() - started < longest:
+        count = self.arrived()
+        expected = self.expected if self.arrivals and self.expected else float("inf")
+        while count < expected and clock() - last_change < idle and clock() - started < longest:
             sleep(0.01)
-            now = len(self.waiting())
+            now = self.arrived()
             if now != count:
                 count, last_change = now, clock()
-        return count
+        return len(self.waiting())
 
     def claim(self):
         """Every waiting request, taken off the queue: ``[(name, options)]``, oldest first (one that cannot be read
@@ -521,7 +541,9 @@ class ActionModule(NormalAction):
         before it read the others, it raised, a file could not be written), the targets it did not answer are
         queued again and the next fork to get the lock reads them."""
         try:
-            mine = queue.post({k: v for k, v in self._task.args.items() if k != "batch"})
+            mine = queue.post(
+                {k: v for k, v in self._task.args.items() if k != "batch"}, host=task_vars.get("inventory_hostname")
+            )
         except Exception as error:  # by design: the queue only saves time
             display.vvv(f"target_facts: not queued ({type(error).__name__}: {error}); this target is read alone")
             return self._read_alone(tmp, task_vars)
@@ -574,7 +596,8 @@ class ActionModule(NormalAction):
         # As the module reads it: "false" from an extra var is false.
         if not boolean(args.get("per_node", True), strict=False) or args.get("vmid") in (None, ""):
             return None
-        if len(task_vars.get("ansible_play_batch") or ()) < 2 or getattr(self._task, "async_val", 0):
+        play_batch = task_vars.get("ansible_play_batch") or ()
+        if len(play_batch) < 2 or getattr(self._task, "async_val", 0):
             return None
         try:
             delegated = (task_vars.get("ansible_delegated_vars") or {}).get(self._task.delegate_to) or {}
@@ -598,7 +621,14 @@ class ActionModule(NormalAction):
                 self._task._uuid,
             ]
             key = hashlib.sha256(json.dumps(reach, default=str).encode()).hexdigest()[:32]
-            return NodeQueue(os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, key))
+            # Every node's queue of this task and play batch (a serial play's next batch is a new one) counts the
+            # hosts that came, so a read knows when none is left to wait for.
+            batch = hashlib.sha256(json.dumps([self._task._uuid, sorted(play_batch)]).encode()).hexdigest()[:32]
+            return NodeQueue(
+                os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, key),
+                arrivals=os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, f"arrivals-{batch}"),
+                expected=len(play_batch),
+            )
         except Exception as error:  # by design: the queue only saves time; the target is then read alone
             display.vvv(f"target_facts: no node queue ({type(error).__name__}: {error}); this target is read alone")
             return None

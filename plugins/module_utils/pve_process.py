@@ -383,12 +383,17 @@ def read_owner(pid, proc_root="/proc"):
     return parse_cgroup_owner(_read(os.path.join(proc_root, str(pid), "cgroup")))
 
 
-def device_holders(owner, proc_root="/proc", exclude=()):
+def process_owners(proc_root="/proc"):
+    """``{pid: owner}`` of every process (:func:`read_owner`): one walk of /proc that a node's CTs can share."""
+    return {pid: read_owner(pid, proc_root) for pid in list_pids(proc_root)}
+
+
+def device_holders(owner, proc_root="/proc", exclude=(), owners=None):
     """ProcessInfo and NVIDIA device files (:func:`device_fds`) of every process of ``owner`` that holds one;
-    ``exclude`` pids skipped."""
+    ``exclude`` pids skipped. ``owners``: a :func:`process_owners` read earlier (else every cgroup is read now)."""
     holders = []
-    for pid in list_pids(proc_root):
-        if pid in exclude or read_owner(pid, proc_root) != owner:
+    for pid, found in (process_owners(proc_root) if owners is None else owners).items():
+        if pid in exclude or found != owner:
             continue
         devices = device_fds(pid, proc_root)
         if devices:

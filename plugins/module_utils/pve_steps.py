@@ -22,9 +22,10 @@ A step is a module in module_utils that exposes (docs/design.md, "Adding a step"
   thing a run would change), ``problems`` (one sentence per thing that makes the step fail), ``diff``
   (``{before, after}``) and ``pending`` (the acting task has work: it runs only then).
 
-``context`` carries ``target`` (label, vmid, node), ``check_mode`` and ``steps``: the facts of the steps evaluated
-before this one (the order of ``STEP_NAMES``), so a later step builds on an earlier one's facts (the GPUs that
-preflight found, the venv that the venv step found).
+``context`` carries ``target`` (label, vmid, node), ``check_mode``, ``shared`` (a :class:`SharedReads`: node-side
+reads that every target of one module execution shares, such as NVML's compute processes) and ``steps``: the facts
+of the steps evaluated before this one (the order of ``STEP_NAMES``), so a later step builds on an earlier one's
+facts (the GPUs that preflight found, the venv that the venv step found).
 """
 
 from __future__ import annotations
@@ -137,10 +138,48 @@ def validate_specs(steps):
     return specs
 
 
-def target_context(target, check_mode):
+class SharedReads:
+    """Node-side reads shared by the passes of one module execution (target_facts' ``batch``, one node's CTs): each
+    key is read once, by the first pass that asks, and every pass that asks gets that answer, or that error.
+
+    The passes of a batch start together, so the one read is what each would have read on its own at that moment.
+    It spares a node of N CTs N - 1 ``nvidia-smi`` queries (0.1-0.5 CPU-s each on a real node, and serialized in
+    the driver) and N - 1 walks of every process's cgroup. A pass that asks while the read is under way waits for
+    it in its node-read thread, which its own budget bounds (:class:`NodeRead`): a wedged read is every waiting
+    pass's ``wedged`` problem, as it would have been had each read alone.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._reads = {}  # key -> [done event, answer, error]
+
+    def get(self, key, read):
+        """``read()``'s answer for ``key``: read now if no pass asked before, else the first asker's (its error
+        raised again)."""
+        with self._lock:
+            entry = self._reads.get(key)
+            first = entry is None
+            if first:
+                entry = self._reads[key] = [threading.Event(), None, None]
+        if first:
+            try:
+                entry[1] = read()
+            except BaseException as error:  # re-raised to every pass that asks: each names its own target around it
+                entry[2] = error
+            finally:
+                entry[0].set()
+        else:
+            entry[0].wait()
+        if entry[2] is not None:
+            raise entry[2]
+        return entry[1]
+
+
+def target_context(target, check_mode, shared=None):
     return {
         "target": {"label": target.label, "vmid": target.vmid, "node": target.node},
         "check_mode": bool(check_mode),
+        "shared": SharedReads() if shared is None else shared,
         "steps": {},
     }
 
@@ -228,7 +267,7 @@ def start_node_reads(specs, target, context, reads, clock=time.monotonic, *, bud
 
     Each gets a context of its own without ``steps``: the other steps' facts do not exist yet.
     """
-    alone = {"target": context["target"], "check_mode": context["check_mode"]}
+    alone = {"target": context["target"], "check_mode": context["check_mode"], "shared": context["shared"]}
     for step in steps_in(specs):
         if not getattr(step, "NODE_READ_NEEDS_ANSWER", True):
             read = NodeRead(step, specs[step.NAME], target, dict(alone), clock, budget=budget)
@@ -279,13 +318,14 @@ def lock_who(lock):
     return {key: lock.get(key) for key in ("owner", "controller", "controller_pid")}
 
 
-def fact_pass(target, specs, *, lock, python=None, check_mode=False, warn=None, clock=time.monotonic):
+def fact_pass(target, specs, *, lock, python=None, check_mode=False, warn=None, clock=time.monotonic, shared=None):
     """The fact pass of one target: take its run lock, read every step's facts in ONE probe, decide the lock.
 
     ``specs`` come from :func:`validate_specs`; ``lock`` holds ``lock_dir``, ``run_id``, ``owner`` and ``ttl``
     (module_utils/pve_lock). The lock is kept only while a step has work and no step found a problem: a converged
     target (or one that is about to fail its asserts) is released in this same module execution, so a converged
     run makes no further remote call. Any failure after the lock was taken releases it before it propagates.
+    ``shared``: the :class:`SharedReads` of the module execution's other passes (a pass of its own when None).
     Returns the facts published as ``ansible_facts.pve_gpu_recover``.
     """
     started = clock()
@@ -297,7 +337,7 @@ def fact_pass(target, specs, *, lock, python=None, check_mode=False, warn=None, 
         # Under one key: a top-level `path` makes Ansible add that file's attributes to the failed result.
         error.details = {"lock": error.details} if error.details else {}
         raise
-    context = target_context(target, check_mode)
+    context = target_context(target, check_mode, shared)
     node_reads = {}
     try:
         # The node reads that need no probe answer run while the probe runs in the target.

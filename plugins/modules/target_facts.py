@@ -274,7 +274,12 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_lock import DEFAULT_LOCK_DIR, DEFAULT_TTL
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES, fact_pass, validate_specs
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import (
+    STEP_NAMES,
+    SharedReads,
+    fact_pass,
+    validate_specs,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import (
     PYTHON_ARGUMENT_SPEC,
     TARGET_ARGUMENT_SPEC,
@@ -300,9 +305,10 @@ PASS_ARGUMENT_SPEC = {
 MAX_PARALLEL = 32
 
 
-def read_target(params, check_mode):
+def read_target(params, check_mode, shared=None):
     """The fact pass of one target (``params``: PASS_ARGUMENT_SPEC's options, validated), as its task's result:
-    ``changed``, ``ansible_facts``, and on failure ``failed``, ``msg``, ``error``; ``warnings`` when any."""
+    ``changed``, ``ansible_facts``, and on failure ``failed``, ``msg``, ``error``; ``warnings`` when any.
+    ``shared``: the node reads of this execution's other passes (pve_steps.SharedReads)."""
     warnings = []
     try:
         specs = validate_specs(params["steps"])
@@ -321,6 +327,7 @@ def read_target(params, check_mode):
             python=params["python"],
             check_mode=check_mode or params["check_run"],
             warn=warnings.append,
+            shared=shared,
         )
     except RecoverError as error:
         # Every error of the pass already names its target.
@@ -337,7 +344,7 @@ def read_target(params, check_mode):
     return result
 
 
-def read_batch_item(item, check_mode):
+def read_batch_item(item, check_mode, shared=None):
     """One item of I(batch): its options checked as a task's would be, then its pass (read_target)."""
     checked = ArgumentSpecValidator(PASS_ARGUMENT_SPEC).validate(item)
     if checked.error_messages:
@@ -347,12 +354,13 @@ def read_batch_item(item, check_mode):
             "msg": f"batch item for CT {item.get('vmid')}: {'; '.join(checked.error_messages)}",
             "error": "invalid",
         }
-    return read_target(checked.validated_parameters, check_mode)
+    return read_target(checked.validated_parameters, check_mode, shared)
 
 
 def read_targets(own, batch, check_mode, *, parallel=MAX_PARALLEL):
     """This task's target and every item of ``batch``, side by side: (own result, [batch results in order]).
-    A pass that raised anything else is that target's failure alone."""
+    A pass that raised anything else is that target's failure alone. The passes share their node-side reads
+    (one NVML query and one /proc walk for the node, not one per target)."""
 
     def guarded(read, *args):
         try:
@@ -364,10 +372,11 @@ def read_targets(own, batch, check_mode, *, parallel=MAX_PARALLEL):
         return read_target(own, check_mode), []
     results = [None] * (len(batch) + 1)
     slots = threading.BoundedSemaphore(parallel)
+    shared = SharedReads()
 
     def work(index, read, params):
         with slots:
-            results[index] = guarded(read, params, check_mode)
+            results[index] = guarded(read, params, check_mode, shared)
 
     threads = [threading.Thread(target=work, args=(0, read_target, own), daemon=True)]
     threads += [

@@ -335,6 +335,9 @@ def ct_running(vmid):
 def start_ct(vmid):
     """Start the CT (if stopped) and create its GPU device nodes the way passthrough bind-mounts them."""
     if not ct_running(vmid):
+        # A lab cut off mid-run (its monitor killed) leaves the stopped CT's cgroups behind, and lxc-start then
+        # fails ("Failed to create monitor cgroup"): they are empty, so removing them loses nothing.
+        remove_cgroups([vmid])
         lxc("lxc-start", vmid)
     # A real CT's init brings its loopback up; ours (sleep) does not, and the venv tests serve indexes there.
     init = lxc("lxc-info", vmid, "-p", "-H").stdout.strip()

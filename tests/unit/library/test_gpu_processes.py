@@ -51,7 +51,7 @@ class FakeProcesses:
     def read_unit_members(self, path):
         return self.units.get(path)
 
-    def device_holders(self, owner, proc_root="/proc", exclude=()):
+    def device_holders(self, owner, proc_root="/proc", exclude=(), owners=None):
         return [
             (self.procs[p], self.devices[p])
             for p in sorted(self.alive)
@@ -82,6 +82,7 @@ class FakeProcesses:
         waits)."""
         for name in ("read_process", "device_holders", "read_unit_members"):
             monkeypatch.setattr(gpu_facts, name, getattr(self, name))
+        monkeypatch.setattr(gpu_facts, "process_owners", dict)  # device_holders above knows the owners
         for name in ("read_process", "device_holders", "still_there", "signal_process", "read_stat", "children_of"):
             monkeypatch.setattr(gpu_acting, name, getattr(self, name))
         clock = FakeClock()

@@ -117,7 +117,8 @@ class NodeProcesses:
     def __init__(self, monkeypatch, holders):
         self.holders = holders
         monkeypatch.setattr(gpu_facts, "read_process", self.holders.get)
-        monkeypatch.setattr(gpu_facts, "device_holders", lambda owner: [])
+        monkeypatch.setattr(gpu_facts, "device_holders", lambda owner, owners=None: [])
+        monkeypatch.setattr(gpu_facts, "process_owners", dict)
 
 
 TRAIN = ProcessInfo(
@@ -395,7 +396,7 @@ def test_a_check_run_is_planned_as_one_although_the_task_runs_for_real(modes, tm
     # on a stray holder's memory that gpu_processes had only planned to free).
     seen = {}
 
-    def fake_fact_pass(target, specs, *, lock, python, check_mode, warn):
+    def fake_fact_pass(target, specs, *, lock, python, check_mode, warn, shared):
         seen["check_mode"] = check_mode
         return {"pending": [], "problems": [], "lock": {"held": False}}
 
@@ -475,3 +476,46 @@ def test_without_a_batch_the_result_has_no_batch_key(tmp_path, monkeypatch, caps
     node_version(monkeypatch, NODE_VERSION)
     result = run_module(target_facts, params(tmp_path, vmid=200), FakeRunner(probe_of(200)), monkeypatch, capsys)
     assert "batch" not in result and facts_of(result)["target"]["vmid"] == 200
+
+
+def test_a_batch_reads_the_nodes_gpu_processes_once_and_each_target_judges_them_as_its_own(
+    tmp_path, monkeypatch, capsys
+):
+    """Four CTs of one node, one execution: ONE nvidia-smi query of the node's compute processes and ONE walk of
+    its processes' owners (the runner allows a single query; a second would fail it), and each CT reads that
+    answer as its own: CT 200's training process is its work, the same process a neighbour on the GPUs of the
+    others (this fake gives every CT the same two GPUs)."""
+    node_version(monkeypatch, NODE_VERSION)
+    NodeProcesses(monkeypatch, {516: TRAIN})
+    walks = []
+    monkeypatch.setattr(gpu_facts, "process_owners", lambda: walks.append(1) or {516: "ct:200"})
+    runner = FakeRunner(
+        *(probe_of(vmid) for vmid in (200, 201, 202, 203)),
+        (APPS_ARGV, (0, apps(f"516, python3, 20000 MiB, {UUID0}"), "")),
+    )
+    steps = {"preflight": {"expected_gpu_count": 2}, "gpu_processes": {}}
+    batch = [params(tmp_path, vmid=vmid, steps=steps) for vmid in (201, 202, 203)]
+    result = run_module(target_facts, params(tmp_path, vmid=200, steps=steps, batch=batch), runner, monkeypatch, capsys)
+    assert walks == [1]
+    own = facts_of(result)
+    assert own["pending"] == ["gpu_processes"] and own["problems"] == []
+    assert own["gpu_processes"]["changes"] == ["end pid 516 (python3, pid 41 inside) on GPU 0, 20000 MiB"]
+    for vmid, other in zip((201, 202, 203), result["batch"], strict=True):
+        assert other["failed"] is True and other["error"] == "problems"
+        assert other["msg"].startswith(f"CT {vmid} on pve1: cannot free its GPUs: pid 516"), other["msg"]
+
+
+def test_a_batch_whose_one_node_query_fails_fails_the_step_of_every_target_alike(tmp_path, monkeypatch, capsys):
+    node_version(monkeypatch, NODE_VERSION)
+    NodeProcesses(monkeypatch, {})
+    runner = FakeRunner(
+        *(probe_of(vmid) for vmid in (200, 201)),
+        (APPS_ARGV, (9, "", "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n")),
+    )
+    steps = {"preflight": {"expected_gpu_count": 2}, "gpu_processes": {}}
+    args = params(tmp_path, vmid=200, steps=steps, batch=[params(tmp_path, vmid=201, steps=steps)])
+    result = run_module(target_facts, args, runner, monkeypatch, capsys)
+    for vmid, each in ((200, result), (201, result["batch"][0])):
+        assert each["failed"] is True
+        assert each["msg"].startswith(f"CT {vmid} on pve1: the gpu_processes facts could not be read"), each["msg"]
+        assert each["msg"].endswith("the NVIDIA kernel driver is not loaded (nvidia-smi exit 9)"), each["msg"]

@@ -67,10 +67,11 @@ def node(tmp_path, monkeypatch):
     fake_proc(root, 590, ppid=300, comm="bash", argv=["-bash"])
     fake_proc(root, 600, ppid=590, comm="python3", argv=["python3", "leftover.py"])
 
-    def device_holders(owner, proc_root="/proc", exclude=()):
+    def device_holders(owner, proc_root="/proc", exclude=(), owners=None):
         return [(gpu_facts.read_process(517), [(195, 0)])] if owner == "ct:200" else []
 
     monkeypatch.setattr(gpu_facts, "device_holders", device_holders)
+    monkeypatch.setattr(gpu_facts, "process_owners", dict)  # device_holders above knows the owners
     monkeypatch.setattr(gpu_facts, "NvidiaSmi", FakeSmi)
     return root
 
@@ -213,7 +214,7 @@ def test_a_holder_sharing_the_guarded_job_or_parent_of_a_guarded_one_is_left_run
     # ... and the evaluation's own worker, holding device files: it goes with what it descends from.
     fake_proc(node, 521, ppid=520, comm="python3", argv=["python3", "-c", "eval worker"])
     devices = [(gpu_facts.read_process(517), [(195, 0)]), (gpu_facts.read_process(521), [(195, 1)])]
-    monkeypatch.setattr(gpu_facts, "device_holders", lambda owner, proc_root="/proc", exclude=(): devices)
+    monkeypatch.setattr(gpu_facts, "device_holders", lambda owner, proc_root="/proc", exclude=(), owners=None: devices)
     found = facts([{"match": r"^python3 train\.py$"}], unattended=True)
     kept = {int(s.split("pid ")[1].split(" ")[0]): s for s in found["needs_window"]}
     assert sorted(kept) == [516, 517, 520, 521]

@@ -690,3 +690,46 @@ def test_one_nodes_targets_are_read_in_one_module_execution_each_with_its_own_re
     assert "settings of step preflight: unknown setting(s) bogus" in reports["ct3"]["error"]["msg"]
     assert "timeout" in reports["ct4"]["error"]["msg"] and "int" in reports["ct4"]["error"]["msg"]
     assert len({report["run_id"] for report in reports.values()}) == 1
+
+
+def test_the_gathering_ends_when_every_host_of_the_play_batch_has_come_to_any_node(action, tmp_path):
+    """Four nodes' queues share the task's arrivals: node a's reader waits while the other nodes' targets still come
+    (round-robin, each node's own a few forks apart), and starts the moment the last of the 8 hosts has come, not
+    an idle wait later: one read per node, none split in two."""
+    arrivals = str(tmp_path / "arrivals")
+    queues = {node: action.NodeQueue(str(tmp_path / node), arrivals=arrivals, expected=8) for node in "abcd"}
+    order = [(f"ct{i}", "abcd"[i % 4]) for i in range(8)]
+    now = [0.0]
+    queues["a"].post({"vmid": 100}, host=order[0][0])
+    coming = iter(order[1:])
+
+    def sleep(seconds):
+        now[0] += seconds
+        if round(now[0] * 100) % 12 == 0:  # one host every 0.12 s: a node's own come 0.48 s apart
+            host, node = next(coming, (None, None))
+            if host:
+                queues[node].post({"vmid": int(host[2:]) + 100}, host=host)
+
+    assert queues["a"].gather(idle=0.15, longest=5.0, clock=lambda: now[0], sleep=sleep) == 2  # ct0 and ct4
+    assert 0.83 < now[0] < 0.86  # the eighth came at 0.84 s: no idle wait after it
+    assert len(os.listdir(arrivals)) == 8
+
+
+def test_a_host_that_posts_again_is_counted_once_and_a_gathering_without_arrivals_counts_its_node(action, tmp_path):
+    arrivals = str(tmp_path / "arrivals")
+    queue = action.NodeQueue(str(tmp_path / "a"), arrivals=arrivals, expected=3)
+    name = queue.post({"vmid": 200}, host="ct200")
+    queue.post({"vmid": 200}, name)  # queued again after a read that did not answer it: no second arrival
+    queue.post({"vmid": 201}, host="ct201")
+    assert queue.arrived() == 2
+    now = [0.0]
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    # The third host never comes (its task failed before it posted): the gathering ends an idle wait later.
+    assert queue.gather(idle=0.15, longest=5.0, clock=lambda: now[0], sleep=sleep) == 2
+    assert 0.15 <= now[0] < 0.17
+    alone = action.NodeQueue(str(tmp_path / "b"))
+    alone.post({"vmid": 300}, host="ct300")
+    assert alone.arrived() == 1 and not os.path.exists(tmp_path / "b" / "arrivals")

@@ -24,7 +24,6 @@ import re
 import sys
 import time
 import warnings
-from importlib import metadata
 
 try:  # shipped with this part in the fact pass (SHARED); the venv's own python running torch_facts() lacks it
     from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_venv
@@ -122,6 +121,10 @@ def short(text):
 
 def _distribution_version(names):
     """The version of the first of ``names`` that is installed (its metadata only: nothing is imported)."""
+    # Imported here, in the venv's own python: importlib.metadata pulls in email, zipfile and csv, which the fact
+    # pass would otherwise pay for in every CT on every run without using them.
+    from importlib import metadata  # noqa: PLC0415 (see above)
+
     for name in names:
         try:
             version = metadata.version(name)
