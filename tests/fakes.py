@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import yaml
+from ansible.module_utils import _internal as ansible_internal
 from ansible.module_utils.common import warnings as ansible_warnings
 from ansible.module_utils.testing import patch_module_args
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_target
@@ -99,8 +100,12 @@ def not_shippable(module):
 def run_module(module, args, runner, monkeypatch, capsys, *, check_mode=False):
     """Run ``module.main()`` with ``args`` and the fake runner; return the JSON it exited with."""
     monkeypatch.setattr(pve_target, "run_local", runner)
-    # module.warn() collects process-wide, as if every module run so far were one: a run in a test is its own.
+    # module.warn() collects process-wide and keeps each text once, as if every module run so far were one: a run
+    # in a test is its own, or a warning an earlier test's run gave would be missing from this one's result.
     monkeypatch.setattr(ansible_warnings, "_global_warnings", {})
+    # Once a test imports the controller's code (the action plugin's tests), ansible-core 2.19+ sends warn() to the
+    # controller's display instead of the module's result: a module runs on the node, never in the controller.
+    monkeypatch.setattr(ansible_internal, "is_controller", False)
     if check_mode:
         args = dict(args, _ansible_check_mode=True)
     with patch_module_args(args), pytest.raises(SystemExit):

@@ -380,14 +380,16 @@ class NodeQueue:
     fork before it wrote a result for each request it claimed before it let go, so its own is among them.
 
     ``arrivals``: a directory the queues of every node of this task share, where each fork marks its host as it
-    posts; ``expected``: how many hosts the play batch has. The gathering then knows when no fork is left to come.
-    Without them, it waits for this node's own requests only.
+    posts; ``expected``: the hosts of the fork's play batch. The gathering then knows when no fork is left to come:
+    it counts the marks of those hosts only, so a batch that shrank (a host failed the controller's checks) or a
+    host marked by an earlier batch or retry of the task never makes it wait for one that will not come (a retry
+    finds its own mark there and waits an idle time at most). Without them, it waits for this node's own requests.
     """
 
-    def __init__(self, directory, arrivals=None, expected=None):
+    def __init__(self, directory, arrivals=None, expected=()):
         self.directory = directory
         self.arrivals = arrivals
-        self.expected = expected
+        self.expected = {self.mark(host) for host in expected}
         for part in ("requests", "results"):
             os.makedirs(os.path.join(directory, part), mode=0o700, exist_ok=True)
         if arrivals:
@@ -397,15 +399,26 @@ class NodeQueue:
         """Queue one target's ``options`` (again, under ``name``); the name its result will be found under. ``host``:
         the inventory host that arrives with them (its first post)."""
         name = name or f"{time.monotonic_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}"
-        write_json_atomically(os.path.join(self.directory, "requests", f"{name}.json"), options)
         if host is not None and self.arrivals:
-            marker = hashlib.sha256(host.encode()).hexdigest()[:32]
-            os.close(os.open(os.path.join(self.arrivals, marker), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            # Marked before the request is: a mark that cannot be made costs only a shorter wait, never a request
+            # left queued behind an error (its target would be read twice).
+            with contextlib.suppress(OSError):
+                marker = os.path.join(self.arrivals, self.mark(host))
+                os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        write_json_atomically(os.path.join(self.directory, "requests", f"{name}.json"), options)
         return name
 
+    @staticmethod
+    def mark(host):
+        """The file name that marks ``host``'s arrival (any inventory name, as a safe file name)."""
+        return hashlib.sha256(str(host).encode()).hexdigest()[:32]
+
     def arrived(self):
-        """How many have come: hosts of the task to any node (``arrivals``), else this node's waiting requests."""
-        return len(os.listdir(self.arrivals)) if self.arrivals else len(self.waiting())
+        """How many have come: hosts of the play batch to any node (``arrivals``), else this node's waiting
+        requests."""
+        if self.arrivals and self.expected:
+            return len(self.expected.intersection(os.listdir(self.arrivals)))
+        return len(self.waiting())
 
     def withdraw(self, name):
         """Take ``name``'s request off the queue if no fork claimed it: a target whose fork left is never read."""
@@ -437,7 +450,7 @@ class NodeQueue:
         seconds, at most ``longest`` in all. How many of this node's are waiting then."""
         started = last_change = clock()
         count = self.arrived()
-        expected = self.expected if self.arrivals and self.expected else float("inf")
+        expected = len(self.expected) if self.arrivals and self.expected else float("inf")
         while count < expected and clock() - last_change < idle and clock() - started < longest:
             sleep(0.01)
             now = self.arrived()
@@ -564,7 +577,7 @@ class ActionModule(NormalAction):
     def _lead(self, queue, mine, tmp, task_vars):
         """Read this target and every target waiting on its node in one module execution; answer each of them."""
         with contextlib.suppress(OSError):
-            queue.gather()  # the others of this wave: the strategy starts their forks tens of ms apart
+            queue.gather()  # the rest of the play batch: the strategy starts their forks tens of ms apart
         claimed = [(name, options) for name, options in queue.claim() if name != mine]
         answered = set()
         try:
@@ -621,13 +634,13 @@ class ActionModule(NormalAction):
                 self._task._uuid,
             ]
             key = hashlib.sha256(json.dumps(reach, default=str).encode()).hexdigest()[:32]
-            # Every node's queue of this task and play batch (a serial play's next batch is a new one) counts the
-            # hosts that came, so a read knows when none is left to wait for.
-            batch = hashlib.sha256(json.dumps([self._task._uuid, sorted(play_batch)]).encode()).hexdigest()[:32]
+            # Every node's queue of this task marks the hosts that came, so a read knows when none of its play
+            # batch is left to wait for.
+            task_key = hashlib.sha256(str(self._task._uuid).encode()).hexdigest()[:32]
             return NodeQueue(
                 os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, key),
-                arrivals=os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, f"arrivals-{batch}"),
-                expected=len(play_batch),
+                arrivals=os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, f"arrivals-{task_key}"),
+                expected=play_batch,
             )
         except Exception as error:  # by design: the queue only saves time; the target is then read alone
             display.vvv(f"target_facts: no node queue ({type(error).__name__}: {error}); this target is read alone")

@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_progress
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_node_reads import SharedReads
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target, TargetError
 
 
@@ -91,10 +92,12 @@ class Run:
 
     @property
     def context(self):
-        """The context a step's evaluation gets (the fact pass's, without the other steps' facts)."""
+        """The context a step's evaluation gets (the fact pass's, without the other steps' facts): its node reads
+        are its own (a fresh SharedReads each time: a re-read after acting reads the node again)."""
         target = self.target
         vmid = target.vmid if target.is_container else None
-        return {"target": {"label": target.label, "vmid": vmid, "node": target.node}, "steps": {}}
+        target_of = {"label": target.label, "vmid": vmid, "node": target.node}
+        return {"target": target_of, "shared": SharedReads(), "steps": {}}
 
     def ending_pids(self):
         """The pids the GPU step ends before this step: in check mode they still run and count as gone; a real

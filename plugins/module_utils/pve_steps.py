@@ -36,6 +36,7 @@ import time
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_node_reads import SharedReads
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import KILL_GRACE, probe_name
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
 
@@ -138,44 +139,10 @@ def validate_specs(steps):
     return specs
 
 
-class SharedReads:
-    """Node-side reads shared by the passes of one module execution (target_facts' ``batch``, one node's CTs): each
-    key is read once, by the first pass that asks, and every pass that asks gets that answer, or that error.
-
-    The passes of a batch start together, so the one read is what each would have read on its own at that moment.
-    It spares a node of N CTs N - 1 ``nvidia-smi`` queries (0.1-0.5 CPU-s each on a real node, and serialized in
-    the driver) and N - 1 walks of every process's cgroup. A pass that asks while the read is under way waits for
-    it in its node-read thread, which its own budget bounds (:class:`NodeRead`): a wedged read is every waiting
-    pass's ``wedged`` problem, as it would have been had each read alone.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._reads = {}  # key -> [done event, answer, error]
-
-    def get(self, key, read):
-        """``read()``'s answer for ``key``: read now if no pass asked before, else the first asker's (its error
-        raised again)."""
-        with self._lock:
-            entry = self._reads.get(key)
-            first = entry is None
-            if first:
-                entry = self._reads[key] = [threading.Event(), None, None]
-        if first:
-            try:
-                entry[1] = read()
-            except BaseException as error:  # re-raised to every pass that asks: each names its own target around it
-                entry[2] = error
-            finally:
-                entry[0].set()
-        else:
-            entry[0].wait()
-        if entry[2] is not None:
-            raise entry[2]
-        return entry[1]
-
-
 def target_context(target, check_mode, shared=None):
+    """What a step's evaluation gets besides its own settings and reads: whose target it is, check mode, the node
+    reads it shares (``shared``: this execution's :class:`SharedReads`, a new one when it is read alone) and the
+    facts of the steps before it (``steps``, filled in as the pass goes)."""
     return {
         "target": {"label": target.label, "vmid": target.vmid, "node": target.node},
         "check_mode": bool(check_mode),

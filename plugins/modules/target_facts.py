@@ -120,6 +120,9 @@ options:
         alone.
       - The passes run side by side; each target takes its own lock and has its own result in RV(batch), and one
         target's failure is its own. The action fills it in (I(per_node)); a task does not set it.
+      - What is the node's is read once for all of them (the compute processes C(nvidia-smi) lists, the owner of
+        every process); a read that fails is then the C(gpu_processes) problem of every target that asked for it,
+        each named in its own result.
     type: list
     elements: dict
     default: []
@@ -274,9 +277,9 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_lock import DEFAULT_LOCK_DIR, DEFAULT_TTL
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_node_reads import SharedReads
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import (
     STEP_NAMES,
-    SharedReads,
     fact_pass,
     validate_specs,
 )
@@ -308,7 +311,7 @@ MAX_PARALLEL = 32
 def read_target(params, check_mode, shared=None):
     """The fact pass of one target (``params``: PASS_ARGUMENT_SPEC's options, validated), as its task's result:
     ``changed``, ``ansible_facts``, and on failure ``failed``, ``msg``, ``error``; ``warnings`` when any.
-    ``shared``: the node reads of this execution's other passes (pve_steps.SharedReads)."""
+    ``shared``: the node reads of this execution's other passes (pve_node_reads.SharedReads)."""
     warnings = []
     try:
         specs = validate_specs(params["steps"])

@@ -9,6 +9,7 @@ import re
 import pytest
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_node_reads import SharedReads
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probe_name
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import messages as gpu_messages
@@ -83,6 +84,7 @@ class Target:
 
 def facts(guard, unattended, answer=None, context=CONTEXT, **spec):
     settings = dict(DEFAULTS, guard=guard, unattended=unattended, **spec)
+    context = dict(context, shared=SharedReads())  # this pass's node reads, its own
     node = gpu_facts.read_node(settings, Target, answer, context)
     return gpu_facts.evaluate_step(settings, answer, node, context)
 

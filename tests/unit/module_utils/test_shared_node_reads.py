@@ -1,21 +1,27 @@
-"""What the fact pass pays per CT: the node reads one node's CTs share (pve_steps.SharedReads,
+"""What the fact pass pays per CT: the node reads one node's CTs share (pve_node_reads.SharedReads,
 pve_process.process_owners) and the modules the probe program loads in every CT."""
 
 import json
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
+from ansible_collections.pve_gpu.recover.plugins.module_utils import (
+    pve_act_runner,
+    pve_node_reads,
+    pve_steps,
+    pve_target,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps, pve_target
 
 from tests.unit.module_utils.test_gpu_jobs import fake_proc
 
 
 # -- SharedReads: one read, every asker its answer ----------------------------------------------------------------
 def test_passes_asking_at_once_share_one_read_and_each_gets_its_answer():
-    shared = pve_steps.SharedReads()
+    shared = pve_node_reads.SharedReads()
     reads, answers = [], []
     asking = threading.Barrier(8, timeout=5)
 
@@ -27,7 +33,7 @@ def test_passes_asking_at_once_share_one_read_and_each_gets_its_answer():
         asking.wait()  # all eight ask at the same moment
         answers.append(shared.get(("compute_apps", "pve1"), read))
 
-    threads = [threading.Thread(target=ask) for _ in range(8)]
+    threads = [threading.Thread(target=ask) for _asker in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -37,14 +43,14 @@ def test_passes_asking_at_once_share_one_read_and_each_gets_its_answer():
 
 
 def test_a_failed_read_is_every_askers_error_and_other_keys_are_read_on_their_own():
-    shared = pve_steps.SharedReads()
+    shared = pve_node_reads.SharedReads()
     calls = []
 
     def broken():
         calls.append("apps")
         raise OSError("nvidia-smi: no such file")
 
-    for _ in range(3):
+    for _attempt in range(3):
         with pytest.raises(OSError, match="nvidia-smi: no such file"):
             shared.get(("compute_apps", "pve1"), broken)
     assert calls == ["apps"]  # read once, failed once, the same error for the others
@@ -53,7 +59,7 @@ def test_a_failed_read_is_every_askers_error_and_other_keys_are_read_on_their_ow
 
 
 def test_an_asker_waits_for_the_read_under_way_instead_of_reading_again():
-    shared = pve_steps.SharedReads()
+    shared = pve_node_reads.SharedReads()
     started, release = threading.Event(), threading.Event()
     reads = []
 
@@ -81,10 +87,71 @@ def test_each_fact_pass_context_shares_what_it_is_given_and_a_lone_pass_gets_its
     class Target:
         label, vmid, node = "CT 200 on pve1", 200, "pve1"
 
-    given = pve_steps.SharedReads()
+    given = pve_node_reads.SharedReads()
     assert pve_steps.target_context(Target, False, given)["shared"] is given
-    alone = pve_steps.target_context(Target, False)["shared"]
-    assert isinstance(alone, pve_steps.SharedReads) and alone is not pve_steps.target_context(Target, False)["shared"]
+    alone, other = pve_steps.target_context(Target, False)["shared"], pve_steps.target_context(Target, False)["shared"]
+    assert isinstance(alone, pve_node_reads.SharedReads) and alone is not other
+
+
+def test_a_node_read_is_keyed_by_node_and_what_changes_it_never_by_the_asker():
+    shared = pve_node_reads.SharedReads()
+    reads = []
+
+    def context(node, label):
+        return {"target": {"label": label, "vmid": 200, "node": node}, "shared": shared}
+
+    def read(answer):
+        return lambda: reads.append(answer) or answer
+
+    assert pve_node_reads.node_read(context("pve1", "CT 200"), ("compute_apps", 60), read("a60")) == "a60"
+    assert pve_node_reads.node_read(context("pve1", "CT 201"), ("compute_apps", 60), read("again")) == "a60"
+    # A pass given another timeout reads with its own: the first asker's would bound it wrongly.
+    assert pve_node_reads.node_read(context("pve1", "CT 202"), ("compute_apps", 5), read("a5")) == "a5"
+    assert pve_node_reads.node_read(context("pve2", "CT 300"), ("compute_apps", 60), read("b60")) == "b60"
+    assert reads == ["a60", "a5", "b60"]
+
+
+def test_a_wedged_shared_read_is_each_waiting_passs_wedged_problem_within_its_own_budget():
+    """The first pass's read never answers: the passes that wait for it are each abandoned at their own deadline
+    (their node-read threads, pve_steps.NodeRead), the shortest budget first, none waiting for the longest."""
+    shared = pve_node_reads.SharedReads()
+    stuck = threading.Event()
+
+    class Step:
+        NAME = "gpu_processes"
+
+        @staticmethod
+        def read_node(_spec, _target, _answer, context):
+            return pve_node_reads.node_read(context, ("compute_apps", 60), lambda: stuck.wait(30))
+
+    class Target:
+        node, timeout = "pve1", 60
+
+    reads = []
+    for budget in (0.3, 0.6, 0.9):
+        context = {"target": {"label": f"CT {budget}", "vmid": 200, "node": "pve1"}, "shared": shared}
+        reads.append(pve_steps.NodeRead(Step, {}, Target, context, budget=budget))
+        reads[-1].start()
+    started = time.monotonic()
+    ended = []
+    for read in reads:
+        assert read.finish() is False  # wedged, left behind
+        ended.append(time.monotonic() - started)
+        assert "gave no answer within" in read.wedged_reason()
+    stuck.set()
+    assert ended[0] < 0.55 and ended[1] < 0.85 and ended[2] < 1.2
+    assert ended[0] < ended[1] < ended[2]
+
+
+def test_an_acting_modules_context_reads_the_node_afresh_each_time():
+    run = pve_act_runner.Run.__new__(pve_act_runner.Run)
+
+    class Target:
+        label, vmid, node, is_container = "CT 200 on pve1", 200, "pve1", True
+
+    run.target = Target
+    first, second = run.context["shared"], run.context["shared"]
+    assert isinstance(first, pve_node_reads.SharedReads) and first is not second  # a re-read after acting reads
 
 
 # -- one walk of /proc's owners for the node -------------------------------------------------------------------

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -697,8 +698,9 @@ def test_the_gathering_ends_when_every_host_of_the_play_batch_has_come_to_any_no
     (round-robin, each node's own a few forks apart), and starts the moment the last of the 8 hosts has come, not
     an idle wait later: one read per node, none split in two."""
     arrivals = str(tmp_path / "arrivals")
-    queues = {node: action.NodeQueue(str(tmp_path / node), arrivals=arrivals, expected=8) for node in "abcd"}
     order = [(f"ct{i}", "abcd"[i % 4]) for i in range(8)]
+    batch = [host for host, _node in order]
+    queues = {node: action.NodeQueue(str(tmp_path / node), arrivals=arrivals, expected=batch) for node in "abcd"}
     now = [0.0]
     queues["a"].post({"vmid": 100}, host=order[0][0])
     coming = iter(order[1:])
@@ -717,7 +719,7 @@ def test_the_gathering_ends_when_every_host_of_the_play_batch_has_come_to_any_no
 
 def test_a_host_that_posts_again_is_counted_once_and_a_gathering_without_arrivals_counts_its_node(action, tmp_path):
     arrivals = str(tmp_path / "arrivals")
-    queue = action.NodeQueue(str(tmp_path / "a"), arrivals=arrivals, expected=3)
+    queue = action.NodeQueue(str(tmp_path / "a"), arrivals=arrivals, expected=["ct200", "ct201", "ct202"])
     name = queue.post({"vmid": 200}, host="ct200")
     queue.post({"vmid": 200}, name)  # queued again after a read that did not answer it: no second arrival
     queue.post({"vmid": 201}, host="ct201")
@@ -733,3 +735,70 @@ def test_a_host_that_posts_again_is_counted_once_and_a_gathering_without_arrival
     alone = action.NodeQueue(str(tmp_path / "b"))
     alone.post({"vmid": 300}, host="ct300")
     assert alone.arrived() == 1 and not os.path.exists(tmp_path / "b" / "arrivals")
+
+
+def test_a_batch_counts_only_its_own_hosts_marks(action, tmp_path):
+    """The task's arrivals outlive a play batch: a serial play's earlier batch, or a host that failed the
+    controller's checks and left the batch, never counts for (or makes wait) the batch that reads now."""
+    arrivals = str(tmp_path / "arrivals")
+    earlier = action.NodeQueue(str(tmp_path / "a"), arrivals=arrivals, expected=["ct1", "ct2"])
+    earlier.post({"vmid": 201}, host="ct1")
+    earlier.post({"vmid": 202}, host="ct2")
+    # The next batch, ct3 to ct5; ct5 failed before it posted and the forks after it see a batch without it.
+    first = action.NodeQueue(str(tmp_path / "b"), arrivals=arrivals, expected=["ct3", "ct4", "ct5"])
+    first.post({"vmid": 203}, host="ct3")
+    assert first.arrived() == 1  # ct1 and ct2 are another batch's
+    shrunk = action.NodeQueue(str(tmp_path / "c"), arrivals=arrivals, expected=["ct3", "ct4"])
+    shrunk.post({"vmid": 204}, host="ct4")
+    now = [0.0]
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    assert shrunk.gather(idle=0.15, longest=5.0, clock=lambda: now[0], sleep=sleep) == 1
+    assert now[0] == 0.0  # all of its batch came: no wait at all
+    assert first.gather(idle=0.15, longest=5.0, clock=lambda: now[0], sleep=sleep) == 1
+    assert 0.15 <= now[0] < 0.17  # ct5 never comes: an idle wait, not the 5 s bound
+
+
+def test_a_mark_that_cannot_be_made_still_queues_the_request_once(action, tmp_path):
+    arrivals = tmp_path / "arrivals"
+    queue = action.NodeQueue(str(tmp_path / "a"), arrivals=str(arrivals), expected=["ct200", "ct201"])
+    arrivals.rmdir()
+    arrivals.write_text("not a directory")  # a mark cannot be made in it
+    name = queue.post({"vmid": 200}, host="ct200")
+    assert queue.waiting() == [name]
+    assert queue.claim() == [(name, {"vmid": 200})]
+
+
+def test_every_node_queue_of_a_task_shares_one_arrivals_directory_and_another_task_has_its_own(
+    action, tmp_path, monkeypatch
+):
+    def queue_of(uuid, node, play_batch):
+        fork = action.ActionModule.__new__(action.ActionModule)
+        fork._task = Task({"vmid": 200})
+        fork._task._uuid = uuid
+        fork._task.delegate_to = node
+        fork._task.environment = []
+        fork._task.no_log = False
+        fork._task.async_val = 0
+        fork._connection = types.SimpleNamespace(transport="ssh")
+        fork._play_context = types.SimpleNamespace(
+            remote_addr=node,
+            port=22,
+            remote_user="root",
+            private_key_file=None,
+            become=False,
+            become_user=None,
+            become_method=None,
+            check_mode=False,
+        )
+        return fork._node_queue({"ansible_play_batch": play_batch})
+
+    monkeypatch.setattr(action.C, "DEFAULT_LOCAL_TMP", str(tmp_path))
+    a = queue_of("task-1", "pve-a", ["ct1", "ct2", "ct3"])
+    b = queue_of("task-1", "pve-b", ["ct1", "ct2"])  # a fork started after ct3 left the batch
+    other = queue_of("task-2", "pve-a", ["ct1", "ct2", "ct3"])
+    assert a.directory != b.directory and a.arrivals == b.arrivals
+    assert other.arrivals != a.arrivals and other.directory != a.directory
+    assert len(a.expected) == 3 and b.expected < a.expected

@@ -47,6 +47,7 @@ from __future__ import annotations
 import os
 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import NvidiaSmi
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_node_reads import node_read
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import (
     ancestry,
     device_holders,
@@ -165,13 +166,6 @@ def probe_payload(spec, timeout=60):
 NODE_READ_NEEDS_ANSWER = False
 
 
-def node_read(context, name, read):
-    """``read()``, or what it answered another pass of this module execution (the fact pass's ``shared``,
-    pve_steps.SharedReads: the CTs of one node read together); the acting module, alone, reads for itself."""
-    shared = context.get("shared")
-    return read() if shared is None else shared.get((name, context["target"]["node"]), read)
-
-
 def read_node(spec, target, answer, context):
     """Node-side reads: NVML's compute processes (host pids), their /proc entries, the device-file holders, and
     the jobs of the target's own (their parents, the members of the systemd services they run in). With a guard,
@@ -179,9 +173,10 @@ def read_node(spec, target, answer, context):
     not read (the guard's pid files are matched in evaluate_step)."""
     owner = owner_of(context["target"])
     # NVML's processes and every process's owner are the node's: read once for all the CTs of one execution.
-    apps = node_read(context, "compute_apps", NvidiaSmi(target.run_on_node, timeout=target.timeout).compute_apps)
+    smi = NvidiaSmi(target.run_on_node, timeout=target.timeout)
+    apps = node_read(context, ("compute_apps", target.timeout), smi.compute_apps)
     infos = {a["pid"]: read_process(a["pid"]) for a in apps}
-    devices = device_holders(owner, owners=node_read(context, "process_owners", process_owners))
+    devices = device_holders(owner, owners=node_read(context, ("process_owners",), process_owners))
     holder_infos = [*infos.values(), *(info for info, _ in devices)]
     own = run_processes(spec.get("controller_pid")) if holder_infos else set()
     ancestors, units = read_jobs(holder_infos, owner, own)
