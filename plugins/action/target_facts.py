@@ -17,18 +17,18 @@ targets still fail in parallel, not one timeout after another. Where the Control
 ``%`` tokens), a password is in play, the connection is not ssh or its internals changed, this does nothing and
 Ansible connects as it always does.
 
-One module execution per node, not per target (``per_node``, on by default): the forks of one run whose targets
-share a node and its connection post their options to a queue in the run's own temp directory (``local_tmp``, so
-never another run's); the first to take the node's lock waits until every host of the play batch has posted (to
-its own node's queue or another's) or none has for GATHER_IDLE seconds, then reads, in one execution, every target
-of its node that has posted by then (``batch``: the passes run side by side on the node), writes each its result
-and lets go, and each waiting fork returns its own. Every target keeps its own task, result, report, ``--limit``
-and failure; each one's options are the ones Ansible templated for it, so nothing of another host's is guessed. A
-lone target (one host in the play batch, or a bare host) runs exactly as before. Forks that arrive while a read
-runs are the next read's. A read that did not answer the targets it carried (its own options failed the module
-before it read them, it raised) queues them again for the next fork; an unreachable node answers each of them
-unreachable at once; a fork that leaves its wait (a task timeout) takes its request back; any failure of the queue
-itself reads the target alone. The queue only ever saves time.
+One module execution per node, not per target (``per_node``, on by default): the forks of one run whose targets share a
+node and its connection post their options to a queue in the run's own temp directory (``local_tmp``, so never another
+run's); the first to take the node's lock waits until every host of the play batch has posted (to its own node's queue
+or another's) or none has for GATHER_IDLE seconds (GATHER_LONGEST at most, longer for a batch of hundreds), then reads,
+in one execution, every target of its node that has posted by then (``batch``: the passes run side by side on the node),
+writes each its result and lets go, and each waiting fork returns its own. Every target keeps its own task, result,
+report, ``--limit`` and failure; each one's options are the ones Ansible templated for it, so nothing of another host's
+is guessed. A lone target (one host in the play batch, a bare host, or a run with one fork) runs exactly as before.
+Forks that arrive while a read runs are the next read's. A read that did not answer the targets it carried (its own
+options failed the module before it read them, it raised) queues them again for the next fork; an unreachable node
+answers each of them unreachable at once; a fork that leaves its wait (a task timeout) takes its request back; any
+failure of the queue itself reads the target alone. The queue only ever saves time.
 
 Building the payload is the largest controller cost of a converged run (recursive_finder parses every module_utils
 file the module reaches with ``ast``: about 0.45 s of a 2.7 s run, docs/benchmarks.md), and Ansible caches it only
@@ -66,6 +66,7 @@ import time
 
 import ansible
 from ansible import constants as C
+from ansible import context as ansible_context
 from ansible.errors import AnsibleConnectionFailure
 from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.plugins.action.normal import ActionModule as NormalAction
@@ -88,11 +89,14 @@ CONTROLLER_PID_ENV = "PVE_GPU_RECOVER_CONTROLLER_PID"
 # The queue of the targets of one node waiting for the fact pass, in the run's own temp directory (NodeQueue).
 QUEUE_DIR = "pve-gpu-recover-node-passes"
 # A fork that reads its node's targets first waits for the others: until every host of the play batch has come
-# (to any node), or none has come for GATHER_IDLE seconds, never longer than GATHER_LONGEST in all. The strategy
-# starts the forks of a task one after another (64 take about 2 s on 2 busy cores), round-robin over the nodes in
-# an inventory like the lab's, so a wait for the node's own targets alone split them into two reads or more.
+# (to any node), or none has come for GATHER_IDLE seconds, never longer than GATHER_LONGEST in all, or
+# GATHER_PER_HOST per host of the batch where that is longer. The strategy starts the forks of a task one after
+# another (64 take about 2 s on 2 busy cores, 30 ms each), round-robin over the nodes in an inventory like the
+# lab's, so a wait for the node's own targets alone split them into two reads or more; a fixed bound would split
+# a batch of hundreds the same way.
 GATHER_IDLE = 0.15
 GATHER_LONGEST = 5.0
+GATHER_PER_HOST = 0.05
 # A run id names report files and lock records: a path component of safe characters only.
 RUN_ID_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -399,13 +403,14 @@ class NodeQueue:
         """Queue one target's ``options`` (again, under ``name``); the name its result will be found under. ``host``:
         the inventory host that arrives with them (its first post)."""
         name = name or f"{time.monotonic_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}"
+        write_json_atomically(os.path.join(self.directory, "requests", f"{name}.json"), options)
         if host is not None and self.arrivals:
-            # Marked before the request is: a mark that cannot be made costs only a shorter wait, never a request
-            # left queued behind an error (its target would be read twice).
+            # Marked once the request is there, so a gathering that saw every mark claims every request. A mark
+            # that cannot be made costs only a longer wait, never an error after the request is queued (its
+            # fork would read its target alone while another read it too).
             with contextlib.suppress(OSError):
                 marker = os.path.join(self.arrivals, self.mark(host))
                 os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        write_json_atomically(os.path.join(self.directory, "requests", f"{name}.json"), options)
         return name
 
     @staticmethod
@@ -445,9 +450,12 @@ class NodeQueue:
             n[: -len(".json")] for n in os.listdir(os.path.join(self.directory, "requests")) if n.endswith(".json")
         )
 
-    def gather(self, idle=GATHER_IDLE, longest=GATHER_LONGEST, clock=time.monotonic, sleep=time.sleep):
+    def gather(self, idle=GATHER_IDLE, longest=None, clock=time.monotonic, sleep=time.sleep):
         """Wait while more targets are still coming: until all ``expected`` have, or none came for ``idle``
-        seconds, at most ``longest`` in all. How many of this node's are waiting then."""
+        seconds, at most ``longest`` in all (default: GATHER_LONGEST, or GATHER_PER_HOST per expected host where
+        that is longer). How many of this node's are waiting then."""
+        if longest is None:
+            longest = max(GATHER_LONGEST, GATHER_PER_HOST * len(self.expected))
         started = last_change = clock()
         count = self.arrived()
         expected = len(self.expected) if self.arrivals and self.expected else float("inf")
@@ -604,14 +612,14 @@ class ActionModule(NormalAction):
 
     def _node_queue(self, task_vars):
         """The queue of this target's node (NodeQueue), or None when it is read alone: ``per_node`` off, a bare
-        host (no vmid), one host in the play batch, or a queue that cannot be made (then said at -vvv)."""
+        host (no vmid), one host in the play batch, one fork, or a queue that cannot be made (then said at -vvv)."""
         args = self._task.args
         # As the module reads it: "false" from an extra var is false.
         if not boolean(args.get("per_node", True), strict=False) or args.get("vmid") in (None, ""):
             return None
         play_batch = task_vars.get("ansible_play_batch") or ()
-        if len(play_batch) < 2 or getattr(self._task, "async_val", 0):
-            return None
+        if len(play_batch) < 2 or getattr(self._task, "async_val", 0) or ansible_context.CLIARGS.get("forks") == 1:
+            return None  # with one fork, no other target is ever waiting to share the read
         try:
             delegated = (task_vars.get("ansible_delegated_vars") or {}).get(self._task.delegate_to) or {}
             context = self._play_context

@@ -398,7 +398,9 @@ def device_holders(owner, proc_root="/proc", exclude=(), owners=None):
         devices = device_fds(pid, proc_root)
         if devices:
             info = read_process(pid, proc_root)
-            if info is not None:
+            # Owned now, not only when ``owners`` was read: a pid gone and reused since by another CT's process
+            # is not this target's.
+            if info is not None and info.owner == owner:
                 holders.append((info, devices))
     return holders
 

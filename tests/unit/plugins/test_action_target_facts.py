@@ -19,6 +19,7 @@ import types
 from pathlib import Path
 
 import pytest
+from ansible.utils.context_objects import CLIArgs
 
 from tests.conftest import ROOT
 
@@ -536,7 +537,7 @@ def queued_fork(action, queue, vmid, executions, *, module=MODULE, outcome="read
 
     fork._read_alone = read_alone
     try:
-        return fork._read_with_node(queue, None, {"ansible_play_batch": ["a", "b"]})
+        return fork._read_with_node(queue, None, {"ansible_play_batch": ["a", "b"], "inventory_hostname": f"ct{vmid}"})
     except RuntimeError as error:
         return {"raised": str(error)}
 
@@ -775,25 +776,7 @@ def test_every_node_queue_of_a_task_shares_one_arrivals_directory_and_another_ta
     action, tmp_path, monkeypatch
 ):
     def queue_of(uuid, node, play_batch):
-        fork = action.ActionModule.__new__(action.ActionModule)
-        fork._task = Task({"vmid": 200})
-        fork._task._uuid = uuid
-        fork._task.delegate_to = node
-        fork._task.environment = []
-        fork._task.no_log = False
-        fork._task.async_val = 0
-        fork._connection = types.SimpleNamespace(transport="ssh")
-        fork._play_context = types.SimpleNamespace(
-            remote_addr=node,
-            port=22,
-            remote_user="root",
-            private_key_file=None,
-            become=False,
-            become_user=None,
-            become_method=None,
-            check_mode=False,
-        )
-        return fork._node_queue({"ansible_play_batch": play_batch})
+        return equipped_fork(action, uuid, node)._node_queue({"ansible_play_batch": play_batch})
 
     monkeypatch.setattr(action.C, "DEFAULT_LOCAL_TMP", str(tmp_path))
     a = queue_of("task-1", "pve-a", ["ct1", "ct2", "ct3"])
@@ -802,3 +785,93 @@ def test_every_node_queue_of_a_task_shares_one_arrivals_directory_and_another_ta
     assert a.directory != b.directory and a.arrivals == b.arrivals
     assert other.arrivals != a.arrivals and other.directory != a.directory
     assert len(a.expected) == 3 and b.expected < a.expected
+
+
+def test_each_fork_marks_its_host_so_the_reader_stops_waiting_once_the_batch_has_come(action, tmp_path):
+    """Through _read_with_node: every fork marks its own host, and the fork that reads finds the whole batch
+    there, so it reads at once instead of an idle wait (a read of two takes the module's time, not 5 s)."""
+    arrivals = tmp_path / "arrivals"
+    queue = action.NodeQueue(str(tmp_path / "q"), arrivals=str(arrivals), expected=["ct200", "ct201"])
+    executions, results = run_queued(action, queue, [200, 201])
+    assert sorted(os.listdir(arrivals)) == sorted(action.NodeQueue.mark(h) for h in ("ct200", "ct201"))
+    assert sum(len(e) for e in executions) == 2 and all(results[v]["read"] == v for v in (200, 201))
+
+
+def test_a_hosts_mark_comes_after_its_request_so_a_full_count_never_misses_one(action, tmp_path, monkeypatch):
+    """A gathering that has seen every mark claims every request: post() writes the request, then the mark."""
+    arrivals = tmp_path / "arrivals"
+    queue = action.NodeQueue(str(tmp_path / "q"), arrivals=str(arrivals), expected=["ct200"])
+    marks_when_written = []
+    write = action.write_json_atomically
+
+    def recording_write(path, data):
+        marks_when_written.append(os.listdir(arrivals))
+        write(path, data)
+
+    monkeypatch.setattr(action, "write_json_atomically", recording_write)
+    name = queue.post({"vmid": 200}, host="ct200")
+    assert marks_when_written == [[]] and queue.arrived() == 1 and queue.waiting() == [name]
+
+
+def test_the_gathering_bound_grows_with_a_batch_of_hundreds(action, tmp_path):
+    """64 hosts keep the 5 s bound; 500 get 25 s (the strategy starts their forks over about 15 s): a node is
+    still read once when its hosts keep coming for longer than 5 s."""
+    now = [0.0]
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    hosts = [f"ct{i}" for i in range(500)]
+    queue = action.NodeQueue(str(tmp_path / "q"), arrivals=str(tmp_path / "arrivals"), expected=hosts)
+    coming = iter(hosts)
+
+    def sleep_while_coming(seconds):
+        sleep(seconds)
+        if round(now[0] * 100) % 3 == 0:  # a host every 30 ms: 500 in 15 s
+            host = next(coming, None)
+            if host:
+                queue.post({"vmid": 1}, host=host)
+
+    queue.gather(clock=lambda: now[0], sleep=sleep_while_coming)
+    assert 14.9 < now[0] < 15.2 and queue.arrived() == 500  # all came: one read, not three
+    small = action.NodeQueue(str(tmp_path / "s"), arrivals=str(tmp_path / "a2"), expected=hosts[:64])
+    now[0] = 0.0
+
+    def keeps_coming(seconds):  # someone else's marks never end the wait: only the bound does
+        sleep(seconds)
+        small.post({"vmid": 1})
+
+    small.gather(idle=10.0, clock=lambda: now[0], sleep=keeps_coming)
+    assert 5.0 <= now[0] < 5.02
+
+
+def test_one_fork_reads_alone(action, tmp_path, monkeypatch):
+    """With --forks 1 no other target is ever waiting: no queue, no gathering wait."""
+    monkeypatch.setattr(action.C, "DEFAULT_LOCAL_TMP", str(tmp_path))
+    monkeypatch.setattr(action.ansible_context, "CLIARGS", CLIArgs({"forks": 2}))
+    assert equipped_fork(action, "task-1", "pve-a")._node_queue({"ansible_play_batch": ["ct1", "ct2"]}) is not None
+    monkeypatch.setattr(action.ansible_context, "CLIARGS", CLIArgs({"forks": 1}))
+    assert equipped_fork(action, "task-1", "pve-a")._node_queue({"ansible_play_batch": ["ct1", "ct2"]}) is None
+
+
+def equipped_fork(action, uuid, node):
+    """A fork of task ``uuid`` delegated to ``node`` with what _node_queue reads of Ansible's task machinery."""
+    fork = action.ActionModule.__new__(action.ActionModule)
+    fork._task = Task({"vmid": 200})
+    fork._task._uuid = uuid
+    fork._task.delegate_to = node
+    fork._task.environment = []
+    fork._task.no_log = False
+    fork._task.async_val = 0
+    fork._connection = types.SimpleNamespace(transport="ssh")
+    fork._play_context = types.SimpleNamespace(
+        remote_addr=node,
+        port=22,
+        remote_user="root",
+        private_key_file=None,
+        become=False,
+        become_user=None,
+        become_method=None,
+        check_mode=False,
+    )
+    return fork
