@@ -17,18 +17,19 @@ targets still fail in parallel, not one timeout after another. Where the Control
 ``%`` tokens), a password is in play, the connection is not ssh or its internals changed, this does nothing and
 Ansible connects as it always does.
 
-One module execution per node, not per target (``per_node``, on by default): the forks of one run whose targets share a
-node and its connection post their options to a queue in the run's own temp directory (``local_tmp``, so never another
-run's); the first to take the node's lock waits until every host of the play batch has posted (to its own node's queue
-or another's) or none has for GATHER_IDLE seconds (GATHER_LONGEST at most, longer for a batch of hundreds), then reads,
-in one execution, every target of its node that has posted by then (``batch``: the passes run side by side on the node),
-writes each its result and lets go, and each waiting fork returns its own. Every target keeps its own task, result,
-report, ``--limit`` and failure; each one's options are the ones Ansible templated for it, so nothing of another host's
-is guessed. A lone target (one host in the play batch, a bare host, or a run with one fork) runs exactly as before.
-Forks that arrive while a read runs are the next read's. A read that did not answer the targets it carried (its own
-options failed the module before it read them, it raised) queues them again for the next fork; an unreachable node
-answers each of them unreachable at once; a fork that leaves its wait (a task timeout) takes its request back; any
-failure of the queue itself reads the target alone. The queue only ever saves time.
+One module execution per node, not per target (``per_node``, on by default): the forks of one run whose targets share
+a node and its connection post their options to a queue in the run's own temp directory (``local_tmp``, so never
+another run's); the first to take the node's lock waits until every host of the play batch has posted (to its own
+node's queue or another's) or none has for a while (GATHER_IDLE_COVERED where the forks cover the batch, else
+GATHER_IDLE; GATHER_LONGEST at most, longer for a batch of hundreds), then reads, in one execution, every target of
+its node that has posted by then (``batch``: the passes run side by side on the node), writes each its result and lets
+go, and each waiting fork returns its own. Every target keeps its own task, result, report, ``--limit`` and failure;
+each one's options are the ones Ansible templated for it, so nothing of another host's is guessed. A lone target (one
+host in the play batch, a bare host, or a run with one fork) runs exactly as before. Forks that arrive while a read
+runs are the next read's. A read that did not answer the targets it carried (its own options failed the module before
+it read them, it raised) queues them again for the next fork; an unreachable node answers each of them unreachable at
+once; a fork that leaves its wait (a task timeout) takes its request back; any failure of the queue itself reads the
+target alone. The queue only ever saves time.
 
 Building the payload is the largest controller cost of a converged run (recursive_finder parses every module_utils
 file the module reaches with ``ast``: about 0.45 s of a 2.7 s run, docs/benchmarks.md), and Ansible caches it only
@@ -89,14 +90,17 @@ CONTROLLER_PID_ENV = "PVE_GPU_RECOVER_CONTROLLER_PID"
 # The queue of the targets of one node waiting for the fact pass, in the run's own temp directory (NodeQueue).
 QUEUE_DIR = "pve-gpu-recover-node-passes"
 # A fork that reads its node's targets first waits for the others: until every host of the play batch has come
-# (to any node), or none has come for GATHER_IDLE seconds, never longer than GATHER_LONGEST in all, or
-# GATHER_PER_HOST per host of the batch where that is longer. The strategy starts the forks of a task one after
-# another (64 take about 2 s on 2 busy cores, 30 ms each), round-robin over the nodes in an inventory like the
-# lab's, so a wait for the node's own targets alone split them into two reads or more; a fixed bound would split
-# a batch of hundreds the same way.
+# (to any node), or none has come for an idle time, never longer than GATHER_LONGEST in all, or GATHER_PER_HOST per
+# host of the batch where that is longer. The strategy starts the forks of a task one after another, round-robin
+# over the nodes in an inventory like the lab's: 64 take about 2 s on 2 busy cores, and over 5 s (gaps of 0.2 s
+# and more) when those cores are shared with the 64 CTs' probes, so a wait for the node's own targets alone, a
+# short idle time or a fixed bound split a node's targets into two reads or more. Idle time: GATHER_IDLE_COVERED
+# when the forks cover the batch (a host that has not come by then is not coming: skipped, or failed before its
+# action), GATHER_IDLE when they do not (the rest of the batch comes only as reads end: waiting is for nothing).
 GATHER_IDLE = 0.15
-GATHER_LONGEST = 5.0
-GATHER_PER_HOST = 0.05
+GATHER_IDLE_COVERED = 1.0
+GATHER_LONGEST = 10.0
+GATHER_PER_HOST = 0.1
 # A run id names report files and lock records: a path component of safe characters only.
 RUN_ID_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -390,10 +394,11 @@ class NodeQueue:
     finds its own mark there and waits an idle time at most). Without them, it waits for this node's own requests.
     """
 
-    def __init__(self, directory, arrivals=None, expected=()):
+    def __init__(self, directory, arrivals=None, expected=(), idle=GATHER_IDLE):
         self.directory = directory
         self.arrivals = arrivals
         self.expected = {self.mark(host) for host in expected}
+        self.idle = idle
         for part in ("requests", "results"):
             os.makedirs(os.path.join(directory, part), mode=0o700, exist_ok=True)
         if arrivals:
@@ -450,10 +455,11 @@ class NodeQueue:
             n[: -len(".json")] for n in os.listdir(os.path.join(self.directory, "requests")) if n.endswith(".json")
         )
 
-    def gather(self, idle=GATHER_IDLE, longest=None, clock=time.monotonic, sleep=time.sleep):
+    def gather(self, idle=None, longest=None, clock=time.monotonic, sleep=time.sleep):
         """Wait while more targets are still coming: until all ``expected`` have, or none came for ``idle``
-        seconds, at most ``longest`` in all (default: GATHER_LONGEST, or GATHER_PER_HOST per expected host where
-        that is longer). How many of this node's are waiting then."""
+        seconds (default: the queue's), at most ``longest`` in all (default: GATHER_LONGEST, or GATHER_PER_HOST
+        per expected host where that is longer). How many of this node's are waiting then."""
+        idle = self.idle if idle is None else idle
         if longest is None:
             longest = max(GATHER_LONGEST, GATHER_PER_HOST * len(self.expected))
         started = last_change = clock()
@@ -618,7 +624,8 @@ class ActionModule(NormalAction):
         if not boolean(args.get("per_node", True), strict=False) or args.get("vmid") in (None, ""):
             return None
         play_batch = task_vars.get("ansible_play_batch") or ()
-        if len(play_batch) < 2 or getattr(self._task, "async_val", 0) or ansible_context.CLIARGS.get("forks") == 1:
+        forks = ansible_context.CLIARGS.get("forks")
+        if len(play_batch) < 2 or getattr(self._task, "async_val", 0) or forks == 1:
             return None  # with one fork, no other target is ever waiting to share the read
         try:
             delegated = (task_vars.get("ansible_delegated_vars") or {}).get(self._task.delegate_to) or {}
@@ -649,6 +656,7 @@ class ActionModule(NormalAction):
                 os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, key),
                 arrivals=os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, f"arrivals-{task_key}"),
                 expected=play_batch,
+                idle=GATHER_IDLE_COVERED if isinstance(forks, int) and forks >= len(play_batch) else GATHER_IDLE,
             )
         except Exception as error:  # by design: the queue only saves time; the target is then read alone
             display.vvv(f"target_facts: no node queue ({type(error).__name__}: {error}); this target is read alone")
