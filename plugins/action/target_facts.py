@@ -25,11 +25,12 @@ GATHER_IDLE; GATHER_LONGEST at most, longer for a batch of hundreds), then reads
 its node that has posted by then (``batch``: the passes run side by side on the node), writes each its result and lets
 go, and each waiting fork returns its own. Every target keeps its own task, result, report, ``--limit`` and failure;
 each one's options are the ones Ansible templated for it, so nothing of another host's is guessed. A lone target (one
-host in the play batch, a bare host, or a run with one fork) runs exactly as before. Forks that arrive while a read
-runs are the next read's. A read that did not answer the targets it carried (its own options failed the module before
-it read them, it raised) queues them again for the next fork; an unreachable node answers each of them unreachable at
-once; a fork that leaves its wait (a task timeout) takes its request back; any failure of the queue itself reads the
-target alone. The queue only ever saves time.
+host in the play batch, a bare host, or one fork at a time) runs exactly as before and marks its arrival all the same,
+as does a host that fails the checks above: no read waits for a host that will not post. Forks that arrive while a
+read runs are the next read's. A read that did not answer the targets it carried (its own options failed the module
+before it read them, it raised) queues them again for the next fork; an unreachable node answers each of them
+unreachable at once; a fork that leaves its wait (a task timeout) takes its request back; any failure of the queue
+itself reads the target alone. The queue only ever saves time.
 
 Building the payload is the largest controller cost of a converged run (recursive_finder parses every module_utils
 file the module reaches with ``ast``: about 0.45 s of a 2.7 s run, docs/benchmarks.md), and Ansible caches it only
@@ -414,14 +415,19 @@ class NodeQueue:
             # that cannot be made costs only a longer wait, never an error after the request is queued (its
             # fork would read its target alone while another read it too).
             with contextlib.suppress(OSError):
-                marker = os.path.join(self.arrivals, self.mark(host))
-                os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+                self.mark_arrival(self.arrivals, host)
         return name
 
     @staticmethod
     def mark(host):
         """The file name that marks ``host``'s arrival (any inventory name, as a safe file name)."""
         return hashlib.sha256(str(host).encode()).hexdigest()[:32]
+
+    @classmethod
+    def mark_arrival(cls, arrivals, host):
+        """Mark ``host`` as come in the ``arrivals`` directory (made if missing); OSError when it cannot be."""
+        os.makedirs(arrivals, mode=0o700, exist_ok=True)
+        os.close(os.open(os.path.join(arrivals, cls.mark(host)), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
 
     def arrived(self):
         """How many have come: hosts of the play batch to any node (``arrivals``), else this node's waiting
@@ -531,6 +537,7 @@ class ActionModule(NormalAction):
         if not problem and args.get("batch"):
             problem, kind = "batch is filled in by the action (per_node), never by a task", "invalid"
         if problem:
+            self._mark_arrival(task_vars)  # it will never post: the other hosts' reads need not wait for it
             # Before any connection: a vmid that is not a CT id never reaches a node.
             return {"failed": True, "changed": False, "msg": problem, "error": kind, "run_id": run_id}
         args["run_id"] = run_id
@@ -538,6 +545,8 @@ class ActionModule(NormalAction):
             if args.get(option) in (None, ""):
                 args[option] = value
         queue = self._node_queue(task_vars)
+        if queue is None:
+            self._mark_arrival(task_vars)  # read alone (a bare host, per_node off): nobody waits for it
         result = self._read_with_node(queue, tmp, task_vars) if queue else self._read_alone(tmp, task_vars)
         result["run_id"] = run_id  # the report names the run by it, whether the pass succeeded or not
         return result
@@ -624,9 +633,9 @@ class ActionModule(NormalAction):
         if not boolean(args.get("per_node", True), strict=False) or args.get("vmid") in (None, ""):
             return None
         play_batch = task_vars.get("ansible_play_batch") or ()
-        forks = ansible_context.CLIARGS.get("forks")
-        if len(play_batch) < 2 or getattr(self._task, "async_val", 0) or forks == 1:
-            return None  # with one fork, no other target is ever waiting to share the read
+        parallel = self._parallel()
+        if len(play_batch) < 2 or getattr(self._task, "async_val", 0) or parallel == 1:
+            return None  # one at a time: no other target is ever waiting to share the read
         try:
             delegated = (task_vars.get("ansible_delegated_vars") or {}).get(self._task.delegate_to) or {}
             context = self._play_context
@@ -651,16 +660,39 @@ class ActionModule(NormalAction):
             key = hashlib.sha256(json.dumps(reach, default=str).encode()).hexdigest()[:32]
             # Every node's queue of this task marks the hosts that came, so a read knows when none of its play
             # batch is left to wait for.
-            task_key = hashlib.sha256(str(self._task._uuid).encode()).hexdigest()[:32]
             return NodeQueue(
                 os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, key),
-                arrivals=os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, f"arrivals-{task_key}"),
+                arrivals=self._arrivals(),
                 expected=play_batch,
-                idle=GATHER_IDLE_COVERED if isinstance(forks, int) and forks >= len(play_batch) else GATHER_IDLE,
+                idle=GATHER_IDLE_COVERED if parallel is not None and parallel >= len(play_batch) else GATHER_IDLE,
             )
         except Exception as error:  # by design: the queue only saves time; the target is then read alone
             display.vvv(f"target_facts: no node queue ({type(error).__name__}: {error}); this target is read alone")
             return None
+
+    def _arrivals(self):
+        """The directory where the hosts of this task mark their arrival (NodeQueue), every node's the same."""
+        task_key = hashlib.sha256(str(self._task._uuid).encode()).hexdigest()[:32]
+        return os.path.join(C.DEFAULT_LOCAL_TMP, QUEUE_DIR, f"arrivals-{task_key}")
+
+    def _parallel(self):
+        """How many hosts run this task at once: ``--forks``, or the task's ``throttle`` where lower; None when
+        unknown (Ansible driven without its command line)."""
+        forks = ansible_context.CLIARGS.get("forks")
+        throttle = getattr(self._task, "throttle", 0)
+        if not isinstance(forks, int):
+            return None
+        return min(forks, throttle) if isinstance(throttle, int) and throttle > 0 else forks
+
+    def _mark_arrival(self, task_vars):
+        """Mark this host as come without queueing it (it is read alone, or fails before): a read of another
+        node's targets then stops waiting for it at once instead of after an idle wait."""
+        if len(task_vars.get("ansible_play_batch") or ()) < 2:
+            return
+        try:
+            NodeQueue.mark_arrival(self._arrivals(), task_vars.get("inventory_hostname"))
+        except Exception as error:  # by design: a mark only saves the others a wait
+            display.vvv(f"target_facts: arrival not marked ({type(error).__name__}: {error})")
 
     @staticmethod
     def _run_id():

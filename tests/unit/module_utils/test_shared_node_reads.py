@@ -153,7 +153,7 @@ def test_a_wedged_shared_read_is_each_waiting_passs_wedged_problem_within_its_ow
         assert "gave no answer within" in read.wedged_reason()
     stuck.set()
     # Each at its own deadline, give or take a busy machine's scheduling; none waits for the wedged read.
-    assert ended[0] < ended[1] < ended[2] < 2.5
+    assert ended[0] < 1.0 and ended[1] - ended[0] > 0.15 and ended[2] - ended[1] > 0.15 and ended[2] < 2.5
     assert ended[0] >= 0.25 and ended[1] >= 0.55 and ended[2] >= 0.85  # not before its own (started a bit earlier)
 
 
@@ -169,7 +169,7 @@ def test_an_acting_modules_context_reads_the_node_afresh_each_time():
 
 
 # -- one walk of /proc's owners for the node -------------------------------------------------------------------
-def test_process_owners_walks_proc_once_and_device_holders_reads_no_cgroup_given_them(tmp_path, monkeypatch):
+def test_process_owners_walks_proc_once_and_device_holders_reads_no_other_cgroup_given_them(tmp_path, monkeypatch):
     root = tmp_path / "proc"
     fake_proc(root, 516, ppid=1, comm="python3", argv=["python3", "train.py"], cgroup="/lxc/200/ns/init.scope")
     fake_proc(root, 777, ppid=1, comm="python3", argv=["python3"], cgroup="/lxc/201/ns/init.scope")

@@ -791,10 +791,37 @@ def test_each_fork_marks_its_host_so_the_reader_stops_waiting_once_the_batch_has
     """Through _read_with_node: every fork marks its own host, and the fork that reads finds the whole batch
     there, so it reads at once instead of an idle wait (a read of two takes the module's time, not 5 s)."""
     arrivals = tmp_path / "arrivals"
-    queue = action.NodeQueue(str(tmp_path / "q"), arrivals=str(arrivals), expected=["ct200", "ct201"])
+    queue = action.NodeQueue(str(tmp_path / "q"), arrivals=str(arrivals), expected=["ct200", "ct201"], idle=5.0)
+    started = time.monotonic()
     executions, results = run_queued(action, queue, [200, 201])
+    assert time.monotonic() - started < 2.5  # not the 5 s idle wait
     assert sorted(os.listdir(arrivals)) == sorted(action.NodeQueue.mark(h) for h in ("ct200", "ct201"))
-    assert sum(len(e) for e in executions) == 2 and all(results[v]["read"] == v for v in (200, 201))
+    assert len(executions) == 1 and sorted(executions[0]) == [200, 201]
+    assert all(results[v]["read"] == v for v in (200, 201))
+
+
+def test_a_host_that_never_queues_marks_its_arrival_so_no_read_waits_for_it(action, tmp_path, monkeypatch):
+    """ct2 fails the action's own checks and ct3 is read alone (per_node off): both mark their arrival, so ct1's
+    node, whose batch names all three, reads as soon as ct1 has come."""
+    monkeypatch.setattr(action.C, "DEFAULT_LOCAL_TMP", str(tmp_path))
+    monkeypatch.setattr(action.ansible_context, "CLIARGS", CLIArgs({"forks": 3}))
+    batch = ["ct1", "ct2", "ct3"]
+    failing = equipped_fork(action, "task-1", "pve-a")
+    failing._task.args = {"vmid": 202, "batch": [{"vmid": 1}]}  # refused before any connection
+    assert failing.run(None, {"ansible_play_batch": batch, "inventory_hostname": "ct2"})["failed"]
+    alone = equipped_fork(action, "task-1", "pve-b")
+    alone._task.args = {"vmid": 203, "per_node": False}
+    alone._read_alone = lambda _tmp, _task_vars: {"changed": False}
+    assert alone.run(None, {"ansible_play_batch": batch, "inventory_hostname": "ct3"})["changed"] is False
+    queue = equipped_fork(action, "task-1", "pve-a")._node_queue({"ansible_play_batch": batch})
+    queue.post({"vmid": 201}, host="ct1")
+    now = [0.0]
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    assert queue.arrived() == 3 and queue.gather(clock=lambda: now[0], sleep=sleep) == 1
+    assert now[0] == 0.0  # no idle wait for ct2 and ct3
 
 
 def test_a_hosts_mark_comes_after_its_request_so_a_full_count_never_misses_one(action, tmp_path, monkeypatch):
@@ -860,10 +887,32 @@ def test_the_idle_wait_is_long_only_where_every_host_of_the_batch_has_a_fork(act
     the others come only as reads end, so it waits 0.15 s."""
     monkeypatch.setattr(action.C, "DEFAULT_LOCAL_TMP", str(tmp_path))
     batch = {"ansible_play_batch": [f"ct{i}" for i in range(64)]}
-    for forks, idle in ((64, action.GATHER_IDLE_COVERED), (100, action.GATHER_IDLE_COVERED), (5, action.GATHER_IDLE)):
-        monkeypatch.setattr(action.ansible_context, "CLIARGS", CLIArgs({"forks": forks}))
-        assert equipped_fork(action, "task-1", "pve-a")._node_queue(batch).idle == idle
+    cases = [
+        ({"forks": 64}, 0, action.GATHER_IDLE_COVERED),
+        ({"forks": 100}, 0, action.GATHER_IDLE_COVERED),
+        ({"forks": 5}, 0, action.GATHER_IDLE),  # Ansible's default
+        ({"forks": 100}, 8, action.GATHER_IDLE),  # the task's throttle: 8 at a time
+        ({}, 0, action.GATHER_IDLE),  # Ansible driven without its command line: not known to cover
+    ]
+    for cliargs, throttle, idle in cases:
+        monkeypatch.setattr(action.ansible_context, "CLIARGS", CLIArgs(cliargs))
+        fork = equipped_fork(action, "task-1", "pve-a")
+        fork._task.throttle = throttle
+        assert fork._node_queue(batch).idle == idle, (cliargs, throttle)
+    fork._task.throttle = 1
+    monkeypatch.setattr(action.ansible_context, "CLIARGS", CLIArgs({"forks": 100}))
+    assert fork._node_queue(batch) is None  # throttle 1: one at a time, read alone
     assert action.GATHER_IDLE_COVERED > 0.5 > action.GATHER_IDLE
+    # The gathering waits the queue's own idle time for a host that does not come.
+    queue = action.NodeQueue(str(tmp_path / "q"), arrivals=str(tmp_path / "a"), expected=["ct1", "ct2"], idle=1.0)
+    queue.post({"vmid": 201}, host="ct1")
+    now = [0.0]
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    queue.gather(clock=lambda: now[0], sleep=sleep)
+    assert 1.0 <= now[0] < 1.02
 
 
 def equipped_fork(action, uuid, node):
