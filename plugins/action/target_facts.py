@@ -69,10 +69,14 @@ import time
 import ansible
 from ansible import constants as C
 from ansible import context as ansible_context
-from ansible.errors import AnsibleConnectionFailure
+from ansible.errors import AnsibleConnectionFailure, AnsibleError
 from ansible.module_utils.parsing.convert_bool import boolean
+from ansible.parsing.dataloader import DataLoader
 from ansible.plugins.action.normal import ActionModule as NormalAction
+from ansible.template import Templar, trust_as_template
 from ansible.utils.display import Display
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import StepSpecError, settings_from_variables
 
 display = Display()
 
@@ -102,8 +106,32 @@ GATHER_IDLE = 0.15
 GATHER_IDLE_COVERED = 1.0
 GATHER_LONGEST = 10.0
 GATHER_PER_HOST = 0.1
+# Every step's module, imported with this action: ansible-playbook imports the action before it forks the task's
+# workers (the linear strategy asks it whether it bypasses the host loop), so each worker finds them imported
+# instead of importing them again to read their settings (settings_from_variables).
+STEP_MODULES = tuple(pve_steps.load_step(name) for name in pve_steps.STEP_NAMES)
+# What the workers template first: a filter (Ansible loads every builtin filter plugin on the first one) and a
+# lookup (the env lookup of roles/gpu_processes/vars/main.yml); see warm_templating.
+WARM_TEMPLATE = "{{ (lookup('ansible.builtin.env', 'HOME') | default('') | string | length > 0) | bool }}"
 # A run id names report files and lock records: a path component of safe characters only.
 RUN_ID_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def warm_templating(template=WARM_TEMPLATE):
+    """Template one expression in this process, once: the process is ansible-playbook's own when it imports this
+    action before it forks the task's workers (STEP_MODULES), and what Ansible sets up on its first template (Jinja's
+    lexer, the builtin filter plugins it loads all at once, the lookup plugin) is then inherited by every worker
+    instead of set up again in each: 5 to 10 ms of each worker's CPU (docs/benchmarks.md, the fleet). Anything
+    unexpected leaves it undone: it only ever saves time. Returns whether it templated."""
+    try:
+        Templar(loader=DataLoader()).template(trust_as_template(template))
+    except Exception as error:  # by design: see above
+        display.vvv(f"target_facts: templating not warmed ({type(error).__name__}: {error})")
+        return False
+    return True
+
+
+warm_templating()
 
 
 def inventory_problem(host, vmid_set, vmid, node_set, node):
@@ -536,6 +564,8 @@ class ActionModule(NormalAction):
             kind = "inventory" if problem else kind
         if not problem and args.get("batch"):
             problem, kind = "batch is filled in by the action (per_node), never by a task", "invalid"
+        if not problem:
+            problem, kind = self._settings_from_variables(task_vars), "invalid_step"
         if problem:
             self._mark_arrival(task_vars)  # it will never post: the other hosts' reads need not wait for it
             # Before any connection: a vmid that is not a CT id never reaches a node.
@@ -550,6 +580,34 @@ class ActionModule(NormalAction):
         result = self._read_with_node(queue, tmp, task_vars) if queue else self._read_alone(tmp, task_vars)
         result["run_id"] = run_id  # the report names the run by it, whether the pass succeeded or not
         return result
+
+    def _settings_from_variables(self, task_vars):
+        """Fill ``steps`` with the settings of the steps ``steps_from_variables`` names, read from their roles'
+        variables (pve_steps.settings_from_variables); a step ``steps`` gives keeps the settings given. The option
+        is the action's own: the module never gets it. Returns a problem, or None."""
+        names = self._task.args.pop("steps_from_variables", None) or []
+        if not names:
+            return None
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            return f"steps_from_variables must be a list of step names, not {names!r}"
+
+        def variable(name):
+            if name not in task_vars:
+                raise KeyError(name)
+            try:
+                return self._templar.template(task_vars[name])
+            except AnsibleError as error:
+                raise StepSpecError(f"the variable {name}: {error}", kind="invalid_step") from error
+
+        try:
+            read = settings_from_variables(names, variable)
+        except StepSpecError as error:
+            return str(error)
+        given = self._task.args.get("steps") or {}
+        if not isinstance(given, dict):
+            return f"steps must be a dict of each step's settings, not {type(given).__name__}"
+        self._task.args["steps"] = {**read, **given}
+        return None
 
     def _read_alone(self, tmp, task_vars, batch=None):
         """This target's pass (and ``batch``'s, the other targets' options) in one module execution."""

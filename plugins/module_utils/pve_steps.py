@@ -34,6 +34,7 @@ import threading
 import time
 
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+from ansible.module_utils.parsing.convert_bool import boolean
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_node_reads import SharedReads
@@ -137,6 +138,47 @@ def validate_specs(steps):
             )
         specs[step.NAME] = result.validated_parameters
     return specs
+
+
+def settings_from_variables(names, variable):
+    """The settings of each step in ``names`` read from its role's variables, in the order the steps run (pure).
+
+    Setting ``s`` of step ``x`` is the variable ``x_s`` (the role's default, or the inventory's), or the one the
+    step's ``VARIABLES`` names for it (a value the role computes, such as the venv step's lock text); one that is not
+    set keeps the SPEC's default. ``x_enabled`` false leaves the step out. ``variable(name)`` returns the variable's
+    templated value and raises KeyError when it is not set. This is the fact pass's reading of the roles' variables
+    on the controller: in Python, once per target, where a Jinja mapping of every setting cost each of Ansible's
+    workers a template compile per step (docs/benchmarks.md, the fleet).
+    """
+    unknown = sorted(set(names) - set(STEP_NAMES))
+    if unknown:
+        raise StepSpecError(
+            f"unknown step(s) {', '.join(unknown)} in steps_from_variables; the steps are {', '.join(STEP_NAMES)}",
+            kind="invalid_step",
+        )
+    steps = {}
+    for name in STEP_NAMES:
+        if name not in names:
+            continue
+        enabled = _variable_or(variable, f"{name}_enabled", True)
+        try:
+            if not boolean(enabled):
+                continue
+        except TypeError as error:
+            raise StepSpecError(f"{name}_enabled: {error}", kind="invalid_step") from error
+        step = load_step(name)
+        renamed = getattr(step, "VARIABLES", {})
+        missing = object()
+        values = {key: _variable_or(variable, renamed.get(key, f"{name}_{key}"), missing) for key in step.SPEC}
+        steps[name] = {key: value for key, value in values.items() if value is not missing}
+    return steps
+
+
+def _variable_or(variable, name, default):
+    try:
+        return variable(name)
+    except KeyError:
+        return default
 
 
 def target_context(target, check_mode, shared=None):

@@ -89,6 +89,20 @@ options:
         of its module that are not the target's (plugins/module_utils/pve_steps.py).
     type: dict
     default: {}
+  steps_from_variables:
+    description:
+      - Steps whose settings the action reads from their roles' variables on the controller, in Python, and puts in
+        I(steps). Setting C(s) of step C(x) is the variable C(x_s) (for the few the role computes, the one the
+        step's C(VARIABLES) names); a variable that is not set keeps the setting's default; C(x_enabled) false
+        leaves the step out. A step that I(steps) names keeps the settings given there.
+      - The roles' variables must be loaded (C(import_role) with C(tasks_from=settings), as recover.yml does). An
+        unknown step or a variable that fails to template fails the task with C(error=invalid_step), before any
+        connection.
+      - A Jinja mapping of every setting cost each of Ansible's workers a template compile per step; this is the
+        fact pass's cheaper way to the same settings. The module itself ignores it.
+    type: list
+    elements: str
+    default: []
   fail_on_problems:
     description:
       - Fail when a step found a problem, with every problem in one message (the run stops here, before anything
@@ -150,6 +164,12 @@ EXAMPLES = r"""
     steps:
       preflight: {expected_gpu_count: 8, min_free_gib: 20}
       gpu_processes: {}
+  delegate_to: pve1
+
+- name: Read the settings of the steps from their roles' variables (the roles' settings loaded before)
+  pve_gpu.recover.target_facts:
+    vmid: 200
+    steps_from_variables: [preflight, gpu_processes, verify]
   delegate_to: pve1
 
 - name: Read the facts of a target even when a step found a problem
@@ -303,6 +323,7 @@ PASS_ARGUMENT_SPEC = {
     "fail_on_problems": {"type": "bool", "default": True},
     "check_run": {"type": "bool", "default": False},
     "per_node": {"type": "bool", "default": True},
+    "steps_from_variables": {"type": "list", "elements": "str", "default": []},
 }
 # Targets of one node read at once: each pass mostly waits on its pct exec, so they run side by side.
 MAX_PARALLEL = 32

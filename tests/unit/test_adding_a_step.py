@@ -97,7 +97,6 @@ if __name__ == "__main__":
 '''
 ROLE = {
     "defaults/main.yml": "---\ndemo_enabled: false\ndemo_marker: /etc/pve-gpu-recover-demo\n",
-    "vars/main.yml": "---\n_demo_spec: \"{{ {'marker': demo_marker} if demo_enabled | bool else none }}\"\n",
     "tasks/settings.yml": "---\n[]\n",
     "tasks/main.yml": textwrap.dedent("""\
         ---
@@ -143,7 +142,7 @@ def add_demo_step(copy):
         path = copy / "roles" / "demo" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content)
-    # 4. The recover playbook: its settings, its spec for the fact pass, its acting role.
+    # 4. The recover playbook: its settings, its name for the fact pass, its acting role.
     playbook = copy / "playbooks" / "recover.yml"
     text = playbook.read_text()
     settings = (
@@ -153,7 +152,7 @@ def add_demo_step(copy):
     text = text.replace(
         "\n    # The fact pass module checks", "\n" + settings + "\n    # The fact pass module checks", 1
     )
-    text = text.replace("'verify': _verify_spec}", "'verify': _verify_spec, 'demo': _demo_spec}", 1)
+    text = text.replace("compile_cache, verify]", "compile_cache, verify, demo]", 1)
     playbook.write_text(text)
     steps = copy / "playbooks" / "tasks" / "steps.yml"
     text = steps.read_text()
@@ -254,6 +253,23 @@ def test_the_real_fact_pass_ships_and_registers_the_new_step(copy, tmp_path):
     facts = json.loads(out[out.index("=>") + 2 :])["ansible_facts"]["pve_gpu_recover"]
     assert "demo" in facts, sorted(facts)
     assert facts["demo"]["error"] == "preflight found problems"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_fact_pass_reads_the_new_steps_settings_from_its_role_variables(copy, tmp_path, enabled):
+    """recover.yml's way: the action reads the demo's settings from demo_<setting>, and leaves it out while
+    demo_enabled is false."""
+    args = {"lock_dir": str(tmp_path / "lock"), "steps_from_variables": ["demo"], "fail_on_problems": False}
+    argv = [str(BIN / "ansible"), "localhost", "-i", "localhost,", "-c", "local", "-m", "pve_gpu.recover.target_facts"]
+    argv += ["-a", json.dumps(args), "-e", f"ansible_python_interpreter={sys.executable}", "-o"]
+    argv += ["-e", json.dumps({"demo_enabled": enabled, "demo_marker": str(tmp_path / "marker")})]
+    done = subprocess.run(
+        argv, cwd=copy, env=env_for(copy, tmp_path), capture_output=True, text=True, timeout=120, check=False
+    )
+    out = done.stdout
+    assert "=>" in out, out + done.stderr
+    facts = json.loads(out[out.index("=>") + 2 :])["ansible_facts"]["pve_gpu_recover"]
+    assert ("demo" in facts) is enabled, sorted(facts)
 
 
 def test_the_registry_reads_and_evaluates_the_new_step_in_the_one_probe_run(copy, tmp_path):

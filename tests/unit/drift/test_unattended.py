@@ -91,10 +91,24 @@ def test_a_role_that_mentions_the_variable_but_never_passes_it_to_its_module_is_
     assert "the training_venv module ran with unattended=None" in err
 
 
+def break_fact_pass(copy, old, new):
+    """The copy's recover.yml with the fact pass's settings changed (settings the preflight role is given outright
+    win over the step role's variables)."""
+    playbook = copy / "playbooks" / "recover.yml"
+    text = playbook.read_text()
+    assert old in text
+    playbook.write_text(text.replace(old, new, 1))
+
+
 def test_a_fact_pass_that_gets_the_step_attended_is_refused(unattended, tmp_path):
     """The module gets it, but the fact pass would plan the venv swap as ordinary work (not needs_window)."""
     copy = checkout_copy(tmp_path)
-    spec = copy / "roles" / "compile_cache" / "vars" / "main.yml"
-    spec.write_text(spec.read_text().replace("'unattended': compile_cache_unattended | bool", "'unattended': false"))
+    break_fact_pass(copy, "preflight_steps: {}", "preflight_steps: {compile_cache: {unattended: false}}")
     want = "the fact pass got compile_cache's settings with unattended=False"
     assert unattended.probe(ansible_runner, copy) == [want]
+
+
+def test_a_fact_pass_that_does_not_read_a_step_is_refused(unattended, tmp_path):
+    copy = checkout_copy(tmp_path)
+    break_fact_pass(copy, "training_venv, compile_cache, verify]", "training_venv, verify]")
+    assert unattended.probe(ansible_runner, copy) == ["the fact pass got no settings for compile_cache"]

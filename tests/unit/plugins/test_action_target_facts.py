@@ -19,6 +19,8 @@ import types
 from pathlib import Path
 
 import pytest
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar, trust_as_template
 from ansible.utils.context_objects import CLIArgs
 
 from tests.conftest import ROOT
@@ -323,6 +325,46 @@ def test_a_run_id_that_cannot_name_a_file_fails_and_names_nothing(tmp_path):
     assert report["error"]["msg"].startswith('run_id "../../escaped" cannot name a run')
     assert RUN_ID.fullmatch(report["run_id"])  # the report is named by an id of the action's own
     assert not list(tmp_path.rglob("escaped*"))
+
+
+# -- the steps' settings read from their roles' variables (steps_from_variables) ----------------------------------
+def test_the_steps_settings_are_read_from_the_variables_and_given_settings_win(action):
+    """The action's own option, never the module's: the settings of the named steps from their variables, templated
+    by Ansible; a step given in ``steps`` keeps those; a step that is off is left out."""
+    variables = {
+        "verify_gpu_name": "NVIDIA H200",
+        "verify_gpu_count": trust_as_template("{{ gpus | int }}"),
+        "gpus": "8",
+        "gpu_processes_enabled": trust_as_template("{{ 'no' }}"),
+        "training_code_grace": "not a setting of any step: never read",
+    }
+    instance = action.ActionModule.__new__(action.ActionModule)
+    instance._templar = Templar(loader=DataLoader(), variables=variables)
+    instance._task = Task({"steps_from_variables": ["verify", "gpu_processes", "preflight"], "steps": {}})
+    assert instance._settings_from_variables(variables) is None
+    assert instance._task.args == {"steps": {"preflight": {}, "verify": {"gpu_name": "NVIDIA H200", "gpu_count": 8}}}
+    given = {"verify": {"gpu_count": 4}}
+    instance._task = Task({"steps_from_variables": ["verify"], "steps": given})
+    assert instance._settings_from_variables(variables) is None
+    assert instance._task.args == {"steps": given}
+    instance._task = Task({"steps": given})  # nothing to read: the task's steps as they are
+    assert instance._settings_from_variables(variables) is None and instance._task.args == {"steps": given}
+
+
+def test_a_wrong_step_name_or_a_variable_that_fails_to_template_fails_before_any_connection(tmp_path):
+    hosts = tmp_path / "hosts.yml"
+    hosts.write_text("all:\n  vars: " + CLOSED + "\n  hosts:\n    ct1: {pve_vmid: 200, pve_node: pve1}\n")
+    done = ad_hoc(tmp_path, str(hosts), "-a", '{"steps_from_variables": ["verify", "nope"]}')
+    (report,) = reports_of(tmp_path)["ct1"]
+    assert report["error"]["kind"] == "invalid_step", done.stdout[-2000:]
+    assert report["error"]["msg"].startswith("unknown step(s) nope in steps_from_variables; the steps are preflight")
+    broken = json.dumps({"verify_gpu_count": "{{ no_such_variable }}"})
+    done = ad_hoc(tmp_path, str(hosts), "-a", '{"steps_from_variables": ["verify"]}', "-e", broken)
+    report = reports_of(tmp_path)["ct1"][-1]
+    assert report["error"]["kind"] == "invalid_step", done.stdout[-2000:]
+    assert report["error"]["msg"].startswith("the variable verify_gpu_count: "), report["error"]["msg"]
+    assert "no_such_variable" in report["error"]["msg"]
+    assert "UNREACHABLE" not in done.stdout
 
 
 def run_ad_hoc(local_tmp, *args):
