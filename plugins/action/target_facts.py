@@ -5,6 +5,9 @@ Before the module runs, on the controller and at no remote cost: the inventory i
 and the lock's ``owner``, ``controller`` and ``controller_pid`` are filled in when the task leaves them out. Each of
 these was a task of its own (a set_fact, an assert, two ``pipe`` lookups), and every task costs a worker process.
 
+The steps' settings are read here too (``steps_from_variables``): from their roles' variables, in Python, where a
+Jinja mapping of them cost each of Ansible's workers a template compile per step (``_settings_from_variables``).
+
 Then the module runs exactly as Ansible's ``normal`` action runs it, with its AnsiballZ payload kept between runs.
 
 One ssh connection per node, whatever the fork count: with ``ControlMaster=auto`` every fork that reaches a node
@@ -69,7 +72,7 @@ import time
 import ansible
 from ansible import constants as C
 from ansible import context as ansible_context
-from ansible.errors import AnsibleConnectionFailure, AnsibleError
+from ansible.errors import AnsibleConnectionFailure, AnsibleError, AnsibleValueOmittedError
 from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.parsing.dataloader import DataLoader
 from ansible.plugins.action.normal import ActionModule as NormalAction
@@ -117,12 +120,15 @@ WARM_TEMPLATE = "{{ (lookup('ansible.builtin.env', 'HOME') | default('') | strin
 RUN_ID_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def warm_templating(template=WARM_TEMPLATE):
-    """Template one expression in this process, once: the process is ansible-playbook's own when it imports this
-    action before it forks the task's workers (STEP_MODULES), and what Ansible sets up on its first template (Jinja's
-    lexer, the builtin filter plugins it loads all at once, the lookup plugin) is then inherited by every worker
-    instead of set up again in each: 5 to 10 ms of each worker's CPU (docs/benchmarks.md, the fleet). Anything
+def warm_templating(template=WARM_TEMPLATE, modules=None):
+    """Template one expression in this process, once, where it runs tasks (an ansible or ansible-playbook process:
+    Ansible's task queue is imported): it imports this action before it forks the task's workers (STEP_MODULES), and
+    what Ansible sets up on its first template (Jinja's lexer, the builtin filter plugins it loads all at once, the
+    lookup plugin) is then inherited by every worker instead of set up again in each: about 7 ms of each worker's
+    CPU (docs/benchmarks.md, the fleet). Elsewhere (ansible-doc, a sanity test's import) it does nothing. Anything
     unexpected leaves it undone: it only ever saves time. Returns whether it templated."""
+    if "ansible.executor.task_queue_manager" not in (sys.modules if modules is None else modules):
+        return False
     try:
         Templar(loader=DataLoader()).template(trust_as_template(template))
     except Exception as error:  # by design: see above
@@ -584,29 +590,41 @@ class ActionModule(NormalAction):
     def _settings_from_variables(self, task_vars):
         """Fill ``steps`` with the settings of the steps ``steps_from_variables`` names, read from their roles'
         variables (pve_steps.settings_from_variables); a step ``steps`` gives keeps the settings given. The option
-        is the action's own: the module never gets it. Returns a problem, or None."""
-        names = self._task.args.pop("steps_from_variables", None) or []
+        is the action's own: taken off the task's options once it is read, so neither the module nor the other
+        targets of a node's read get it. Returns a problem, or None.
+
+        The variables are templated with this target's task variables; a value that templates to ``omit`` is not
+        set (the acting task, templating the same variable, omits the option too). On ansible-core 2.21, Ansible's
+        connection variables of the play context are not among them (a setting that names one is undefined here)."""
+        args = self._task.args
+        names = args.get("steps_from_variables") or []
         if not names:
+            args.pop("steps_from_variables", None)
             return None
+        given = args.get("steps") or {}
         if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
             return f"steps_from_variables must be a list of step names, not {names!r}"
+        if not isinstance(given, dict):
+            return f"steps must be a dict of each step's settings, not {type(given).__name__}"
 
         def variable(name):
             if name not in task_vars:
                 raise KeyError(name)
             try:
                 return self._templar.template(task_vars[name])
+            except AnsibleValueOmittedError as error:
+                raise KeyError(name) from error
             except AnsibleError as error:
-                raise StepSpecError(f"the variable {name}: {error}", kind="invalid_step") from error
+                said = str(error).splitlines()[0] if str(error) else type(error).__name__
+                raise StepSpecError(said, kind="invalid_step") from error
 
         try:
             read = settings_from_variables(names, variable)
         except StepSpecError as error:
-            return str(error)
-        given = self._task.args.get("steps") or {}
-        if not isinstance(given, dict):
-            return f"steps must be a dict of each step's settings, not {type(given).__name__}"
-        self._task.args["steps"] = {**read, **given}
+            return f"{task_vars.get('inventory_hostname')}: {error}"
+        # Only now: a retried task (retries/until) reads them again if this read failed.
+        args.pop("steps_from_variables")
+        args["steps"] = {**read, **given}
         return None
 
     def _read_alone(self, tmp, task_vars, batch=None):

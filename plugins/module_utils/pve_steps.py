@@ -6,7 +6,10 @@ A step is a module in module_utils that exposes (docs/design.md, "Adding a step"
 
 * ``NAME``: the step's name, the key of its facts under ``pve_gpu_recover.steps`` and of its spec;
 * ``PROBE``: its probe part (a stdlib-only module with ``probe(payload)``, run inside the target), or None;
-* ``SPEC``: the typed argument spec of the step's settings; the acting module takes the same options;
+* ``SPEC``: the typed argument spec of the step's settings; the acting module takes the same options. The fact pass
+  reads setting ``s`` from the role variable ``<step>_s`` (:func:`settings_from_variables`);
+* ``ROLE_VARIABLES`` (optional): the settings read from another variable (one the role computes, ``_<step>_...``)
+  or from none (None);
 * ``probe_payload(spec, timeout)``: what the probe part is asked to read (JSON), within ``timeout`` seconds;
   None leaves the part out of this pass (its ``answer`` is then None);
 * ``read_node(spec, target, answer, context)``: the node-side reads (the module already runs on the node);
@@ -144,41 +147,69 @@ def settings_from_variables(names, variable):
     """The settings of each step in ``names`` read from its role's variables, in the order the steps run (pure).
 
     Setting ``s`` of step ``x`` is the variable ``x_s`` (the role's default, or the inventory's), or the one the
-    step's ``VARIABLES`` names for it (a value the role computes, such as the venv step's lock text); one that is not
-    set keeps the SPEC's default. ``x_enabled`` false leaves the step out. ``variable(name)`` returns the variable's
-    templated value and raises KeyError when it is not set. This is the fact pass's reading of the roles' variables
-    on the controller: in Python, once per target, where a Jinja mapping of every setting cost each of Ansible's
-    workers a template compile per step (docs/benchmarks.md, the fleet).
+    step's ``ROLE_VARIABLES`` names for it (a value the role computes, such as the venv step's lock text; None: no
+    role variable gives it, it is never read); one that is not set keeps the SPEC's default. ``x_enabled`` false
+    leaves the step out, and it must be set: a step whose role's variables were not loaded would be read on its
+    defaults, whether on or off (preflight, the fact pass itself, is never off). ``variable(name)`` returns the
+    variable's templated value, raises KeyError when it is not set and StepSpecError when it cannot be templated.
+    This is the fact pass's reading of the roles' variables on the controller: in Python, once per target, where a
+    Jinja mapping of every setting cost each of Ansible's workers a template compile per step (docs/benchmarks.md,
+    the fleet).
     """
     unknown = sorted(set(names) - set(STEP_NAMES))
     if unknown:
         raise StepSpecError(
-            f"unknown step(s) {', '.join(unknown)} in steps_from_variables; the steps are {', '.join(STEP_NAMES)}",
+            f"unknown step(s) {', '.join(unknown)} in steps_from_variables (the preflight role's "
+            f"preflight_steps_from_variables); the steps are {', '.join(STEP_NAMES)}",
             kind="invalid_step",
         )
     steps = {}
     for name in STEP_NAMES:
-        if name not in names:
+        if name not in names or not _enabled(name, variable):
             continue
-        enabled = _variable_or(variable, f"{name}_enabled", True)
-        try:
-            if not boolean(enabled):
-                continue
-        except TypeError as error:
-            raise StepSpecError(f"{name}_enabled: {error}", kind="invalid_step") from error
         step = load_step(name)
-        renamed = getattr(step, "VARIABLES", {})
-        missing = object()
-        values = {key: _variable_or(variable, renamed.get(key, f"{name}_{key}"), missing) for key in step.SPEC}
-        steps[name] = {key: value for key, value in values.items() if value is not missing}
+        renamed = getattr(step, "ROLE_VARIABLES", {})
+        settings = {}
+        for key in step.SPEC:
+            found = _variable(variable, renamed.get(key, f"{name}_{key}"), f"{name}'s {key}")
+            if found is not _UNSET:
+                settings[key] = found
+        steps[name] = settings
     return steps
 
 
-def _variable_or(variable, name, default):
+_UNSET = object()
+
+
+def _variable(variable, name, what):
+    """``variable(name)``, or _UNSET when ``name`` is None or not set; a template error names the variable."""
+    if name is None:
+        return _UNSET
     try:
         return variable(name)
     except KeyError:
-        return default
+        return _UNSET
+    except StepSpecError as error:
+        raise StepSpecError(f"the variable {name} ({what}) cannot be templated: {error}", kind="invalid_step") from (
+            error
+        )
+
+
+def _enabled(name, variable):
+    """Whether step ``name`` is on (``<name>_enabled``); preflight always is."""
+    if name == preflight_facts.NAME:
+        return True
+    enabled = _variable(variable, f"{name}_enabled", "whether the step is on")
+    if enabled is _UNSET:
+        raise StepSpecError(
+            f"the variables of role pve_gpu.recover.{name} are not loaded ({name}_enabled is not set): import its "
+            f"settings before the fact pass (import_role with tasks_from: settings), as recover.yml does",
+            kind="invalid_step",
+        )
+    try:
+        return boolean(enabled)
+    except TypeError as error:
+        raise StepSpecError(f"{name}_enabled: {error}", kind="invalid_step") from error
 
 
 def target_context(target, check_mode, shared=None):

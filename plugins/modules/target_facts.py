@@ -93,11 +93,11 @@ options:
     description:
       - Steps whose settings the action reads from their roles' variables on the controller, in Python, and puts in
         I(steps). Setting C(s) of step C(x) is the variable C(x_s) (for the few the role computes, the one the
-        step's C(VARIABLES) names); a variable that is not set keeps the setting's default; C(x_enabled) false
+        step's C(ROLE_VARIABLES) names); a variable that is not set keeps the setting's default; C(x_enabled) false
         leaves the step out. A step that I(steps) names keeps the settings given there.
-      - The roles' variables must be loaded (C(import_role) with C(tasks_from=settings), as recover.yml does). An
-        unknown step or a variable that fails to template fails the task with C(error=invalid_step), before any
-        connection.
+      - The roles' variables must be loaded (C(import_role) with C(tasks_from=settings), as recover.yml does); a step
+        whose C(x_enabled) is not set fails the task. So do an unknown step and a variable that fails to template,
+        with C(error=invalid_step), before any connection. A variable that templates to C(omit) is not set.
       - A Jinja mapping of every setting cost each of Ansible's workers a template compile per step; this is the
         fact pass's cheaper way to the same settings. The module itself ignores it.
     type: list
@@ -129,9 +129,9 @@ options:
   batch:
     description:
       - Other targets of the same node to read in this same execution, beside the task's own. Each item holds
-        this module's options for one target (what its own task would pass, I(batch) and I(per_node) aside; the
-        keys are the options above), and is checked as a task's options are; an item that fails the check fails
-        alone.
+        this module's options for one target (what its own task would pass, I(batch), I(per_node) and
+        I(steps_from_variables) aside; the keys are the options above), and is checked as a task's options are; an
+        item that fails the check fails alone.
       - The passes run side by side; each target takes its own lock and has its own result in RV(batch), and one
         target's failure is its own. The action fills it in (I(per_node)); a task does not set it.
       - What is the node's is read once for all of them (the compute processes C(nvidia-smi) lists, the owner of
@@ -323,7 +323,6 @@ PASS_ARGUMENT_SPEC = {
     "fail_on_problems": {"type": "bool", "default": True},
     "check_run": {"type": "bool", "default": False},
     "per_node": {"type": "bool", "default": True},
-    "steps_from_variables": {"type": "list", "elements": "str", "default": []},
 }
 # Targets of one node read at once: each pass mostly waits on its pct exec, so they run side by side.
 MAX_PARALLEL = 32
@@ -416,7 +415,12 @@ def read_targets(own, batch, check_mode, *, parallel=MAX_PARALLEL):
 
 def main():
     module = AnsibleModule(
-        argument_spec={**PASS_ARGUMENT_SPEC, "batch": {"type": "list", "elements": "dict", "default": []}},
+        argument_spec={
+            **PASS_ARGUMENT_SPEC,
+            "batch": {"type": "list", "elements": "dict", "default": []},
+            # The action's own (it reads the settings and takes the option off): never a batch item's.
+            "steps_from_variables": {"type": "list", "elements": "str", "default": []},
+        },
         supports_check_mode=True,
     )
     own = {name: module.params[name] for name in PASS_ARGUMENT_SPEC}

@@ -337,6 +337,8 @@ def test_the_steps_settings_are_read_from_the_variables_and_given_settings_win(a
         "gpus": "8",
         "gpu_processes_enabled": trust_as_template("{{ 'no' }}"),
         "training_code_grace": "not a setting of any step: never read",
+        "verify_enabled": True,
+        "verify_torch_version": trust_as_template("{{ omit }}"),  # not set: the module's default, as the task omits it
     }
     instance = action.ActionModule.__new__(action.ActionModule)
     instance._templar = Templar(loader=DataLoader(), variables=variables)
@@ -351,18 +353,34 @@ def test_the_steps_settings_are_read_from_the_variables_and_given_settings_win(a
     assert instance._settings_from_variables(variables) is None and instance._task.args == {"steps": given}
 
 
+def test_templating_is_warmed_only_where_tasks_run_and_a_failure_only_leaves_it_undone(action):
+    """ansible-playbook (its task queue imported) warms it before it forks; ansible-doc or a sanity test's import of
+    the action does not template anything. (A lookup needs Ansible's collection loader, which only a real ansible
+    process has: the next test's runs warm the default expression.)"""
+    running = {"ansible.executor.task_queue_manager": object()}
+    assert action.warm_templating("{{ (none | default('') | string | length > 0) | bool }}", modules=running) is True
+    assert action.warm_templating(modules={}) is False
+    assert action.warm_templating("{{ undefined_here }}", modules=running) is False
+    assert action.warm_templating("{{ lookup('ansible.builtin.nosuchlookup') }}", modules=running) is False
+
+
 def test_a_wrong_step_name_or_a_variable_that_fails_to_template_fails_before_any_connection(tmp_path):
     hosts = tmp_path / "hosts.yml"
     hosts.write_text("all:\n  vars: " + CLOSED + "\n  hosts:\n    ct1: {pve_vmid: 200, pve_node: pve1}\n")
-    done = ad_hoc(tmp_path, str(hosts), "-a", '{"steps_from_variables": ["verify", "nope"]}')
+    done = ad_hoc(tmp_path, str(hosts), "-a", '{"steps_from_variables": ["verify", "nope"]}', "-vvv")
+    assert "templating not warmed" not in done.stdout + done.stderr  # the real process warms it, lookup and all
     (report,) = reports_of(tmp_path)["ct1"]
     assert report["error"]["kind"] == "invalid_step", done.stdout[-2000:]
-    assert report["error"]["msg"].startswith("unknown step(s) nope in steps_from_variables; the steps are preflight")
-    broken = json.dumps({"verify_gpu_count": "{{ no_such_variable }}"})
-    done = ad_hoc(tmp_path, str(hosts), "-a", '{"steps_from_variables": ["verify"]}', "-e", broken)
-    report = reports_of(tmp_path)["ct1"][-1]
+    assert report["error"]["msg"].startswith("ct1: unknown step(s) nope in steps_from_variables (the preflight role's")
+    broken = json.dumps({"verify_enabled": True, "verify_gpu_count": "{{ no_such_variable }}"})
+    second = tmp_path / "second"
+    second.mkdir()
+    done = ad_hoc(second, str(hosts), "-a", '{"steps_from_variables": ["verify"]}', "-e", broken)
+    (report,) = reports_of(second)["ct1"]
     assert report["error"]["kind"] == "invalid_step", done.stdout[-2000:]
-    assert report["error"]["msg"].startswith("the variable verify_gpu_count: "), report["error"]["msg"]
+    assert report["error"]["msg"].startswith(
+        "ct1: the variable verify_gpu_count (verify's gpu_count) cannot be templated: "
+    ), report["error"]["msg"]
     assert "no_such_variable" in report["error"]["msg"]
     assert "UNREACHABLE" not in done.stdout
 

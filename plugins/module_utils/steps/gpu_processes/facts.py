@@ -154,7 +154,7 @@ SPEC = {
 }
 # The settings whose role variable is not gpu_processes_<setting> (pve_steps.settings_from_variables): the role
 # computes it from the controller's environment (roles/gpu_processes/vars/main.yml).
-VARIABLES = {"controller_pid": "_gpu_processes_controller_pid"}
+ROLE_VARIABLES = {"controller_pid": "_gpu_processes_controller_pid"}
 CONTROLLER_NAMES = ("ansible-playbook", "ansible-runner")  # what controller_pid must name to be trusted
 
 

@@ -50,6 +50,8 @@ SPEC = {
     "kernel_version_file": {"type": "path", "default": KERNEL_VERSION_FILE},
     "library_globs": {"type": "list", "elements": "str", "default": list(LIBRARY_GLOBS)},
 }
+# Settings no role variable gives (pve_steps.settings_from_variables): where the driver's files are is the node's.
+ROLE_VARIABLES = {"kernel_version_file": None, "library_globs": None}
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 PROBE = preflight_probe
 # Asked without the fields an older driver may not know when it rejects them (exit 2).

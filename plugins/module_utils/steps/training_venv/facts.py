@@ -93,7 +93,7 @@ SPEC = {
 # The settings whose role variable is not training_venv_<setting> (pve_steps.settings_from_variables): the role
 # computes them (roles/training_venv/vars/main.yml): the lock's text from training_venv_lock_file or
 # training_venv_requirements, where it is read in the repository from training_venv_lock_from_repo.
-VARIABLES = {"lock": "_training_venv_lock", "lock_from_repo": "_training_venv_lock_from_repo"}
+ROLE_VARIABLES = {"lock": "_training_venv_lock", "lock_from_repo": "_training_venv_lock_from_repo"}
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 _PYTHON_MINOR = re.compile(r"^\d+\.\d+$")
 COMMAND_SHOWN = 120  # characters of a process's command line a message quotes
