@@ -33,7 +33,8 @@ as does a host that fails the checks above: no read waits for a host that will n
 read runs are the next read's. A read that did not answer the targets it carried (its own options failed the module
 before it read them, it raised) queues them again for the next fork; an unreachable node answers each of them
 unreachable at once; a fork that leaves its wait (a task timeout) takes its request back; any failure of the queue
-itself reads the target alone. The queue only ever saves time.
+itself reads the target alone, and once (a fork that cannot wait for the node's lock after a reader claimed its
+request waits for that reader's answer instead). The queue only ever saves time.
 
 Building the payload is the largest controller cost of a converged run (recursive_finder parses every module_utils
 file the module reaches with ``ast``: about 0.45 s of a 2.7 s run, docs/benchmarks.md), and Ansible caches it only
@@ -80,6 +81,7 @@ from ansible.template import Templar, trust_as_template
 from ansible.utils.display import Display
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import StepSpecError, settings_from_variables
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import DEFAULT_TIMEOUT, KILL_GRACE
 
 display = Display()
 
@@ -109,6 +111,9 @@ GATHER_IDLE = 0.15
 GATHER_IDLE_COVERED = 1.0
 GATHER_LONGEST = 10.0
 GATHER_PER_HOST = 0.1
+# Seconds beyond a claimed read's own bounds (ssh's connection, the module's start) that a fork whose request another
+# fork claimed waits for its answer before it reads its target itself (_result_wait).
+RESULT_WAIT_SLACK = 60
 # Every step's module, imported with this action: ansible-playbook imports the action before it forks the task's
 # workers (the linear strategy asks it whether it bypasses the host loop), so each worker finds them imported
 # instead of importing them again to read their settings (settings_from_variables).
@@ -471,9 +476,26 @@ class NodeQueue:
         return len(self.waiting())
 
     def withdraw(self, name):
-        """Take ``name``'s request off the queue if no fork claimed it: a target whose fork left is never read."""
-        with contextlib.suppress(FileNotFoundError):
+        """Take ``name``'s request off the queue if no fork claimed it: a target whose fork left is never read.
+        Whether it was still there (False: a reader has claimed it, and answers it or queues it again)."""
+        try:
             os.unlink(os.path.join(self.directory, "requests", f"{name}.json"))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def await_result(self, name, longest, clock=time.monotonic, sleep=time.sleep):
+        """The result of ``name``, which a reader has claimed, waited for ``longest`` seconds at most. None when
+        none came by then, or when the reader queued the request again (it did not answer it): taken back here,
+        so no other fork reads it either."""
+        deadline = clock() + longest
+        while True:
+            found = self.result(name)
+            if found is not None:
+                return found
+            if self.withdraw(name) or clock() >= deadline:
+                return None
+            sleep(0.05)
 
     def hold(self):
         """Wait for the node's lock and hold it (one fork reads the node's targets at a time): its descriptor, to
@@ -661,9 +683,12 @@ class ActionModule(NormalAction):
             return self._read_alone(tmp, task_vars)
         descriptor = queue.hold()
         try:
-            if descriptor is None:
-                queue.withdraw(mine)
-                return self._read_alone(tmp, task_vars)
+            if descriptor is None:  # the node's lock cannot be had: this target is read alone, and once
+                if queue.withdraw(mine):
+                    return self._read_alone(tmp, task_vars)
+                # A reader claimed it before: its answer comes (reading it here too would read the target twice).
+                found = queue.await_result(mine, self._result_wait(queue))
+                return found if found is not None else self._read_alone(tmp, task_vars)
             found = queue.result(mine)
             if found is None:
                 return self._lead(queue, mine, tmp, task_vars)
@@ -672,6 +697,16 @@ class ActionModule(NormalAction):
                 os.close(descriptor)  # lets the lock go
             queue.withdraw(mine)  # a fork that leaves unread (a task timeout, ^C) is never read by another
         return found
+
+    def _result_wait(self, queue):
+        """How long a fork waits for the reader that claimed its request: that reader's gathering, then its read at
+        the worst the pass's own deadlines allow (a few commands of ``timeout`` each), and RESULT_WAIT_SLACK."""
+        try:
+            timeout = int(self._task.args.get("timeout") or DEFAULT_TIMEOUT)
+        except (TypeError, ValueError):
+            timeout = DEFAULT_TIMEOUT
+        gathering = max(GATHER_LONGEST, GATHER_PER_HOST * len(queue.expected))
+        return gathering + 3 * (timeout + KILL_GRACE) + RESULT_WAIT_SLACK
 
     def _lead(self, queue, mine, tmp, task_vars):
         """Read this target and every target waiting on its node in one module execution; answer each of them."""

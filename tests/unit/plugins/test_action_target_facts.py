@@ -832,6 +832,74 @@ def test_a_mark_that_cannot_be_made_still_queues_the_request_once(action, tmp_pa
     assert queue.claim() == [(name, {"vmid": 200})]
 
 
+def failing_hold(queue, then):
+    """``queue.hold`` failing (the lock file cannot be opened) right after a reader has claimed every waiting
+    request; ``then(claimed)`` runs in a thread, as that reader would go on."""
+
+    def hold():
+        claimed = queue.claim()
+        threading.Thread(target=then, args=(claimed,), daemon=True).start()
+
+    queue.hold = hold
+
+
+def test_a_fork_that_cannot_hold_the_lock_waits_for_the_reader_that_claimed_its_target(action, tmp_path):
+    """Read once: the fork whose request a reader claimed returns that reader's answer, never its own read."""
+    queue = action.NodeQueue(str(tmp_path / "q"))
+
+    def answer(claimed):
+        time.sleep(0.2)
+        for name, options in claimed:
+            queue.answer(name, {"changed": False, "read": options["vmid"], "by": "the reader"})
+
+    failing_hold(queue, answer)
+    executions = []
+    result = queued_fork(action, queue, 200, executions)
+    assert result == {"changed": False, "read": 200, "by": "the reader"}
+    assert executions == []
+    assert not os.listdir(tmp_path / "q" / "requests") and not os.listdir(tmp_path / "q" / "results")
+
+
+def test_a_claimed_target_the_reader_queues_again_is_read_by_its_own_fork_once(action, tmp_path):
+    queue = action.NodeQueue(str(tmp_path / "q"))
+
+    def fail_and_requeue(claimed):
+        time.sleep(0.2)
+        for name, options in claimed:
+            queue.post(options, name)  # as _lead does for the targets it did not answer
+
+    failing_hold(queue, fail_and_requeue)
+    executions = []
+    result = queued_fork(action, queue, 200, executions)
+    assert result["read"] == 200 and executions == [[200]]
+    assert not os.listdir(tmp_path / "q" / "requests")
+
+
+def test_a_fork_that_cannot_hold_the_lock_reads_its_still_queued_target_alone_at_once(action, tmp_path):
+    queue = action.NodeQueue(str(tmp_path / "q"))
+    queue.hold = lambda: None
+    executions = []
+    assert queued_fork(action, queue, 200, executions)["read"] == 200
+    assert executions == [[200]] and not os.listdir(tmp_path / "q" / "requests")
+
+
+def test_a_claimed_request_is_waited_for_no_longer_than_its_bound(action, tmp_path):
+    queue = action.NodeQueue(str(tmp_path / "q"))
+    name = queue.post({"vmid": 200})
+    assert queue.claim() == [(name, {"vmid": 200})]
+    now = [0.0]
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    assert queue.await_result(name, 1.0, clock=lambda: now[0], sleep=sleep) is None
+    assert 1.0 <= now[0] < 1.1
+    assert queue.withdraw(name) is False  # claimed: nothing to take back
+    fork = action.ActionModule.__new__(action.ActionModule)
+    fork._task = Task({"vmid": 200, "timeout": 30})
+    assert fork._result_wait(queue) == action.GATHER_LONGEST + 3 * (30 + action.KILL_GRACE) + action.RESULT_WAIT_SLACK
+
+
 def test_every_node_queue_of_a_task_shares_one_arrivals_directory_and_another_task_has_its_own(
     action, tmp_path, monkeypatch
 ):
