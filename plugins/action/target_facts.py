@@ -624,10 +624,12 @@ class ActionModule(NormalAction):
             args.pop("steps_from_variables", None)
             return None
         given = args.get("steps") or {}
+        host = task_vars.get("inventory_hostname")
         if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
-            return f"steps_from_variables must be a list of step names, not {names!r}"
+            known = ", ".join(pve_steps.STEP_NAMES)
+            return f"{host}: steps_from_variables must be a list of step names ({known}), not {names!r}"
         if not isinstance(given, dict):
-            return f"steps must be a dict of each step's settings, not {type(given).__name__}"
+            return f"{host}: steps must be a dict of each step's settings by step name, not a {type(given).__name__}"
 
         def variable(name):
             if name not in task_vars:
@@ -643,7 +645,7 @@ class ActionModule(NormalAction):
         try:
             read = settings_from_variables(names, variable)
         except StepSpecError as error:
-            return f"{task_vars.get('inventory_hostname')}: {error}"
+            return f"{host}: {error}"
         # Only now: a retried task (retries/until) reads them again if this read failed.
         args.pop("steps_from_variables")
         args["steps"] = {**read, **given}

@@ -351,6 +351,15 @@ def test_the_steps_settings_are_read_from_the_variables_and_given_settings_win(a
     assert instance._task.args == {"steps": given}
     instance._task = Task({"steps": given})  # nothing to read: the task's steps as they are
     assert instance._settings_from_variables(variables) is None and instance._task.args == {"steps": given}
+    instance._task = Task({"steps_from_variables": "verify"})
+    assert instance._settings_from_variables({"inventory_hostname": "ct1"}) == (
+        "ct1: steps_from_variables must be a list of step names (preflight, gpu_processes, training_code, "
+        "training_venv, compile_cache, verify), not 'verify'"
+    )
+    instance._task = Task({"steps_from_variables": ["verify"], "steps": ["verify"]})
+    assert instance._settings_from_variables({"inventory_hostname": "ct1"}) == (
+        "ct1: steps must be a dict of each step's settings by step name, not a list"
+    )
 
 
 def test_templating_is_warmed_only_where_tasks_run_and_a_failure_only_leaves_it_undone(action):
