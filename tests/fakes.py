@@ -63,17 +63,17 @@ class FakeRunner:
 
 
 def as_pinned(argv, stdin):
-    """The argv a test pins for a call: a probes call (``python -I -c PROBES_MAIN``, its parts as JSON on stdin) is
+    """The argv a test pins for a call: a probes call (``python -I -S -c PROBES_MAIN``, its parts as JSON on stdin) is
     pinned as ``[..., python, "-I", "-", json.dumps(payloads)]``, so each test still asserts every payload exactly
     (tests/unit/module_utils/test_pve_target.py asserts the real argv and stdin)."""
-    if len(argv) < 2 or argv[-2:] != ["-c", pve_target.PROBES_MAIN]:
+    if len(argv) < 4 or argv[-4:] != ["-I", "-S", "-c", pve_target.PROBES_MAIN]:
         return argv
     payloads = json.loads(stdin)["payloads"]
-    return [*argv[:-2], "-", json.dumps(payloads)]
+    return [*argv[:-4], "-I", "-", json.dumps(payloads)]
 
 
 def run_probes_program(python, parts, prefix=()):
-    """What a CT's python answers to ``parts`` (``{name: (module, payload)}``): ``[*prefix, python, -I, -c,
+    """What a CT's python answers to ``parts`` (``{name: (module, payload)}``): ``[*prefix, python, -I, -S, -c,
     PROBES_MAIN]`` run for real with Target.run_probes' own stdin (probes_input: the shared modules, then the
     parts), the way a ``pct exec`` runs it. ``prefix`` puts a wrapper in front (``unshare ...``)."""
     done = subprocess.run(

@@ -412,7 +412,7 @@ def write_json_atomically(path, value):
     fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(value, handle, default=str)
+            handle.write(json.dumps(value, default=str))  # dumps: the C encoder (dump's is Python's)
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)

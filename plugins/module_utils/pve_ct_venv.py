@@ -11,7 +11,6 @@ only, Python 3.9+, nothing of ours imported.
 import os
 import pwd
 import re
-import shutil
 import stat
 import sys
 
@@ -137,6 +136,8 @@ def find_command(name, path):
     "/usr/local/bin:/usr/bin")`` -> ``"/usr/bin/uv"`` when only /usr/bin has one."""
     if "/" in name:
         return name if os.path.isfile(name) and os.access(name, os.X_OK) else None
+    import shutil  # noqa: PLC0415  (here only: shutil imports bz2 and lzma, a cost to every converged CT's probe)
+
     return shutil.which(name, path=path)
 
 

@@ -648,8 +648,12 @@ def run_parts_bounded(parts, seconds, label, clock=time.monotonic):
 
 
 def probes_argv(python):
-    """``[python, "-I", "-c", PROBES_MAIN]``: the probe program's argv, fixed whatever the payloads (pure)."""
-    return [python, "-I", "-c", PROBES_MAIN]
+    """``[python, "-I", "-S", "-c", PROBES_MAIN]``: the probe program's argv, fixed whatever the payloads (pure).
+
+    ``-S``: the parts need the standard library only, so the CT's ``site`` (its site-packages and their ``.pth``
+    files, which a CT's own packages may break or make slow) never runs before them; it also spares every CT's
+    read the import of ``site`` (docs/benchmarks.md, the fleet)."""
+    return [python, "-I", "-S", "-c", PROBES_MAIN]
 
 
 # Sources read so far (module_source), by module name.

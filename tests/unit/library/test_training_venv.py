@@ -795,7 +795,7 @@ def test_an_interrupted_build_is_removed_by_the_next_run(host, capsys):
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[1])
     program = probes_input({"build": (script, payload)})
     build = subprocess.Popen(
-        [SYSTEM_PYTHON, "-I", "-c", PROBES_MAIN],
+        [SYSTEM_PYTHON, "-I", "-S", "-c", PROBES_MAIN],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -255,7 +255,7 @@ def test_probe_in_a_container_is_one_pct_exec_with_sources_and_payloads_on_stdin
     assert ct(runner).run_probe(preflight_probe, {"a": 1}) == {"ok": 1}
     [(argv, stdin)] = calls
     # The argv is fixed, whatever the payload: the data travels on stdin (issue 25 item 8).
-    assert argv == [*CT_PREFIX, "python3", "-I", "-c", pve_target.PROBES_MAIN]
+    assert argv == [*CT_PREFIX, "python3", "-I", "-S", "-c", pve_target.PROBES_MAIN]
     given = json.loads(stdin)
     assert given["payloads"] == {"preflight": {"a": 1}}
     assert "def probe(payload):" in given["sources"]["preflight"]
@@ -307,6 +307,27 @@ def test_the_probes_program_runs_every_part_in_one_real_python_and_isolates_fail
     answers = ct(run_in_real_python).run_probes({"good": (good, {"x": [1]}), "bad": (bad, {})})
     assert answers["good"]["answer"] == {"echo": {"x": [1]}, "helper": "good"}
     assert answers["bad"]["error"] == "ValueError: broken bad"
+
+
+def test_the_probes_program_runs_no_pth_file_of_the_cts_python(monkeypatch, tmp_path):
+    """A package's .pth file in the CT python's site-packages (one that prints, or breaks) never runs before the
+    parts: its output would come before the answer's JSON on stdout. A real venv's python stands for the CT's."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site_packages = next(venv.glob("lib/python3*/site-packages"))
+    (site_packages / "noisy.pth").write_text("import sys; sys.stdout.write('noise from a .pth file\\n')\n")
+    started = subprocess.run([venv / "bin/python", "-I", "-c", "pass"], capture_output=True, text=True, check=True)
+    assert started.stdout.startswith("noise from a .pth file\n")  # any python started without -S prints it first
+    part = types.ModuleType("pve_probe_plain")
+    sources_of(monkeypatch, lambda module: "def probe(payload):\n    return {'echo': payload}\n")
+
+    def pct_exec(argv, *, stdin=None, timeout=None, env=None):
+        inner = argv[argv.index("python3") :]
+        inner[0] = str(venv / "bin/python")
+        done = subprocess.run(inner, input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
+        return pve_target.CommandResult(argv=argv, rc=done.returncode, stdout=done.stdout, stderr=done.stderr)
+
+    assert ct(pct_exec).run_probes({"plain": (part, {"x": 1})})["plain"]["answer"] == {"echo": {"x": 1}}
 
 
 def test_parts_with_shared_modules_answer_in_a_ct_exactly_as_on_a_bare_host(tmp_path):
