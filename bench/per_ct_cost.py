@@ -7,17 +7,19 @@
                                  [--python python3] [--out FILE.json]
 
 The fact pass reads a CT with one ``pct exec`` that runs, inside it, ``timeout``, ``env``, the CT's python with
-the probe program (PROBES_MAIN fed the preflight and verify parts, what a converged CT is asked) and that probe's
-one ``nvidia-smi --query-gpu``. This times each piece on its own, ``--runs`` calls of each, interleaved: CPU
+the probe program (PROBES_MAIN fed the preflight and verify parts, what a CT of the lab's fleet is asked) and that
+probe's one ``nvidia-smi --query-gpu``. This times each piece on its own, ``--runs`` calls of each, interleaved: CPU
 seconds of the finished child (``getrusage(RUSAGE_CHILDREN)`` around each call) and wall seconds, medians.
 
 * ``wrap``: ``true`` (what ``--wrap`` itself costs: ``lxc-attach`` into a lab CT; nothing on a bare host);
 * ``timeout_env``: ``timeout -k 5 60 env LC_ALL=C LANG=C true``, the guard every CT command runs under;
-* ``python_start``: ``python3 -I -c pass``;
+* ``python_start``: ``python3 -I -S -c pass``, the probe's interpreter flags;
+* ``python_start_site``: ``python3 -I -c pass``, the same with the CT's ``site`` (before 2.2.1);
 * ``nvidia_smi_query_gpu``: the probe's own argv (module_utils/nvidia_smi.query_gpu_argv, every field);
 * ``nvidia_smi_list``: ``nvidia-smi -L``;
 * ``nvidia_smi_query_apps``: the compute processes (the node's read, once per node);
-* ``probe``: the whole probe program with its JSON on stdin, its ``nvidia-smi`` included.
+* ``probe``: the whole probe program with its JSON on stdin, its ``nvidia-smi`` included;
+* ``probe_with_site``: the same program started without ``-S`` (before 2.2.1).
 
 On a GPU host with no ``--wrap`` the nvidia-smi figures are the real tool's; in a lab CT they are the stand-in's.
 Every figure includes ``--wrap``'s own cost (subtract ``wrap``).
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -68,11 +71,13 @@ def pieces(python, venv):
     return {
         "wrap": (["true"], None),
         "timeout_env": (["timeout", "-k", "5", "60", "env", "LC_ALL=C", "LANG=C", "true"], None),
-        "python_start": ([python, "-I", "-c", "pass"], None),
+        "python_start": ([python, "-I", "-S", "-c", "pass"], None),
+        "python_start_site": ([python, "-I", "-c", "pass"], None),
         "nvidia_smi_query_gpu": (nvidia_smi.query_gpu_argv(), None),
         "nvidia_smi_list": ([nvidia_smi.EXECUTABLE, "-L"], None),
         "nvidia_smi_query_apps": (nvidia_smi.query_apps_argv(), None),
         "probe": (pve_target.probes_argv(python), probe_input(venv)),
+        "probe_with_site": ([python, "-I", "-c", pve_target.PROBES_MAIN], probe_input(venv)),
     }
 
 
@@ -91,7 +96,7 @@ def main():
     parser.add_argument("--venv", default="/opt/venvs/train", help="the venv the verify part reads")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    wrap = args.wrap.split()
+    wrap = shlex.split(args.wrap)
     timed = pieces(args.python, args.venv)
     calls = {name: [] for name in timed}
     for argv, stdin in timed.values():  # warm-up: page cache, bytecode; not counted

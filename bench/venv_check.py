@@ -14,7 +14,7 @@ Interleaved in one loop, medians of ``--runs``:
 
 * ``check``: the fact pass's venv part as a converged run ships it: plugins/module_utils/steps/training_venv/probe.py
 fed to
-  ``python3 -I -c PROBES_MAIN`` with the probe runner (Target.run_probes' program), then
+  ``python3 -I -S -c PROBES_MAIN`` (``probes_argv``) with the probe runner (Target.run_probes' program), then
   ``venv_facts.evaluate_step`` against a lock made from the venv itself (in spec);
 * ``import``: ``<venv>/bin/python -c "import torch"``, what a check that imports torch costs.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import conftest  # noqa: E402,F401  (the collection importable as ansible_collections.pve_gpu.recover)
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import PROBES_MAIN, probes_input  # noqa: E402
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probes_argv, probes_input  # noqa: E402
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import (  # noqa: E402
     compare as venv_compare,
 )
@@ -69,7 +69,7 @@ def timed(argv, stdin=None):
 def read_venv(venv, python):
     """The probe part's answer for ``venv``, run as the fact pass runs it: ``(seconds, answer)``."""
     program = probes_input({"training_venv": (venv_probe, {"path": venv, "timeout": 60})})
-    seconds, out = timed([python, "-I", "-c", PROBES_MAIN], stdin=program)
+    seconds, out = timed(probes_argv(python), stdin=program)
     return seconds, json.loads(out)["training_venv"]["answer"]
 
 

@@ -34,7 +34,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils import (
     pve_progress,
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import wrong_option
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import PROBES_MAIN, Target, probes_input
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target, probes_argv, probes_input
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import compare as venv_compare
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
@@ -795,7 +795,7 @@ def test_an_interrupted_build_is_removed_by_the_next_run(host, capsys):
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[1])
     program = probes_input({"build": (script, payload)})
     build = subprocess.Popen(
-        [SYSTEM_PYTHON, "-I", "-S", "-c", PROBES_MAIN],
+        probes_argv(SYSTEM_PYTHON),
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -274,8 +274,10 @@ def test_a_supervisor_restarting_its_worker_after_a_delay_is_seen_and_ended_with
     # The window is shorter than delay + INIT: only the child watch can see this restart in time.
     result = gpu_acting.cleanup(TARGET, gpu.smi, settings(settle=delay + 1.5))
     assert process.wait(timeout=5) == -signal.SIGTERM
-    assert [k["pid"] for k in result["killed"]][:2] == [first.pid, process.pid]
-    assert len(result["killed"]) == 3  # the first worker, the supervisor, its new worker
+    killed = [k["pid"] for k in result["killed"]]
+    # The first worker, then the supervisor and its new worker, ended together: listed as each was seen gone, in
+    # either order (on a loaded machine the supervisor, this test's child, can be seen gone after its worker).
+    assert killed[0] == first.pid and process.pid in killed[1:] and len(killed) == 3, killed
     assert [(r["pid"], r["reason"].split(":")[0]) for r in result["launchers"]] == [
         (process.pid, "restarted its worker")
     ]

@@ -1,5 +1,6 @@
 """The one target: exact pct argvs, Proxmox's failures as clear errors, payloads that stay inert."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -281,10 +282,11 @@ def test_a_probe_answer_of_the_wrong_shape_is_a_clear_error(stdout):
     assert error.value.kind == "probe"
 
 
-def run_in_real_python(argv, *, stdin=None, timeout=None, env=None):
-    """The CT's side of a probes call, for real: the ``python3 -I -c PROBES_MAIN`` of ``argv`` run with its stdin."""
+def run_in_real_python(argv, *, stdin=None, timeout=None, env=None, python=sys.executable):
+    """The CT's side of a probes call, for real: the ``python3 -I -S -c PROBES_MAIN`` of ``argv`` run with its stdin,
+    by ``python`` (this test's interpreter unless given)."""
     inner = argv[argv.index("python3") :]
-    inner[0] = sys.executable
+    inner[0] = str(python)
     done = subprocess.run(inner, input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
     return pve_target.CommandResult(argv=argv, rc=done.returncode, stdout=done.stdout, stderr=done.stderr)
 
@@ -310,8 +312,8 @@ def test_the_probes_program_runs_every_part_in_one_real_python_and_isolates_fail
 
 
 def test_the_probes_program_runs_no_pth_file_of_the_cts_python(monkeypatch, tmp_path):
-    """A package's .pth file in the CT python's site-packages (one that prints, or breaks) never runs before the
-    parts: its output would come before the answer's JSON on stdout. A real venv's python stands for the CT's."""
+    """A package's .pth file in the CT python's site-packages (here one that prints) never runs before the parts:
+    its output would come before the answer's JSON on stdout. A real venv's python stands for the CT's."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site_packages = next(venv.glob("lib/python3*/site-packages"))
@@ -321,12 +323,7 @@ def test_the_probes_program_runs_no_pth_file_of_the_cts_python(monkeypatch, tmp_
     part = types.ModuleType("pve_probe_plain")
     sources_of(monkeypatch, lambda module: "def probe(payload):\n    return {'echo': payload}\n")
 
-    def pct_exec(argv, *, stdin=None, timeout=None, env=None):
-        inner = argv[argv.index("python3") :]
-        inner[0] = str(venv / "bin/python")
-        done = subprocess.run(inner, input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
-        return pve_target.CommandResult(argv=argv, rc=done.returncode, stdout=done.stdout, stderr=done.stderr)
-
+    pct_exec = functools.partial(run_in_real_python, python=venv / "bin/python")
     assert ct(pct_exec).run_probes({"plain": (part, {"x": 1})})["plain"]["answer"] == {"echo": {"x": 1}}
 
 

@@ -772,10 +772,21 @@ def torch_venv(tmp_path_factory):
     return stub_venv(tmp_path_factory.mktemp("torch") / "venv")
 
 
+def test_a_pth_file_of_the_venv_that_prints_leaves_the_answer_readable(tmp_path):
+    """The venv's python runs its site (torch needs it), and a package's .pth file may print before the program
+    runs: the answer is the last line of stdout."""
+    venv = stub_venv(tmp_path / "venv")
+    (site_packages,) = venv.glob("lib/python3.*/site-packages")
+    (site_packages / "noisy.pth").write_text("import sys; sys.stdout.write('noise from a .pth file')\n")
+    done, facts = run_script(venv)
+    assert done.stdout.startswith("noise from a .pth file")
+    assert (facts["version"], facts["device_count"], facts["error"]) == ("2.11.0+cu128", 8, None)
+
+
 def test_the_script_answers_json_only_whatever_torch_prints(torch_venv):
     done, facts = run_script(torch_venv)
     assert "torch says hello on stdout" in done.stderr and "and CUDA writes to fd 1" in done.stderr
-    assert json.loads(done.stdout)["torch"] == "2.11.0+cu128"
+    assert json.loads(done.stdout.splitlines()[-1])["torch"] == "2.11.0+cu128"
     assert (facts["version"], facts["cuda"], facts["available"], facts["device_count"]) == (
         "2.11.0+cu128",
         "12.8",

@@ -212,7 +212,7 @@ def test_the_probe_program_with_every_steps_part_loads_nothing_heavy():
             parts[pve_target.probe_name(step.PROBE)] = (step.PROBE, {})  # each part's module code runs; probe() fails
     program = pve_target.PROBES_MAIN + "\nsys.stderr.write(json.dumps(sorted(sys.modules)))\n"
     done = subprocess.run(
-        [sys.executable, "-I", "-c", program],
+        [*pve_target.probes_argv(sys.executable)[:-1], program],  # the CT's argv, this program in PROBES_MAIN's place
         input=pve_target.probes_input(parts),
         capture_output=True,
         text=True,

@@ -167,7 +167,8 @@ def torch_answer(rc, stdout, stderr, *, truncated=False, timeout=None):
     if truncated or len(stdout.encode()) > MAX_OUTPUT:
         raise VerifyError(f"the torch probe answered more than {MAX_OUTPUT} bytes", kind="probe")
     try:
-        answer = json.loads(stdout)
+        # The last line: the venv's site runs before the program, and a .pth file may print (probe.main).
+        answer = json.loads(stdout.strip().rsplit("\n", 1)[-1])
     except ValueError:
         raise VerifyError(
             f"the torch probe printed no JSON answer: {shown(stdout.strip()) if stdout.strip() else 'nothing'}",

@@ -199,7 +199,8 @@ def main():
         sys.stdout.flush()
         os.dup2(real_stdout, 1)
         os.close(real_stdout)
-    sys.stdout.write(json.dumps(answer))
+    # On a line of its own: the venv's site (a package's .pth file) may have printed before this program ran.
+    sys.stdout.write("\n" + json.dumps(answer))
     sys.stdout.flush()
 
 
