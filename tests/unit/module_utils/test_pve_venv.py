@@ -163,6 +163,26 @@ def test_a_continued_pin_ends_at_a_comment_line_and_its_line_number_is_its_first
         venv_lock.parse_lock("idna==3.10\ntorch~=2.11 \\\n    --hash=sha256:aa\n")
 
 
+def test_a_lock_is_read_once_per_text_and_each_reader_gets_its_own_copy(monkeypatch):
+    # A node's read evaluates its targets' lock several times each, the same text for all of them.
+    venv_lock._parse_lock.cache_clear()
+    reads = []
+    real_lines = venv_lock._logical_lines
+    monkeypatch.setattr(venv_lock, "_logical_lines", lambda text: reads.append(text) or real_lines(text))
+    first = venv_lock.parse_lock(LOCK)
+    first["distributions"]["torch"] = "changed by a reader"
+    first["indexes"].append("https://changed.example/simple")
+    second = venv_lock.parse_lock(LOCK)
+    assert reads == [LOCK]  # read once
+    assert second["distributions"]["torch"] == "2.11.0+cu128"
+    assert "https://changed.example/simple" not in second["indexes"]
+    assert second == venv_lock.parse_lock(LOCK) and second is not venv_lock.parse_lock(LOCK)
+    for _ in range(2):  # a lock that fails is refused every time it is read, never remembered as read
+        with pytest.raises(VenvError, match="line 1: `six>=1` is not"):
+            venv_lock.parse_lock("six>=1\n")
+    assert len(reads) == 3
+
+
 # -- installed versions ----------------------------------------------------------------------------------------
 def test_pypi_torch_says_its_build_only_in_version_py():
     answer = answer_of([{"name": "torch", "version": "2.11.0"}], VERSION_PY_CU130)
