@@ -239,7 +239,7 @@ def wrapper(config, directory):
     script, so that its bytecode comes from the directory's __pycache__ (install_standins writes it; a CT sees the
     directory read-only, where Python could never write it). Run as a script, it was compiled from its 48 KB of
     source on every call, a cost the real program (compiled, about 23 ms of wall time per call on the H200) has
-    not: about 5 ms of each call's CPU in a CT (docs/benchmarks.md, the fleet)."""
+    not: about 2 ms of each call's CPU in a CT (docs/benchmarks.md, the fleet)."""
     program = f'import sys; sys.path.insert(0, "{directory}"); import nvidia_smi as n; sys.exit(n.main(sys.argv[1:]))'
     return f"#!/bin/sh\nPVE_GPU_LAB_CONFIG={config} exec /usr/bin/python3 -c '{program}' \"$@\"\n"
 
