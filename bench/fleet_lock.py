@@ -15,7 +15,8 @@ gives for torch 2.11.0 with transformers, datasets, safetensors, wandb and boto3
 difference is what carrying the lock costs. Per run: wall seconds, the controller's CPU seconds and the node
 side's (as bench/fleet.py measures them) and each module execution's own CPU seconds and its children's (the
 ``pct exec`` it ran), from ``getrusage`` when it exits (the lab's nodes run their modules through a python that
-notes it: ``ansible_python_interpreter``); medians of ``--runs``. The whole-run figures of this 2-core machine
+notes it: ``ansible_python_interpreter``, with the bytes it carried: its AnsiballZ payload, options and all, in
+and its JSON result out); medians of ``--runs``. The whole-run figures of this 2-core machine
 vary by a third between identical runs; the module's own CPU is the steady one.
 """
 
@@ -40,12 +41,23 @@ PINS, HASHES = 90, 16
 # The node's python for the modules: runs the module (AnsiballZ, on stdin) and notes its CPU when it exits.
 NOTING_PYTHON = """#!/usr/bin/python3
 import atexit, json, resource, sys
+class Counting:
+    def __init__(self, stream):
+        self.stream, self.written = stream, 0
+    def write(self, text):
+        self.written += len(text.encode("utf-8", "surrogateescape"))
+        return self.stream.write(text)
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 def note():
     mine, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(NOTES, "a") as notes:
-        notes.write(json.dumps([mine.ru_utime + mine.ru_stime, children.ru_utime + children.ru_stime]) + "\\n")
+        cpu = [mine.ru_utime + mine.ru_stime, children.ru_utime + children.ru_stime]
+        notes.write(json.dumps([*cpu, len(payload), sys.stdout.written]) + "\\n")
 atexit.register(note)
-exec(compile(sys.stdin.read(), "ansiballz", "exec"), {"__name__": "__main__", "__file__": "ansiballz"})
+payload = sys.stdin.buffer.read()
+sys.stdout = Counting(sys.stdout)
+exec(compile(payload, "ansiballz", "exec"), {"__name__": "__main__", "__file__": "ansiballz"})
 """
 # recover.yml's tasks up to its fact pass: the steps' settings and the pass; nothing after it runs.
 FACT_PASS_END = "    # A target with nothing to do ends here"  # noqa: S105 (a line of recover.yml, no secret)
@@ -88,8 +100,11 @@ def one_run(playbook, inventory, lock, workdir):
         "cpu_seconds": round(cpu, 3),
         "node_cpu_seconds": round(machine - cpu, 3),
         "module_executions": len(modules),
-        "module_cpu_seconds": round(statistics.median(own for own, _ in modules), 3),
-        "module_children_cpu_seconds": round(statistics.median(children for _, children in modules), 3),
+        "module_cpu_seconds": round(statistics.median(m[0] for m in modules), 3),
+        "module_children_cpu_seconds": round(statistics.median(m[1] for m in modules), 3),
+        # What one module execution carried: the AnsiballZ payload with its options in, its JSON result out.
+        "module_input_bytes": round(statistics.median(m[2] for m in modules)),
+        "module_output_bytes": round(statistics.median(m[3] for m in modules)),
     }
 
 

@@ -25,9 +25,10 @@ a node and its connection post their options to a queue in the run's own temp di
 another run's); the first to take the node's lock waits until every host of the play batch has posted (to its own
 node's queue or another's) or none has for a while (GATHER_IDLE_COVERED where the forks cover the batch, else
 GATHER_IDLE; GATHER_LONGEST at most, longer for a batch of hundreds), then reads, in one execution, every target of
-its node that has posted by then (``batch``: the passes run side by side on the node), writes each its result and lets
-go, and each waiting fork returns its own. Every target keeps its own task, result, report, ``--limit`` and failure;
-each one's options are the ones Ansible templated for it, so nothing of another host's is guessed. A lone target (one
+its node that has posted by then (``batch``: the passes run side by side on the node; of each target's options, those
+that differ from the reading fork's own, batch_item), writes each its result and lets go, and each waiting fork
+returns its own. Every target keeps its own task, result, report, ``--limit`` and failure; each one's options are
+the ones Ansible templated for it, so nothing of another host's is guessed. A lone target (one
 host in the play batch, a bare host, or one fork at a time) runs exactly as before and marks its arrival all the same,
 as does a host that fails the checks above: no read waits for a host that will not post. Forks that arrive while a
 read runs are the next read's. A read that did not answer the targets it carried (its own options failed the module
@@ -77,6 +78,7 @@ from ansible.errors import AnsibleConnectionFailure, AnsibleError, AnsibleValueO
 from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.parsing.dataloader import DataLoader
 from ansible.plugins.action.normal import ActionModule as NormalAction
+from ansible.plugins.loader import lookup_loader
 from ansible.template import Templar, trust_as_template
 from ansible.utils.display import Display
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
@@ -121,21 +123,28 @@ STEP_MODULES = tuple(pve_steps.load_step(name) for name in pve_steps.STEP_NAMES)
 # What the workers template first: a filter (Ansible loads every builtin filter plugin on the first one) and a
 # lookup (the env lookup of roles/gpu_processes/vars/main.yml); see warm_templating.
 WARM_TEMPLATE = "{{ (lookup('ansible.builtin.env', 'HOME') | default('') | string | length > 0) | bool }}"
+# The lookups a worker would otherwise load for itself: the venv step's lock (roles/training_venv/vars/main.yml's
+# _training_venv_lock reads a lock file, or compiles a requirements list); see warm_templating.
+WARM_LOOKUPS = ("ansible.builtin.file", "pve_gpu.recover.uv_lock")
 # A run id names report files and lock records: a path component of safe characters only.
 RUN_ID_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def warm_templating(template=WARM_TEMPLATE, modules=None):
+def warm_templating(template=WARM_TEMPLATE, modules=None, lookups=WARM_LOOKUPS):
     """Template one expression in this process, once, where it runs tasks (an ansible or ansible-playbook process:
     Ansible's task queue is imported): it imports this action before it forks the task's workers (STEP_MODULES), and
     what Ansible sets up on its first template (Jinja's lexer, the builtin filter plugins it loads all at once, the
     lookup plugin) is then inherited by every worker instead of set up again in each: about 7 ms of each worker's
-    CPU (docs/benchmarks.md, the fleet). Elsewhere (ansible-doc, a sanity test's import) it does nothing. Anything
-    unexpected leaves it undone: it only ever saves time. Returns whether it templated."""
+    CPU (docs/benchmarks.md, the fleet). The ``lookups`` are loaded too: the file lookup of the venv step's lock was
+    about 2 ms of each worker's. Elsewhere (ansible-doc, a sanity test's import) it does nothing. Anything
+    unexpected leaves it undone: it only ever saves time. Returns whether it templated and loaded them all."""
     if "ansible.executor.task_queue_manager" not in (sys.modules if modules is None else modules):
         return False
     try:
         Templar(loader=DataLoader()).template(trust_as_template(template))
+        for name in lookups:
+            if lookup_loader.get(name) is None:
+                raise AnsibleError(f"no lookup {name}")
     except Exception as error:  # by design: see above
         display.vvv(f"target_facts: templating not warmed ({type(error).__name__}: {error})")
         return False
@@ -417,6 +426,17 @@ def write_json_atomically(path, value):
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+def batch_item(options, own):
+    """A waiting target's ``options`` as an item of the module's ``batch``: only those that differ from the task's
+    own (``own``), which the module uses where an item leaves one out, so that what every target shares (a hashed
+    lock of over 100 KB) travels to the node once, not once per target (pure). All of them where ``options`` lacks
+    one that ``own`` has: an item cannot say that an option is left out."""
+    shared = {k: v for k, v in own.items() if k != "batch"}
+    if not shared.keys() <= options.keys():
+        return dict(options)
+    return {k: v for k, v in options.items() if k not in shared or shared[k] != v}
 
 
 class NodeQueue:
@@ -717,11 +737,12 @@ class ActionModule(NormalAction):
         claimed = [(name, options) for name, options in queue.claim() if name != mine]
         answered = set()
         try:
-            result = self._read_alone(tmp, task_vars, [options for _name, options in claimed])
+            own = self._task.args
+            result = self._read_alone(tmp, task_vars, [batch_item(options, own) for _name, options in claimed])
             others = result.pop("batch", None)
+            # Where Ansible adds the invocation, this target's shows its own options (the module leaves the batch
+            # out), and each other target's its own, all of them.
             invocation = result.get("invocation") or {}
-            # This target's invocation shows its own options, not the other targets' it carried.
-            (invocation.get("module_args") or {}).pop("batch", None)
             if result.get("unreachable"):
                 others = [dict(result) for _claimed in claimed]  # one node, one timeout for all of them
             if not isinstance(others, list) or len(others) != len(claimed):

@@ -132,6 +132,9 @@ options:
         this module's options for one target (what its own task would pass, I(batch), I(per_node) and
         I(steps_from_variables) aside; the keys are the options above), and is checked as a task's options are; an
         item that fails the check fails alone.
+      - An option an item leaves out is the task's own (the action sends only what differs from it, so that a
+        step setting every target shares, such as a hashed lock of over 100 KB, travels once, not once per
+        target).
       - The passes run side by side; each target takes its own lock and has its own result in RV(batch), and one
         target's failure is its own. The action fills it in (I(per_node)); a task does not set it.
       - What is the node's is read once for all of them (the compute processes C(nvidia-smi) lists, the owner of
@@ -367,9 +370,10 @@ def read_target(params, check_mode, shared=None):
     return result
 
 
-def read_batch_item(item, check_mode, shared=None):
-    """One item of I(batch): its options checked as a task's would be, then its pass (read_target)."""
-    checked = ArgumentSpecValidator(PASS_ARGUMENT_SPEC).validate(item)
+def read_batch_item(item, check_mode, shared=None, own=None):
+    """One item of I(batch): its options, the task's own (``own``) where it leaves one out, checked as a task's
+    would be, then its pass (read_target)."""
+    checked = ArgumentSpecValidator(PASS_ARGUMENT_SPEC).validate({**(own or {}), **item})
     if checked.error_messages:
         return {
             "failed": True,
@@ -397,13 +401,13 @@ def read_targets(own, batch, check_mode, *, parallel=MAX_PARALLEL):
     slots = threading.BoundedSemaphore(parallel)
     shared = SharedReads()
 
-    def work(index, read, params):
+    def work(index, read, *args):
         with slots:
-            results[index] = guarded(read, params, check_mode, shared)
+            results[index] = guarded(read, *args)
 
-    threads = [threading.Thread(target=work, args=(0, read_target, own), daemon=True)]
+    threads = [threading.Thread(target=work, args=(0, read_target, own, check_mode, shared), daemon=True)]
     threads += [
-        threading.Thread(target=work, args=(index, read_batch_item, item), daemon=True)
+        threading.Thread(target=work, args=(index, read_batch_item, item, check_mode, shared, own), daemon=True)
         for index, item in enumerate(batch, start=1)
     ]
     for thread in threads:
@@ -429,6 +433,9 @@ def main():
         module.warn(warning)
     if module.params["batch"]:
         result["batch"] = others
+    # The invocation Ansible adds (where it does) shows this task's own options: the batch, every other target's
+    # (a hashed lock each), would come back to the controller only to be dropped there.
+    result["invocation"] = {"module_args": {k: v for k, v in module.params.items() if k != "batch"}}
     if result.get("failed"):
         module.fail_json(**result)
     module.exit_json(**result)

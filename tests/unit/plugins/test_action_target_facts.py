@@ -367,10 +367,25 @@ def test_templating_is_warmed_only_where_tasks_run_and_a_failure_only_leaves_it_
     the action does not template anything. (A lookup needs Ansible's collection loader, which only a real ansible
     process has: the next test's runs warm the default expression.)"""
     running = {"ansible.executor.task_queue_manager": object()}
-    assert action.warm_templating("{{ (none | default('') | string | length > 0) | bool }}", modules=running) is True
+    simple = "{{ (none | default('') | string | length > 0) | bool }}"
+    assert action.warm_templating(simple, modules=running, lookups=()) is True
     assert action.warm_templating(modules={}) is False
-    assert action.warm_templating("{{ undefined_here }}", modules=running) is False
+    assert action.warm_templating("{{ undefined_here }}", modules=running, lookups=()) is False
     assert action.warm_templating("{{ lookup('ansible.builtin.nosuchlookup') }}", modules=running) is False
+    assert action.warm_templating(simple, modules=running, lookups=("nosuchlookup",)) is False
+
+
+def test_the_lookups_of_the_venv_steps_lock_are_loaded_before_the_forks(action):
+    """The file lookup that reads the venv step's lock is imported in the process that forks the workers, so none
+    of them imports it again (about 2 ms each, docs/benchmarks.md). (By its short name here: a collection's name
+    needs the collection loader of a real ansible process, whose warming the next test checks.)"""
+    running = {"ansible.executor.task_queue_manager": object()}
+    sys.modules.pop("ansible.plugins.lookup.file", None)
+    assert action.warm_templating("{{ 1 }}", modules=running, lookups=("file",)) is True
+    assert "ansible.plugins.lookup.file" in sys.modules
+    assert set(action.WARM_LOOKUPS) == {"ansible.builtin.file", "pve_gpu.recover.uv_lock"}
+    lock_variable = (ROOT / "roles" / "training_venv" / "vars" / "main.yml").read_text()
+    assert all(f"lookup('{name}'" in lock_variable for name in action.WARM_LOOKUPS)  # the lookups it does use
 
 
 def test_a_wrong_step_name_or_a_variable_that_fails_to_template_fails_before_any_connection(tmp_path):
@@ -675,20 +690,52 @@ def test_a_fork_that_leaves_unread_is_never_read_by_another(action, tmp_path):
     assert executions == [[200]]
 
 
-def test_the_targets_a_read_carried_get_an_invocation_of_their_own_options(action, tmp_path):
+def seeds_size_lock():
+    """A hashed lock of the seeds' size: 90 pins of 16 ``--hash`` lines each, about 127 KB."""
+    lines = []
+    for n in range(90):
+        lines.append(f"pkg-{n:02d}==1.{n}.0 \\\n")
+        lines += [f"    --hash=sha256:{n:02d}{h:062d} \\\n" for h in range(16)]
+    return "".join(lines)
+
+
+def test_a_batch_item_is_what_differs_from_the_tasks_own_options(action):
+    lock = seeds_size_lock()
+    own = {"vmid": 200, "run_id": "r", "steps": {"training_venv": {"lock": lock}}, "check_run": False}
+    same = {"vmid": 201, "run_id": "r", "steps": {"training_venv": {"lock": lock}}, "check_run": False}
+    assert len(lock) > 120_000 and action.batch_item(same, own) == {"vmid": 201}
+    other_lock = {**same, "steps": {"training_venv": {"lock": lock + "six==1.17.0\n"}}}
+    assert action.batch_item(other_lock, own) == {"vmid": 201, "steps": other_lock["steps"]}
+    assert action.batch_item({**same, "owner": "bob@ctl"}, own) == {"vmid": 201, "owner": "bob@ctl"}
+    # An option the task has and the target does not: the item cannot say "left out", so it carries them all.
+    lacking = {k: v for k, v in same.items() if k != "check_run"}
+    assert action.batch_item(lacking, own) == lacking
+    assert action.batch_item(same, {**own, "batch": [{"vmid": 202}]}) == {"vmid": 201}  # the batch is never shared
+
+
+def test_the_targets_a_read_carried_travel_as_what_differs_and_get_their_own_invocation(action, tmp_path):
+    lock = seeds_size_lock()
     queue = action.NodeQueue(str(tmp_path / "q"))
     fork = action.ActionModule.__new__(action.ActionModule)
-    fork._task = Task({"vmid": 200})
-    other = queue.post({"vmid": 201, "steps": {}})
+    fork._task = Task({"vmid": 200, "run_id": "r", "steps": {"training_venv": {"lock": lock}}})
+    others = [
+        {"vmid": 201, "run_id": "r", "steps": {"training_venv": {"lock": lock}}},
+        {"vmid": 202, "run_id": "r", "steps": {"training_venv": {"lock": "six==1.17.0"}}},
+    ]
+    posted = [queue.post(options) for options in others]
+    carried = []
 
     def read_alone(_tmp, _task_vars, batch=None):
-        options = {"vmid": 200, "batch": batch}
-        return {"changed": False, "invocation": {"module_args": options}, "batch": [{"changed": False}]}
+        carried.extend(batch)  # the module's own options, as it echoes them: never the batch (target_facts.main)
+        own = {"vmid": 200, "run_id": "r", "steps": {"training_venv": {"lock": lock}}}
+        return {"changed": False, "invocation": {"module_args": own}, "batch": [{"changed": False} for _ in batch]}
 
     fork._read_alone = read_alone
     mine = fork._read_with_node(queue, None, {})
-    assert mine["invocation"] == {"module_args": {"vmid": 200}}  # not the others' options it carried
-    assert queue.result(other)["invocation"] == {"module_args": {"vmid": 201, "steps": {}}}
+    assert carried == [{"vmid": 201}, {"vmid": 202, "steps": {"training_venv": {"lock": "six==1.17.0"}}}]
+    assert "batch" not in mine["invocation"]["module_args"] and "batch" not in mine
+    for name, options in zip(posted, others, strict=True):
+        assert queue.result(name)["invocation"] == {"module_args": options}  # all of its options, as its task's
 
 
 def test_the_gathering_waits_while_targets_still_come_and_never_longer_than_its_bound(action, tmp_path):
