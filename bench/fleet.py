@@ -24,16 +24,18 @@ reports: the steps' tasks that ran, one per target even where targets share an e
 CPU seconds (user + system of the run and every descendant it waited for: ``getrusage
 (RUSAGE_CHILDREN)`` before and after) and the node side's (the whole machine's busy CPU seconds from
 ``/proc/stat`` less the controller's: the lab's nodes, their sshd, modules, ``pct`` and the CTs' probes share this
-machine; the ssh masters, which leave the run's process tree, count there too). Every run must find the fleet
-converged (recover: each target's report ``ok`` with nothing pending; drift: exit 0, every target in spec), or the
-benchmark stops: figures of a run that did work
-would mean something else. It prints a markdown table of the medians with each figure's ratio to the smallest size,
-and writes every run as JSON with ``--out``.
+machine; the ssh masters, which leave the run's process tree, count there too), and of the node side what ran
+inside the CTs (their cgroups: each read's probe, its ``nvidia-smi``, ``timeout``/``env``). Every run must find the
+fleet converged (recover: each target's report ``ok`` with nothing pending; drift: exit 0, every target in spec), or
+the benchmark stops: figures of a run that did work would mean something else. It prints a markdown table of the
+medians with each figure's ratio to the smallest size, and writes every run as JSON with ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import os
 import resource
@@ -58,6 +60,7 @@ METRICS = (
     "seconds",
     "cpu_seconds",
     "node_cpu_seconds",
+    "ct_cpu_seconds",
     "ssh_connections",
     "ssh_invocations",
     "pct_exec",
@@ -93,6 +96,20 @@ def machine_cpu_seconds(stat="/proc/stat"):
         fields = [int(v) for v in handle.readline().split()[1:]]
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def containers_cpu_seconds(roots=("/sys/fs/cgroup/unified/lxc", "/sys/fs/cgroup/lxc")):
+    """CPU seconds spent so far inside the lab's CTs, from their cgroups (``lxc/<vmid>``, cgroup v2, beside v1 or
+    alone): what each CT's read runs in it, its probe, the probe's ``nvidia-smi`` and ``timeout``/``env``."""
+    for root in roots:
+        stats = glob.glob(os.path.join(root, "*", "cpu.stat"))
+        if stats:
+            total = 0
+            for path in stats:
+                with contextlib.suppress(OSError), open(path, encoding="ascii") as handle:
+                    total += int(dict(line.split() for line in handle)["usage_usec"])
+            return total / 1e6
+    return 0.0
 
 
 def remote_tasks(reports):
@@ -155,6 +172,7 @@ def run_once(kind, size, inventory, *, forks, nodes, workdir):
     before = node_counters(nodes)
     cpu = cpu_seconds()
     machine = machine_cpu_seconds()
+    containers = containers_cpu_seconds()
     started = time.monotonic()
     done = subprocess.run(
         command_for(kind, inventory, forks, workdir, reports),
@@ -168,6 +186,7 @@ def run_once(kind, size, inventory, *, forks, nodes, workdir):
     seconds = time.monotonic() - started
     cpu = cpu_seconds() - cpu
     machine = machine_cpu_seconds() - machine
+    containers = containers_cpu_seconds() - containers
     after = node_counters(nodes)
     # End the run's ssh masters now, so no connection is reused and no close is billed to the next run.
     for socket in Path(control).iterdir():
@@ -179,6 +198,9 @@ def run_once(kind, size, inventory, *, forks, nodes, workdir):
         # The node side: what the machine burnt beyond the controller (the nodes' sshd, modules, pct, the CTs'
         # probes); the lab's nodes share this machine, so it is their sum.
         "node_cpu_seconds": round(max(machine - cpu, 0.0), 3),
+        # Of the node side, what ran inside the CTs (the probes and their nvidia-smi); the rest is the nodes' own:
+        # sshd, the modules, pct and lxc-attach.
+        "ct_cpu_seconds": round(containers, 3),
         "ssh_connections": after["ssh_connections"] - before["ssh_connections"],
         "ssh_invocations": count_lines(ssh_log),
         "pct_exec": after["pct_exec"] - before["pct_exec"],
@@ -217,9 +239,10 @@ def markdown(results):
         f"Medians of {results['runs_per_figure']} runs, forks {results['forks']}; in parentheses: the ratio to "
         f"{base} CT{'s' if base > 1 else ''}.",
         "",
-        "| pct cost | run | CTs | wall s | controller CPU s | node CPU s | new ssh connections | ssh sessions "
-        "(module executions) | `pct exec` | remote tasks | controller CPU s per CT | node CPU s per CT |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| pct cost | run | CTs | wall s | controller CPU s | node CPU s | of it in the CTs | new ssh connections "
+        "| ssh sessions (module executions) | `pct exec` | remote tasks | controller CPU s per CT "
+        "| node CPU s per CT |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for delay, data in results["delays"].items():
         for kind in KINDS:
