@@ -34,8 +34,6 @@ medians with each figure's ratio to the smallest size, and writes every run as J
 from __future__ import annotations
 
 import argparse
-import contextlib
-import glob
 import json
 import os
 import resource
@@ -98,18 +96,21 @@ def machine_cpu_seconds(stat="/proc/stat"):
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def containers_cpu_seconds(roots=("/sys/fs/cgroup/unified/lxc", "/sys/fs/cgroup/lxc")):
-    """CPU seconds spent so far inside the lab's CTs, from their cgroups (``lxc/<vmid>``, cgroup v2, beside v1 or
-    alone): what each CT's read runs in it, its probe, the probe's ``nvidia-smi`` and ``timeout``/``env``."""
-    for root in roots:
-        stats = glob.glob(os.path.join(root, "*", "cpu.stat"))
-        if stats:
-            total = 0
-            for path in stats:
-                with contextlib.suppress(OSError), open(path, encoding="ascii") as handle:
-                    total += int(dict(line.split() for line in handle)["usage_usec"])
-            return total / 1e6
-    return 0.0
+def containers_cpu_seconds(nodes, roots=("/sys/fs/cgroup/unified/lxc", "/sys/fs/cgroup/lxc")):
+    """CPU seconds spent so far inside the fleet's CTs, from their cgroups (``lxc/<vmid>``, cgroup v2, beside v1 or
+    alone): what each CT's read runs in it, its probe, the probe's ``nvidia-smi`` and ``timeout``/``env``. The
+    benchmark stops where a CT has no such cgroup: a figure without some CTs would be wrong, not missing."""
+    vmids = [vmid for node in nodes for vmid in node["cts"]]
+    root = next((r for r in roots if os.path.isfile(os.path.join(r, str(vmids[0]), "cpu.stat"))), None)
+    total = 0
+    for vmid in vmids:
+        path = os.path.join(root or roots[0], str(vmid), "cpu.stat")
+        try:
+            with open(path, encoding="ascii") as handle:
+                total += int(dict(line.split() for line in handle)["usage_usec"])
+        except (OSError, KeyError, ValueError) as error:
+            sys.exit(f"bench: no CPU usage for CT {vmid} in its cgroup ({path}: {error}); is the fleet running?")
+    return total / 1e6
 
 
 def remote_tasks(reports):
@@ -172,7 +173,7 @@ def run_once(kind, size, inventory, *, forks, nodes, workdir):
     before = node_counters(nodes)
     cpu = cpu_seconds()
     machine = machine_cpu_seconds()
-    containers = containers_cpu_seconds()
+    containers = containers_cpu_seconds(nodes)
     started = time.monotonic()
     done = subprocess.run(
         command_for(kind, inventory, forks, workdir, reports),
@@ -186,7 +187,7 @@ def run_once(kind, size, inventory, *, forks, nodes, workdir):
     seconds = time.monotonic() - started
     cpu = cpu_seconds() - cpu
     machine = machine_cpu_seconds() - machine
-    containers = containers_cpu_seconds() - containers
+    containers = containers_cpu_seconds(nodes) - containers
     after = node_counters(nodes)
     # End the run's ssh masters now, so no connection is reused and no close is billed to the next run.
     for socket in Path(control).iterdir():

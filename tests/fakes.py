@@ -12,8 +12,12 @@ import yaml
 from ansible.module_utils import _internal as ansible_internal
 from ansible.module_utils.common import warnings as ansible_warnings
 from ansible.module_utils.testing import patch_module_args
+from ansible.release import __version__ as ansible_core_version
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_target
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import CommandResult
+
+# The ansible-core that runs the tests, (major, minor): some behaviour differs between the ends of the range.
+ANSIBLE_CORE = tuple(int(part) for part in ansible_core_version.split(".")[:2])
 
 
 class FakeRunner:

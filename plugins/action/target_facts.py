@@ -25,12 +25,12 @@ a node and its connection post their options to a queue in the run's own temp di
 another run's); the first to take the node's lock waits until every host of the play batch has posted (to its own
 node's queue or another's) or none has for a while (GATHER_IDLE_COVERED where the forks cover the batch, else
 GATHER_IDLE; GATHER_LONGEST at most, longer for a batch of hundreds), then reads, in one execution, every target of
-its node that has posted by then (``batch``: the passes run side by side on the node; of each target's options, those
-that differ from the reading fork's own, batch_item), writes each its result and lets go, and each waiting fork
-returns its own. Every target keeps its own task, result, report, ``--limit`` and failure; each one's options are
-the ones Ansible templated for it, so nothing of another host's is guessed. A lone target (one
-host in the play batch, a bare host, or one fork at a time) runs exactly as before and marks its arrival all the same,
-as does a host that fails the checks above: no read waits for a host that will not post. Forks that arrive while a
+its node that has posted by then (``batch``: the passes run side by side on the node; what each target shares with
+the reading fork's own options travels once, batch_items), writes each its result and lets go, and each waiting
+fork returns its own. Every target keeps its own task, result, report, ``--limit`` and failure; each one's options
+are the ones Ansible templated for it, so nothing of another host's is guessed. A lone target (one host in the play
+batch, a bare host, or one fork at a time) runs exactly as before and marks its arrival all the same, as does a
+host that fails the checks above: no read waits for a host that will not post. Forks that arrive while a
 read runs are the next read's. A read that did not answer the targets it carried (its own options failed the module
 before it read them, it raised) queues them again for the next fork; an unreachable node answers each of them
 unreachable at once; a fork that leaves its wait (a task timeout) takes its request back; any failure of the queue
@@ -82,7 +82,11 @@ from ansible.plugins.loader import lookup_loader
 from ansible.template import Templar, trust_as_template
 from ansible.utils.display import Display
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import StepSpecError, settings_from_variables
+from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import (
+    BATCH_SAME_AS_TASK,
+    StepSpecError,
+    settings_from_variables,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import DEFAULT_TIMEOUT, KILL_GRACE
 
 display = Display()
@@ -142,12 +146,16 @@ def warm_templating(template=WARM_TEMPLATE, modules=None, lookups=WARM_LOOKUPS):
         return False
     try:
         Templar(loader=DataLoader()).template(trust_as_template(template))
-        for name in lookups:
-            if lookup_loader.get(name) is None:
-                raise AnsibleError(f"no lookup {name}")
     except Exception as error:  # by design: see above
         display.vvv(f"target_facts: templating not warmed ({type(error).__name__}: {error})")
         return False
+    for name in lookups:
+        try:
+            if lookup_loader.get(name) is None:
+                raise AnsibleError("no such lookup")
+        except Exception as error:  # by design: see above
+            display.vvv(f"target_facts: lookup {name} not loaded before the forks ({type(error).__name__}: {error})")
+            return False
     return True
 
 
@@ -428,15 +436,27 @@ def write_json_atomically(path, value):
         raise
 
 
-def batch_item(options, own):
-    """A waiting target's ``options`` as an item of the module's ``batch``: only those that differ from the task's
-    own (``own``), which the module uses where an item leaves one out, so that what every target shares (a hashed
-    lock of over 100 KB) travels to the node once, not once per target (pure). All of them where ``options`` lacks
-    one that ``own`` has: an item cannot say that an option is left out."""
-    shared = {k: v for k, v in own.items() if k != "batch"}
-    if not shared.keys() <= options.keys():
-        return dict(options)
-    return {k: v for k, v in options.items() if k not in shared or shared[k] != v}
+def batch_items(others, own):
+    """The module's ``batch`` for the waiting targets whose options are ``others``: of each, the options whose value
+    differs from the task's own (``own``), and under BATCH_SAME_AS_TASK the names of those whose value is the same,
+    which the module takes from its own options; so what every target shares (a hashed lock of over 100 KB) travels
+    to the node once, not once per target (pure). An option a target leaves out stays out: the module gives it its
+    default, as that target's own task would. Values are compared as the module receives them, as JSON: ``1``,
+    ``1.0``, ``"1"`` and ``true`` all differ."""
+    shared = {name: as_json(value) for name, value in own.items() if name != "batch"}
+    items = []
+    for options in others:
+        same = sorted(name for name, value in options.items() if shared.get(name) == as_json(value))
+        item = {name: value for name, value in options.items() if name not in same}
+        if same:
+            item[BATCH_SAME_AS_TASK] = same
+        items.append(item)
+    return items
+
+
+def as_json(value):
+    """``value`` as one JSON text, keys sorted: two values are the same option for the module when these are."""
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 class NodeQueue:
@@ -737,12 +757,12 @@ class ActionModule(NormalAction):
         claimed = [(name, options) for name, options in queue.claim() if name != mine]
         answered = set()
         try:
-            own = self._task.args
-            result = self._read_alone(tmp, task_vars, [batch_item(options, own) for _name, options in claimed])
+            result = self._read_alone(tmp, task_vars, batch_items([o for _name, o in claimed], self._task.args))
             others = result.pop("batch", None)
-            # Where Ansible adds the invocation, this target's shows its own options (the module leaves the batch
-            # out), and each other target's its own, all of them.
             invocation = result.get("invocation") or {}
+            # Where Ansible adds the invocation, this target's shows its own options, not the batch: the module
+            # leaves it out, but not when its options failed AnsibleModule's own checks (Ansible echoes them all).
+            (invocation.get("module_args") or {}).pop("batch", None)
             if result.get("unreachable"):
                 others = [dict(result) for _claimed in claimed]  # one node, one timeout for all of them
             if not isinstance(others, list) or len(others) != len(claimed):

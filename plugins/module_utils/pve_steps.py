@@ -101,6 +101,10 @@ def load_step(name):
 
 # Keys of the fact pass's answer beside the steps' own (no step may take one of these names).
 RESERVED = ("run_id", "target", "lock", "pending", "problems", "seconds")
+# The key of an item of the fact pass's batch (one node's other targets, read in one module execution) that names
+# the options whose value is the same as the task's own: the action sends those once, the module takes them from
+# its own options.
+BATCH_SAME_AS_TASK = "same_as_task"
 
 
 def steps_in(specs):

@@ -132,9 +132,10 @@ options:
         this module's options for one target (what its own task would pass, I(batch), I(per_node) and
         I(steps_from_variables) aside; the keys are the options above), and is checked as a task's options are; an
         item that fails the check fails alone.
-      - An option an item leaves out is the task's own (the action sends only what differs from it, so that a
-        step setting every target shares, such as a hashed lock of over 100 KB, travels once, not once per
-        target).
+      - An item may name, in C(same_as_task), options whose value is the same as the task's own: those are taken
+        from the task's options (the action sends each target's options so, and what every target shares, such as
+        a hashed lock of over 100 KB, travels once, not once per target). An option an item neither gives nor
+        names has its default, as in a task.
       - The passes run side by side; each target takes its own lock and has its own result in RV(batch), and one
         target's failure is its own. The action fills it in (I(per_node)); a task does not set it.
       - What is the node's is read once for all of them (the compute processes C(nvidia-smi) lists, the owner of
@@ -302,6 +303,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import 
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_lock import DEFAULT_LOCK_DIR, DEFAULT_TTL
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_node_reads import SharedReads
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import (
+    BATCH_SAME_AS_TASK,
     STEP_NAMES,
     fact_pass,
     validate_specs,
@@ -371,14 +373,21 @@ def read_target(params, check_mode, shared=None):
 
 
 def read_batch_item(item, check_mode, shared=None, own=None):
-    """One item of I(batch): its options, the task's own (``own``) where it leaves one out, checked as a task's
-    would be, then its pass (read_target)."""
-    checked = ArgumentSpecValidator(PASS_ARGUMENT_SPEC).validate({**(own or {}), **item})
-    if checked.error_messages:
+    """One item of I(batch): its options, with those it names under BATCH_SAME_AS_TASK taken from the task's own
+    (``own``), checked as a task's would be, then its pass (read_target)."""
+    options = dict(item)
+    same = options.pop(BATCH_SAME_AS_TASK, [])
+    problems = []
+    if not isinstance(same, list) or not all(isinstance(name, str) and name in (own or {}) for name in same):
+        problems.append(f"{BATCH_SAME_AS_TASK} must be a list of the task's own options, not {same!r}")
+        same = []
+    checked = ArgumentSpecValidator(PASS_ARGUMENT_SPEC).validate({**{name: own[name] for name in same}, **options})
+    problems += checked.error_messages
+    if problems:
         return {
             "failed": True,
             "changed": False,
-            "msg": f"batch item for CT {item.get('vmid')}: {'; '.join(checked.error_messages)}",
+            "msg": f"batch item for CT {item.get('vmid')}: {'; '.join(problems)}",
             "error": "invalid",
         }
     return read_target(checked.validated_parameters, check_mode, shared)
@@ -433,8 +442,9 @@ def main():
         module.warn(warning)
     if module.params["batch"]:
         result["batch"] = others
-    # The invocation Ansible adds (where it does) shows this task's own options: the batch, every other target's
-    # (a hashed lock each), would come back to the controller only to be dropped there.
+    # The invocation Ansible adds (where it does) shows this task's own options: the batch would come back to the
+    # controller only to be dropped there (each other target gets its own options from the action), and targets
+    # whose options differ (a lock each) carry them all in it.
     result["invocation"] = {"module_args": {k: v for k, v in module.params.items() if k != "batch"}}
     if result.get("failed"):
         module.fail_json(**result)

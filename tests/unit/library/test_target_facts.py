@@ -9,16 +9,13 @@ from pathlib import Path
 import pytest
 import target_facts
 import yaml
-from ansible.release import __version__ as ansible_core_version
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import ProcessInfo
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
 
 from tests.conftest import FIXTURES
-from tests.fakes import FakeRunner, run_module
-
-ANSIBLE_CORE = tuple(int(part) for part in ansible_core_version.split(".")[:2])
+from tests.fakes import ANSIBLE_CORE, FakeRunner, run_module
 
 DOC = yaml.safe_load((Path(__file__).with_suffix(".yaml")).read_text())
 CASES = DOC["cases"]
@@ -443,34 +440,48 @@ def test_a_batch_reads_each_target_once_side_by_side_and_each_keeps_its_own_resu
 def test_a_batch_item_with_wrong_options_fails_alone(tmp_path, monkeypatch, capsys):
     node_version(monkeypatch, NODE_VERSION)
     runner = FakeRunner(probe_of(200))
-    batch = [{"vmid": "two hundred"}, {"vmid": 201, "lock_ttl": "a day"}, {"vmid": 202, "wrong": 1}]
+    batch = [
+        {"vmid": "two hundred", "run_id": "run-1"},  # a wrong type
+        {"vmid": 201},  # no run_id, and none named as the task's
+        {"vmid": 202, "same_as_task": ["run_id", "nope"]},  # names an option the task does not have
+        {"vmid": 203, "same_as_task": "run_id"},  # not a list
+    ]
     result = run_module(target_facts, params(tmp_path, vmid=200, batch=batch), runner, monkeypatch, capsys)
     assert not result.get("failed")
-    assert [item["error"] for item in result["batch"]] == ["invalid", "invalid", "invalid"]
-    assert all(name in item["msg"] for name, item in zip(("vmid", "lock_ttl", "wrong"), result["batch"], strict=True))
+    assert [item["error"] for item in result["batch"]] == ["invalid"] * 4
+    for said, item in zip(("vmid", "run_id", "same_as_task", "same_as_task"), result["batch"], strict=True):
+        assert said in item["msg"], item["msg"]
 
 
-def test_an_option_a_batch_item_leaves_out_is_the_tasks_own(tmp_path, monkeypatch, capsys):
-    """The action sends of each other target only what differs from the task's own options (a hashed lock that
-    every target shares travels once): the rest is the task's, checked again for the item."""
+def test_a_batch_item_takes_the_options_it_names_from_the_task_and_defaults_for_the_rest(tmp_path, monkeypatch, capsys):
+    """The action sends of each other target only what differs from the task's own options and names the rest
+    (a hashed lock that every target shares travels once). An option a target left out is not the task's: it has
+    its default, as in that target's own task."""
     node_version(monkeypatch, NODE_VERSION)
-    runner = FakeRunner(probe_of(200), probe_of(201), probe_of(202))
-    batch = [{"vmid": 201}, {"vmid": 202, "owner": "bob@ctl"}]
+    runner = FakeRunner(probe_of(200), probe_of(201), probe_of(202), probe_of(203))
+    batch = [
+        {"vmid": 201, "same_as_task": ["run_id", "owner", "lock_dir"]},
+        {"vmid": 202, "owner": "bob@ctl", "same_as_task": ["run_id", "lock_dir"]},
+        {"vmid": 203, "same_as_task": ["run_id", "lock_dir"]},  # its task left the owner out
+    ]
     result = run_module(target_facts, params(tmp_path, vmid=200, batch=batch), runner, monkeypatch, capsys)
-    first, second = (facts_of(item) for item in result["batch"])
-    assert (first["target"]["vmid"], first["lock"]["who"]["owner"]) == (201, "alice@ctl")  # the task's owner
-    assert (second["target"]["vmid"], second["lock"]["who"]["owner"]) == (202, "bob@ctl")  # its own
-    assert {facts["run_id"] for facts in (first, second)} == {"run-1"}
-    assert all(Path(facts["lock"]["path"]).parent == tmp_path for facts in (first, second))  # the task's lock_dir
+    read = [facts_of(item) for item in result["batch"]]
+    assert [(f["target"]["vmid"], f["lock"]["who"]["owner"]) for f in read] == [
+        (201, "alice@ctl"),  # the task's, named
+        (202, "bob@ctl"),  # its own
+        (203, "unknown"),  # the option's default, not the task's
+    ]
+    assert {f["run_id"] for f in read} == {"run-1"}
+    assert all(Path(f["lock"]["path"]).parent == tmp_path for f in read)  # the task's lock_dir, named
 
 
 def test_the_invocation_shows_the_tasks_own_options_never_the_batch(tmp_path, monkeypatch, capsys):
-    """Each batch item carries a target's options, a hashed lock of over 100 KB each with the venv step on: echoed
-    back in the invocation, 16 targets were 2 MB more per node for the controller to read and drop."""
+    """The batch would come back in the invocation only for the action to drop it, and where the targets' options
+    differ (a hashed lock of over 100 KB each), it is most of what a node's execution returns."""
     node_version(monkeypatch, NODE_VERSION)
     # From ansible-core 2.21 the invocation is added only when asked; older versions always add it.
     asks = {"_ansible_inject_invocation": True} if ANSIBLE_CORE >= (2, 21) else {}
-    args = params(tmp_path, vmid=200, batch=[{"vmid": 201}], **asks)
+    args = params(tmp_path, vmid=200, batch=[{"vmid": 201, "same_as_task": ["run_id", "owner", "lock_dir"]}], **asks)
     result = run_module(target_facts, args, FakeRunner(probe_of(200), probe_of(201)), monkeypatch, capsys)
     echoed = result["invocation"]["module_args"]
     assert "batch" not in echoed and (echoed["vmid"], echoed["owner"]) == (200, "alice@ctl")

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import training_venv
-from ansible.release import __version__ as ansible_core_version
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import wrong_option
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import network, script
 
 from tests.conftest import ROOT, unavailable
-from tests.fakes import FakeRunner, run_module
+from tests.fakes import ANSIBLE_CORE, FakeRunner, run_module
 
 sys.path.insert(0, str(ROOT / "tests" / "lab"))
 sys.path.insert(0, str(ROOT / "tests" / "lab" / "standins"))
@@ -39,7 +38,6 @@ TOKEN = "T0kenS3cretForTheIndex"  # noqa: S105 (a test's credential)
 PROXY_PASSWORD = "Pr0xyS3cretPassw0rd"  # noqa: S105
 # What this machine's environment may set that a CT's (pct exec --keep-env 0) does not: each would decide trust.
 HOST_TLS_SETTINGS = ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT")
-ANSIBLE_CORE = tuple(int(part) for part in ansible_core_version.split(".")[:2])
 PROXY_SETTINGS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY")
 
 

@@ -375,14 +375,17 @@ def test_templating_is_warmed_only_where_tasks_run_and_a_failure_only_leaves_it_
     assert action.warm_templating(simple, modules=running, lookups=("nosuchlookup",)) is False
 
 
-def test_the_lookups_of_the_venv_steps_lock_are_loaded_before_the_forks(action):
-    """The file lookup that reads the venv step's lock is imported in the process that forks the workers, so none
-    of them imports it again (about 2 ms each, docs/benchmarks.md). (By its short name here: a collection's name
-    needs the collection loader of a real ansible process, whose warming the next test checks.)"""
+def test_the_lookups_of_the_venv_steps_lock_are_loaded_before_the_forks(action, monkeypatch):
+    """The lookups of the venv step's lock are loaded in the process that forks the workers, so none of them loads
+    them again (about 2 ms each for the file lookup, docs/benchmarks.md). A collection's lookup needs the collection
+    loader of a real ansible process: the next test checks that one loads them all."""
     running = {"ansible.executor.task_queue_manager": object()}
-    sys.modules.pop("ansible.plugins.lookup.file", None)
-    assert action.warm_templating("{{ 1 }}", modules=running, lookups=("file",)) is True
-    assert "ansible.plugins.lookup.file" in sys.modules
+    loaded = []
+    monkeypatch.setattr(action.lookup_loader, "get", lambda name: loaded.append(name) or object())
+    assert action.warm_templating("{{ 1 }}", modules=running) is True
+    assert loaded == list(action.WARM_LOOKUPS)
+    monkeypatch.setattr(action.lookup_loader, "get", lambda name: None)  # a lookup that is not there
+    assert action.warm_templating("{{ 1 }}", modules=running) is False
     assert set(action.WARM_LOOKUPS) == {"ansible.builtin.file", "pve_gpu.recover.uv_lock"}
     lock_variable = (ROOT / "roles" / "training_venv" / "vars" / "main.yml").read_text()
     assert all(f"lookup('{name}'" in lock_variable for name in action.WARM_LOOKUPS)  # the lookups it does use
@@ -392,7 +395,8 @@ def test_a_wrong_step_name_or_a_variable_that_fails_to_template_fails_before_any
     hosts = tmp_path / "hosts.yml"
     hosts.write_text("all:\n  vars: " + CLOSED + "\n  hosts:\n    ct1: {pve_vmid: 200, pve_node: pve1}\n")
     done = ad_hoc(tmp_path, str(hosts), "-a", '{"steps_from_variables": ["verify", "nope"]}', "-vvv")
-    assert "templating not warmed" not in done.stdout + done.stderr  # the real process warms it, lookup and all
+    said = done.stdout + done.stderr
+    assert "templating not warmed" not in said and "not loaded before the forks" not in said  # lookups and all
     (report,) = reports_of(tmp_path)["ct1"]
     assert report["error"]["kind"] == "invalid_step", done.stdout[-2000:]
     assert report["error"]["msg"].startswith("ct1: unknown step(s) nope in steps_from_variables (the preflight role's")
@@ -690,49 +694,60 @@ def test_a_fork_that_leaves_unread_is_never_read_by_another(action, tmp_path):
     assert executions == [[200]]
 
 
-def seeds_size_lock():
-    """A hashed lock of the seeds' size: 90 pins of 16 ``--hash`` lines each, about 127 KB."""
-    lines = []
-    for n in range(90):
-        lines.append(f"pkg-{n:02d}==1.{n}.0 \\\n")
-        lines += [f"    --hash=sha256:{n:02d}{h:062d} \\\n" for h in range(16)]
-    return "".join(lines)
+# A hashed lock of the seeds' size (about 126 KB: 90 pins of 16 hashes), the text every target of a fleet shares.
+SHARED_LOCK = "".join(f"pkg-{n:02d}==1.{n}.0 \\\n" + f"    --hash=sha256:{n:064d} \\\n" * 16 for n in range(90))
 
 
-def test_a_batch_item_is_what_differs_from_the_tasks_own_options(action):
-    lock = seeds_size_lock()
-    own = {"vmid": 200, "run_id": "r", "steps": {"training_venv": {"lock": lock}}, "check_run": False}
-    same = {"vmid": 201, "run_id": "r", "steps": {"training_venv": {"lock": lock}}, "check_run": False}
-    assert len(lock) > 120_000 and action.batch_item(same, own) == {"vmid": 201}
-    other_lock = {**same, "steps": {"training_venv": {"lock": lock + "six==1.17.0\n"}}}
-    assert action.batch_item(other_lock, own) == {"vmid": 201, "steps": other_lock["steps"]}
-    assert action.batch_item({**same, "owner": "bob@ctl"}, own) == {"vmid": 201, "owner": "bob@ctl"}
-    # An option the task has and the target does not: the item cannot say "left out", so it carries them all.
+def test_a_batch_item_sends_what_differs_and_names_what_is_the_tasks_own(action):
+    own = {"vmid": 200, "run_id": "r", "steps": {"training_venv": {"lock": SHARED_LOCK}}, "check_run": False}
+    same = {"vmid": 201, "run_id": "r", "steps": {"training_venv": {"lock": SHARED_LOCK}}, "check_run": False}
+    other_lock = {**same, "steps": {"training_venv": {"lock": SHARED_LOCK + "six==1.17.0\n"}}}
     lacking = {k: v for k, v in same.items() if k != "check_run"}
-    assert action.batch_item(lacking, own) == lacking
-    assert action.batch_item(same, {**own, "batch": [{"vmid": 202}]}) == {"vmid": 201}  # the batch is never shared
+    items = action.batch_items([same, other_lock, {**same, "owner": "bob@ctl"}, lacking], own)
+    assert len(SHARED_LOCK) > 120_000 and items[0] == {"vmid": 201, "same_as_task": ["check_run", "run_id", "steps"]}
+    assert items[1] == {"vmid": 201, "steps": other_lock["steps"], "same_as_task": ["check_run", "run_id"]}
+    assert items[2] == {"vmid": 201, "owner": "bob@ctl", "same_as_task": ["check_run", "run_id", "steps"]}
+    assert items[3] == {"vmid": 201, "same_as_task": ["run_id", "steps"]}  # check_run stays out: its default
+    assert action.batch_items([same], {**own, "batch": [{"vmid": 202}]}) == items[:1]  # the batch is never shared
+
+
+def test_a_batch_item_shares_a_value_only_where_the_module_would_receive_the_same(action):
+    """Compared as JSON, as the module receives them: Python's ``1 == 1.0 == True`` would have a host's ``13.0``
+    (a str setting: a CUDA version) become another host's ``13``."""
+    own = {"vmid": 200, "steps": {"verify": {"cuda_version": 13, "strict": True}}}
+    for value in (13.0, "13", True):
+        other = {"vmid": 201, "steps": {"verify": {"cuda_version": value, "strict": True}}}
+        assert action.batch_items([other], own) == [other]
+    assert action.batch_items([{"vmid": 201, "steps": {"verify": {"strict": 1, "cuda_version": 13}}}], own) == [
+        {"vmid": 201, "steps": {"verify": {"strict": 1, "cuda_version": 13}}}
+    ]
+    reordered = {"vmid": 201, "steps": {"verify": {"strict": True, "cuda_version": 13}}}
+    assert action.batch_items([reordered], own) == [{"vmid": 201, "same_as_task": ["steps"]}]
 
 
 def test_the_targets_a_read_carried_travel_as_what_differs_and_get_their_own_invocation(action, tmp_path):
-    lock = seeds_size_lock()
     queue = action.NodeQueue(str(tmp_path / "q"))
     fork = action.ActionModule.__new__(action.ActionModule)
-    fork._task = Task({"vmid": 200, "run_id": "r", "steps": {"training_venv": {"lock": lock}}})
+    fork._task = Task({"vmid": 200, "run_id": "r", "steps": {"training_venv": {"lock": SHARED_LOCK}}})
     others = [
-        {"vmid": 201, "run_id": "r", "steps": {"training_venv": {"lock": lock}}},
+        {"vmid": 201, "run_id": "r", "steps": {"training_venv": {"lock": SHARED_LOCK}}},
         {"vmid": 202, "run_id": "r", "steps": {"training_venv": {"lock": "six==1.17.0"}}},
     ]
     posted = [queue.post(options) for options in others]
     carried = []
 
     def read_alone(_tmp, _task_vars, batch=None):
-        carried.extend(batch)  # the module's own options, as it echoes them: never the batch (target_facts.main)
-        own = {"vmid": 200, "run_id": "r", "steps": {"training_venv": {"lock": lock}}}
-        return {"changed": False, "invocation": {"module_args": own}, "batch": [{"changed": False} for _ in batch]}
+        carried.extend(batch)
+        # Ansible's own echo, the batch in it, as where the module's options fail AnsibleModule's checks.
+        options = {**fork._task.args, "batch": batch}
+        return {"changed": False, "invocation": {"module_args": options}, "batch": [{"changed": False} for _ in batch]}
 
     fork._read_alone = read_alone
     mine = fork._read_with_node(queue, None, {})
-    assert carried == [{"vmid": 201}, {"vmid": 202, "steps": {"training_venv": {"lock": "six==1.17.0"}}}]
+    assert carried == [
+        {"vmid": 201, "same_as_task": ["run_id", "steps"]},
+        {"vmid": 202, "steps": {"training_venv": {"lock": "six==1.17.0"}}, "same_as_task": ["run_id"]},
+    ]
     assert "batch" not in mine["invocation"]["module_args"] and "batch" not in mine
     for name, options in zip(posted, others, strict=True):
         assert queue.result(name)["invocation"] == {"module_args": options}  # all of its options, as its task's
