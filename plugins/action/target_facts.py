@@ -443,10 +443,10 @@ def batch_items(others, own):
     to the node once, not once per target (pure). An option a target leaves out stays out: the module gives it its
     default, as that target's own task would. Values are compared as the module receives them, as JSON: ``1``,
     ``1.0``, ``"1"`` and ``true`` all differ."""
-    shared = {name: as_json(value) for name, value in own.items() if name != "batch"}
+    shared = {name: as_json(value) for name, value in task_options(own).items()}
     items = []
     for options in others:
-        same = sorted(name for name, value in options.items() if shared.get(name) == as_json(value))
+        same = sorted(n for n, value in options.items() if shared.get(n) is not None and shared[n] == as_json(value))
         item = {name: value for name, value in options.items() if name not in same}
         if same:
             item[BATCH_SAME_AS_TASK] = same
@@ -455,8 +455,18 @@ def batch_items(others, own):
 
 
 def as_json(value):
-    """``value`` as one JSON text, keys sorted: two values are the same option for the module when these are."""
-    return json.dumps(value, sort_keys=True, default=str)
+    """``value`` as one JSON text, keys sorted: two values are the same option for the module when these are. None
+    for a value that cannot be written so (a dict whose keys mix numbers and strings): never shared, it travels."""
+    try:
+        return json.dumps(value, sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        return None
+
+
+def task_options(args):
+    """The module options of a task's ``args``: not ``batch`` (the action's, per read), nor the ``_ansible_*`` keys
+    Ansible writes into them when it runs the module, which a retried task (``retries``/``until``) still has."""
+    return {name: value for name, value in args.items() if name != "batch" and not name.startswith("_ansible_")}
 
 
 class NodeQueue:
@@ -717,9 +727,7 @@ class ActionModule(NormalAction):
         before it read the others, it raised, a file could not be written), the targets it did not answer are
         queued again and the next fork to get the lock reads them."""
         try:
-            mine = queue.post(
-                {k: v for k, v in self._task.args.items() if k != "batch"}, host=task_vars.get("inventory_hostname")
-            )
+            mine = queue.post(task_options(self._task.args), host=task_vars.get("inventory_hostname"))
         except Exception as error:  # by design: the queue only saves time
             display.vvv(f"target_facts: not queued ({type(error).__name__}: {error}); this target is read alone")
             return self._read_alone(tmp, task_vars)

@@ -129,13 +129,15 @@ options:
   batch:
     description:
       - Other targets of the same node to read in this same execution, beside the task's own. Each item holds
-        this module's options for one target (what its own task would pass, I(batch), I(per_node) and
-        I(steps_from_variables) aside; the keys are the options above), and is checked as a task's options are; an
-        item that fails the check fails alone.
-      - An item may name, in C(same_as_task), options whose value is the same as the task's own: those are taken
-        from the task's options (the action sends each target's options so, and what every target shares, such as
-        a hashed lock of over 100 KB, travels once, not once per target). An option an item neither gives nor
-        names has its default, as in a task.
+        this module's options for one target (what its own task would pass, I(batch) and I(steps_from_variables)
+        aside; the keys are the options above), and is checked as a task's options are; an item that fails the
+        check fails alone.
+      - An item may list, in C(same_as_task), the names of options whose value is the same as the task's own; the
+        module takes those from the task's options. The action sends each target's options so, and what every
+        target shares, such as a hashed lock of over 100 KB, travels once, not once per target. Options are
+        compared whole, so a target whose step settings differ in one setting carries all of its C(steps). An
+        option an item neither gives nor lists has its default, as in a task; a name in C(same_as_task) that is
+        not one of the task's options fails the item.
       - The passes run side by side; each target takes its own lock and has its own result in RV(batch), and one
         target's failure is its own. The action fills it in (I(per_node)); a task does not set it.
       - What is the node's is read once for all of them (the compute processes C(nvidia-smi) lists, the owner of
@@ -387,7 +389,7 @@ def read_batch_item(item, check_mode, shared=None, own=None):
         return {
             "failed": True,
             "changed": False,
-            "msg": f"batch item for CT {item.get('vmid')}: {'; '.join(problems)}",
+            "msg": f"batch item for CT {options.get('vmid', (own or {}).get('vmid'))}: {'; '.join(problems)}",
             "error": "invalid",
         }
     return read_target(checked.validated_parameters, check_mode, shared)

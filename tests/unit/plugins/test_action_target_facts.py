@@ -725,6 +725,38 @@ def test_a_batch_item_shares_a_value_only_where_the_module_would_receive_the_sam
     assert action.batch_items([reordered], own) == [{"vmid": 201, "same_as_task": ["steps"]}]
 
 
+def test_a_value_json_cannot_write_is_never_shared_and_travels(action):
+    """A dict whose keys mix numbers and strings (YAML allows it) cannot be written with sorted keys: it is sent as
+    it is, never named as the task's, and the read goes on."""
+    mixed = {"vmid": 200, "steps": {"compile_cache": {"warmup_env": {1: "a", "B": "b"}}}}
+    other = {"vmid": 201, "steps": {"compile_cache": {"warmup_env": {"1": "a", "B": "b"}}}}
+    assert action.as_json(mixed["steps"]) is None
+    assert action.batch_items([other], mixed) == [other]
+
+
+def test_a_retried_task_never_posts_or_shares_the_keys_ansible_wrote_into_its_options(action, tmp_path):
+    """Ansible writes its ``_ansible_*`` keys into the task's options when it runs the module, and a retried task
+    (``retries``/``until``) runs again with them: they are no options of the module, so a target that carried
+    them failed as invalid."""
+    queue = action.NodeQueue(str(tmp_path / "q"))
+    fork = action.ActionModule.__new__(action.ActionModule)
+    fork._task = Task({"vmid": 200, "run_id": "r"})
+    posted = []
+    post = queue.post
+    queue.post = lambda options, *args, **kwargs: posted.append(dict(options)) or post(options, *args, **kwargs)
+
+    def read_alone(_tmp, _task_vars, batch=None):
+        fork._task.args.update(_ansible_check_mode=False, _ansible_tmpdir="/tmp/x")  # what _execute_module does
+        return {"changed": False, "read": 200}
+
+    fork._read_alone = read_alone
+    for _attempt in range(2):
+        assert fork._read_with_node(queue, None, {})["read"] == 200
+    assert posted == [{"vmid": 200, "run_id": "r"}] * 2
+    own = {"vmid": 200, "run_id": "r", "_ansible_check_mode": False}
+    assert action.batch_items([{"vmid": 201, "run_id": "r"}], own) == [{"vmid": 201, "same_as_task": ["run_id"]}]
+
+
 def test_the_targets_a_read_carried_travel_as_what_differs_and_get_their_own_invocation(action, tmp_path):
     queue = action.NodeQueue(str(tmp_path / "q"))
     fork = action.ActionModule.__new__(action.ActionModule)
