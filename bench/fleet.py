@@ -16,6 +16,10 @@ warm-up run of each that is not counted):
 * ``drift``: ``drift/runner.py --forks F``, recover.yml ``--check --diff`` through ansible-runner, as the timer runs it.
 * ``recover-per-ct``: ``recover`` with ``-e preflight_per_node=false``: each CT read in a module execution of its
   own, as before 2.1.0.
+* ``recover-linear``: ``recover`` with ``-e recover_strategy=linear``: a forked worker per CT on the controller (the
+  fact pass's strategy before 2.3.0), each node's CTs still read in one execution.
+
+``--kinds`` runs some of them only.
 
 Each run starts cold (a fresh ssh ControlPath directory). Per run it measures the wall time, new ssh connections
 (the ``Accepted`` lines of every node's sshd log), ssh sessions (bench/ssh-counting; each is one module execution
@@ -53,7 +57,15 @@ FLEET_DIR = Path(os.environ.get("PVE_GPU_FLEET_DIR", "/var/lib/pve-gpu-recover-f
 BIN = Path(sys.executable).parent
 # recover-per-ct: recover.yml with each CT read in an execution of its own (preflight_per_node=false), the way
 # every run read them before 2.1.0, measured in the same loop so the ratio between the two is this run's.
-KINDS = ("recover", "drift", "recover-per-ct")
+# recover-linear: recover.yml with Ansible's linear strategy (recover_strategy=linear): a forked worker per CT, as
+# every run before 2.3.0.
+KINDS = ("recover", "drift", "recover-per-ct", "recover-linear")
+# Each recover kind's extra options.
+RECOVER_KINDS = {
+    "recover": [],
+    "recover-per-ct": ["-e", "preflight_per_node=false"],
+    "recover-linear": ["-e", "recover_strategy=linear"],
+}
 METRICS = (
     "seconds",
     "cpu_seconds",
@@ -122,10 +134,9 @@ def remote_tasks(reports):
 
 
 def command_for(kind, inventory, forks, workdir, reports):
-    if kind in ("recover", "recover-per-ct"):
-        per_ct = ["-e", "preflight_per_node=false"] if kind == "recover-per-ct" else []
+    if kind in RECOVER_KINDS:
         return [
-            *(str(BIN / "ansible-playbook"), "-i", str(inventory), "--forks", str(forks), *per_ct),
+            *(str(BIN / "ansible-playbook"), "-i", str(inventory), "--forks", str(forks), *RECOVER_KINDS[kind]),
             str(ROOT / "recover.yml"),
         ]
     return [
@@ -139,7 +150,7 @@ def command_for(kind, inventory, forks, workdir, reports):
 def converged_reports(kind, size, done, workdir, reports):
     """The run's reports, after checking that it found every target converged (else the benchmark stops)."""
     tail = f"\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    if kind in ("recover", "recover-per-ct"):
+    if kind in RECOVER_KINDS:
         found = [json.loads(p.read_text()) for p in sorted(reports.glob("*/*.json"))]
         busy = [r["target"] for r in found if r["status"] != "ok" or (r.get("before") or {}).get("pending")]
         if done.returncode != 0 or len(found) != size or busy:
@@ -213,7 +224,7 @@ def summarize(runs, sizes):
     """Medians per kind and size, and each median's ratio to the smallest size's."""
     medians, ratios = {}, {}
     base = min(sizes)
-    for kind in KINDS:
+    for kind in runs:
         medians[kind] = {
             str(size): {key: statistics.median(r[key] for r in runs[kind][str(size)]) for key in METRICS}
             for size in sizes
@@ -246,7 +257,7 @@ def markdown(results):
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for delay, data in results["delays"].items():
-        for kind in KINDS:
+        for kind in data["medians"]:
             for size in results["sizes"]:
                 m = data["medians"][kind][str(size)]
                 r = data[f"ratios_to_{base}"][kind][str(size)]
@@ -263,7 +274,9 @@ def main():
     parser.add_argument("--sizes", default="1,4,16")
     parser.add_argument("--forks", type=int, default=16)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"which of {', '.join(KINDS)} to run")
     args = parser.parse_args()
+    kinds = [k for k in KINDS if k in args.kinds.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     try:
         nodes = json.loads((FLEET_DIR / "fleet.json").read_text())["nodes"]
@@ -278,7 +291,7 @@ def main():
         "machine": {"cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()},
         "delays": {},
     }
-    pairs = [(kind, size) for size in sizes for kind in KINDS]
+    pairs = [(kind, size) for size in sizes for kind in kinds]
     try:
         with tempfile.TemporaryDirectory(prefix="pgr-fleet-bench-") as tmp:
             workdir = Path(tmp)
@@ -288,7 +301,7 @@ def main():
                 subprocess.run([*FLEET, "inventory", "--size", str(size), "--out", str(inventories[size])], check=True)
             for delay in [float(d) for d in args.delays.split(",")]:
                 subprocess.run([*FLEET, "pct-delay", str(delay)], check=True)
-                runs = {kind: {str(size): [] for size in sizes} for kind in KINDS}
+                runs = {kind: {str(size): [] for size in sizes} for kind in kinds}
                 for kind, size in pairs:  # warm-up: file caches, python bytecode; not counted
                     run_once(kind, size, inventories[size], forks=args.forks, nodes=nodes, workdir=workdir)
                 for i in range(args.runs):

@@ -1,8 +1,8 @@
 """The collection as someone else gets it (docs/collection.md): `ansible-galaxy collection build` of this checkout,
 installed with `ansible-galaxy collection install` into a temporary collections path, then used from a directory
 that has no ansible.cfg of ours, with nothing on the collections path but that install. Its modules, action,
-callback, lookup, roles and playbooks must resolve by their FQCN from the installed copy, and the artifact must
-hold nothing a checkout keeps for itself (the link to itself, the venvs, caches, the measurements)."""
+callback, lookup, strategy, roles and playbooks must resolve by their FQCN from the installed copy, and the
+artifact must hold nothing a checkout keeps for itself (the link to itself, the venvs, caches, the measurements)."""
 
 import json
 import os
@@ -101,7 +101,7 @@ def test_modules_and_their_docs_resolve_from_the_installed_copy(installed):
     assert sorted(docs) == [f"{NAME}.{m}" for m in MODULES]
     for name, doc in docs.items():
         assert Path(doc["doc"]["filename"]).is_relative_to(where), name
-    for kind, plugin in (("callback", "recover_report"), ("lookup", "uv_lock")):
+    for kind, plugin in (("callback", "recover_report"), ("lookup", "uv_lock"), ("strategy", "per_node")):
         doc = json.loads(run("ansible-doc", "-t", kind, "--json", f"{NAME}.{plugin}", cwd=consumer, env=env).stdout)
         assert Path(doc[f"{NAME}.{plugin}"]["doc"]["filename"]).is_relative_to(where), plugin
     roles = run("ansible-doc", "-t", "role", "--list", "--json", NAME, cwd=consumer, env=env).stdout
@@ -131,7 +131,8 @@ def test_the_playbooks_and_roles_resolve_by_fqcn_from_a_consumers_playbook(insta
 
 
 def test_the_action_callback_and_lookup_run_from_the_installed_copy(installed, tmp_path):
-    """The fact pass's action refuses a bad pve_vmid before any connection, the report callback writes that run's
+    """The fact pass's action, run by the per_node strategy, refuses a bad pve_vmid before any connection, the
+    report callback writes that run's
     report, and the uv_lock lookup compiles into the cache PVE_GPU_RECOVER_LOCK_CACHE_DIR names (docs/awx.md)."""
     consumer, env = installed.consumer, installed.env
     uv = tmp_path / "uv"  # stands in for uv: says its version, and `pip compile` writes a lock to --output-file
@@ -144,8 +145,9 @@ def test_the_action_callback_and_lookup_run_from_the_installed_copy(installed, t
     playbook.write_text(
         textwrap.dedent(f"""\
         - name: A target whose inventory is wrong
-          hosts: ct
+          hosts: all
           gather_facts: false
+          strategy: {NAME}.per_node
           tasks:
             - name: Compile a lock on the controller
               ansible.builtin.debug:
@@ -154,6 +156,7 @@ def test_the_action_callback_and_lookup_run_from_the_installed_copy(installed, t
               {NAME}.target_facts:
                 vmid: 200
                 node_name: pve1
+              delegate_to: pve1
         """)
     )
     env = dict(
@@ -162,9 +165,11 @@ def test_the_action_callback_and_lookup_run_from_the_installed_copy(installed, t
         PVE_GPU_RECOVER_REPORT_DIR=str(tmp_path / "reports"),
         PVE_GPU_RECOVER_LOCK_CACHE_DIR=str(tmp_path / "locks"),
     )
-    argv = ["-i", "ct,", "-c", "local", "-e", "pve_vmid=oops", "-e", "pve_node=pve1", str(playbook)]
+    # Two targets of one node: the strategy runs both in one worker (a lone host has one worker slot: linear).
+    argv = ["-i", "ct,ct2,", "-c", "local", "-e", "pve_vmid=oops", "-e", "pve_node=pve1", "-vvv", str(playbook)]
     done = run("ansible-playbook", *argv, cwd=consumer, env=env, check=False)
     assert done.returncode == 2, done.stdout + done.stderr
+    assert "per_node: 2 host(s) of pve1 in one worker" in done.stdout  # the installed strategy ran the pass
     assert "six==1.17.0" in done.stdout
     assert [p.read_text() for p in (tmp_path / "locks").glob("*.lock")] == ["six==1.17.0\n"]
     assert "ct: pve_vmid must be a Proxmox CT id" in done.stdout
