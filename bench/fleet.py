@@ -277,6 +277,8 @@ def main():
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"which of {', '.join(KINDS)} to run")
     args = parser.parse_args()
     kinds = [k for k in KINDS if k in args.kinds.split(",")]
+    if unknown := set(args.kinds.split(",")) - set(KINDS):
+        parser.error(f"--kinds: unknown {', '.join(sorted(unknown))} (known: {', '.join(KINDS)})")
     sizes = [int(s) for s in args.sizes.split(",")]
     try:
         nodes = json.loads((FLEET_DIR / "fleet.json").read_text())["nodes"]

@@ -107,12 +107,14 @@ CONTROLLER_PID_ENV = "PVE_GPU_RECOVER_CONTROLLER_PID"
 QUEUE_DIR = "pve-gpu-recover-node-passes"
 # A fork that reads its node's targets first waits for the others: until every host of the play batch has come
 # (to any node), or none has come for an idle time, never longer than GATHER_LONGEST in all, or GATHER_PER_HOST per
-# host of the batch where that is longer. The strategy starts the forks of a task one after another, round-robin
-# over the nodes in an inventory like the lab's: 64 take about 2 s on 2 busy cores, and over 5 s (gaps of 0.2 s
-# and more) when those cores are shared with the 64 CTs' probes, so a wait for the node's own targets alone, a
-# short idle time or a fixed bound split a node's targets into two reads or more. Idle time: GATHER_IDLE_COVERED
-# when the forks cover the batch (a host that has not come by then is not coming: skipped, or failed before its
-# action), GATHER_IDLE when they do not (the rest of the batch comes only as reads end: waiting is for nothing).
+# host of the batch where that is longer. Ansible's linear strategy starts the forks of a task one after another,
+# round-robin over the nodes in an inventory like the lab's (the collection's per_node strategy starts each node's
+# hosts at once, threads of one worker, at most forks of them): 64 take about 2 s on 2 busy cores, and over 5 s
+# (gaps of 0.2 s and more) when those cores are shared with the 64 CTs' probes, so a wait for the node's own
+# targets alone, a short idle time or a fixed bound split a node's targets into two reads or more. Idle time:
+# GATHER_IDLE_COVERED when the forks cover the batch (a host that has not come by then is not coming: skipped, or
+# failed before its action), GATHER_IDLE when they do not (the rest of the batch comes only as reads end: waiting
+# is for nothing).
 GATHER_IDLE = 0.15
 GATHER_IDLE_COVERED = 1.0
 GATHER_LONGEST = 10.0
@@ -761,7 +763,7 @@ class ActionModule(NormalAction):
     def _lead(self, queue, mine, tmp, task_vars):
         """Read this target and every target waiting on its node in one module execution; answer each of them."""
         with contextlib.suppress(OSError):
-            queue.gather()  # the rest of the play batch: the strategy starts their forks tens of ms apart
+            queue.gather()  # the rest of the play batch: linear starts their forks tens of ms apart
         claimed = [(name, options) for name, options in queue.claim() if name != mine]
         answered = set()
         try:

@@ -3,19 +3,21 @@
 """The ``linear`` strategy, with the fact pass of each node's targets run in one worker process.
 
 ``linear`` forks one worker per host for every task. For the fact pass (``pve_gpu.recover.target_facts`` delegated to
-the target's node) that fork is most of what a converged CT costs the controller: about 30 ms of CPU a CT, a third of
-it the fork's copy-on-write, against one module execution per node that reads all of that node's CTs
-(docs/benchmarks.md, the fleet). So this strategy holds back the fact pass's hosts as ``linear`` queues them and,
-once it has queued the task for every host, starts one worker per node (the task's ``delegate_to``), in which each
-of the node's hosts runs in a thread of its own exactly as it would in a worker of its own: Ansible's
-``WorkerProcess._run`` (TaskExecutor, the action, then the host's own result on Ansible's result queue). The
+the target's node) that fork is most of what a converged CT costs the controller: 30 to 40 ms of CPU a CT, about a
+third of it the fork's copy-on-write (its system time), against one module execution per node that reads all of
+that node's CTs (docs/benchmarks.md, the fleet). So this strategy holds back the fact pass's hosts as ``linear``
+queues them and, once it has queued the task for every host, starts one worker per node (the task's
+``delegate_to``), in which each of the node's hosts runs in a thread of its own, at most the play's forks at once,
+as it would in a worker of its own: Ansible's ``WorkerProcess._run`` (TaskExecutor, the action, then the host's own
+result on Ansible's result queue) on that host's own copy of the task and of its inventory ``Host`` (HostRun). The
 action's node queue (plugins/action/target_facts.py) then finds every target of the node waiting at once.
 
-Every host keeps its own task, result, callbacks, ``--limit`` and failure; every other task, and a fact pass that
-cannot share a worker (per_node off, a ``loop``, ``timeout``, ``async``, ``run_once`` or ``throttle`` on the task,
-one worker slot: one fork, or one host), is queued as ``linear`` queues it. A thread that raises past Ansible's own
-handling ends its worker, as an exception in a worker of its own does: the run stops with Ansible's "A worker was
-found in a dead state".
+Every host keeps its own task, result, callbacks, ``--limit`` and failure; every other task, a host the task
+debugger queues again, and a fact pass that cannot share a worker (per_node off, a ``loop``, ``timeout``, ``async``,
+``run_once`` or ``throttle`` on the task, a connection not known to be safe in threads, one worker slot: one fork,
+or one host) is queued as ``linear`` queues it. A thread that raises past Ansible's own handling ends its worker
+once the node's other hosts have sent their results, as an exception in a worker of its own ends that worker: the
+run stops with Ansible's "A worker was found in a dead state".
 
 Which internals it relies on (the strategy's queue and result bookkeeping, ``WorkerProcess._run``, the task context
 each worker enters) differ across ansible-core versions, so the fact pass shares workers only on the versions it
@@ -31,12 +33,13 @@ version_added: "2.3.0"
 description:
   - Runs a play as C(ansible.builtin.linear) does, task by task in lockstep across the hosts.
   - The fact pass (C(pve_gpu.recover.target_facts) delegated to the target's node) runs every host of one node in
-    one worker process, a thread per host, instead of a forked worker per host. Each host keeps its own result,
-    callbacks, C(--limit) and failure. The node's targets are then read in one module execution on the node at once.
-  - Every other task, and a fact pass with a C(loop), C(timeout), C(async), C(run_once) or C(throttle), with
-    C(per_node) off, or with one worker slot (one fork, or one host in the play batch), runs as
-    C(ansible.builtin.linear) runs it; so does every task on an
-    ansible-core outside the collection's supported range.
+    one worker process, a thread per host (at most the play's forks at once), instead of a forked worker per host.
+    Each host keeps its own result, callbacks, C(--limit) and failure. The node's targets that share its connection
+    are then read in one module execution on the node.
+  - Every other task, and a fact pass with a C(loop), C(timeout) (ansible.cfg's C(task_timeout) too), C(async),
+    C(run_once) or C(throttle), with the module's C(per_node) option off, over a connection other than C(ssh) or
+    C(local), or with one worker slot (one fork, or one host in the play batch), runs as C(ansible.builtin.linear)
+    runs it; so does every task on an ansible-core outside the collection's supported range.
   - The collection's playbooks C(pve_gpu.recover.recover) and C(pve_gpu.recover.verify) use it; with
     C(-e recover_strategy=linear) they use C(ansible.builtin.linear) instead.
   - ansible-core 2.19 and later print a deprecation warning for any strategy plugin from outside ansible-core
@@ -45,9 +48,12 @@ description:
 author: pve-gpu-recover contributors (@pve-gpu-recover)
 """
 
+import copy
+import os
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 
 import ansible
 from ansible import constants as C
@@ -69,15 +75,24 @@ display = Display()
 
 # The action whose hosts share a worker per node (as Ansible resolves the task's action).
 SHARED_ACTION = "pve_gpu.recover.target_facts"
+# The connections a node's hosts may share a worker over: each connection object is its own (ssh's master is shared
+# by its socket, the action's lock guards its opening). paramiko_ssh, for one, keeps a process-wide client cache that
+# each task's close() empties, and its known_hosts lock (lockf) does not exclude threads.
+THREAD_SAFE_CONNECTIONS = frozenset({"ssh", "ansible.builtin.ssh", "smart", "local", "ansible.builtin.local"})
 
 
-def shares_worker(action, *, delegate_to, per_node, loop, timeout, async_val, run_once, throttle, forks, version):
+def shares_worker(
+    action, *, delegate_to, connection, per_node, loop, timeout, async_val, run_once, throttle, forks, version
+):
     """Whether one host's task of this kind joins its node's worker rather than a worker of its own (pure): the fact
-    pass, delegated, per node, none of the keywords the shared worker does not run as ``linear`` does (``timeout``
-    is a signal, which only a process's main thread can take), more than one worker slot, a known ansible-core."""
+    pass, delegated, per node, over a connection whose plugin keeps no state a thread could share
+    (THREAD_SAFE_CONNECTIONS), none of the keywords the shared worker does not run as ``linear`` does (``timeout``,
+    which ansible.cfg's ``task_timeout`` also sets, is a signal, which only a process's main thread can take), more
+    than one worker slot, a known ansible-core."""
     return (
         action == SHARED_ACTION
         and bool(delegate_to)
+        and connection in THREAD_SAFE_CONNECTIONS
         and per_node
         and not (loop or timeout or async_val or run_once or throttle)
         and forks > 1
@@ -102,40 +117,63 @@ def task_context(task, task_vars, host_name):
     return ansible_task.TaskContext(task)  # pylint: disable=missing-kwoa  # 2.21's fields are create()'s
 
 
+class HostRun:
+    """What ``WorkerProcess._run`` reads of its worker, for one host run in a thread of a NodeWorker: that host's own
+    copy of the task and of its ``Host`` (``_run`` ends by emptying the host's variables and groups, which in a
+    worker of its own touches only that process's copy, and here would empty them for every other thread still
+    reading that host's ``hostvars``), its variables, and the worker's queues."""
+
+    def __init__(self, worker, host, task, task_vars, play_context):
+        self._host = copy.copy(host)
+        self._task = task.copy(exclude_tasks=True)  # TaskExecutor sets the task's fields as it templates them
+        self._task_vars = task_vars
+        self._play_context = play_context
+        self._loader = worker._loader
+        self._shared_loader_obj = worker._shared_loader_obj
+        self._final_q = worker._final_q
+        self._variable_manager = worker._variable_manager
+        self.worker_id = worker.worker_id  # Display's prompts name the worker (current_worker)
+        self.worker_queue = worker.worker_queue
+
+
 class NodeWorker(WorkerProcess):
     """One forked worker for the hosts of one node: each host's task runs in a thread of its own, as it would in a
-    worker of its own (``WorkerProcess._run``), and sends its own result."""
+    worker of its own (``WorkerProcess._run`` on a HostRun), and sends its own result; at most ``parallel`` hosts
+    at once (the play's forks, as ``linear`` runs them)."""
 
-    def __init__(self, *, members, **kwargs):
+    def __init__(self, *, members, parallel, **kwargs):
         super().__init__(**kwargs)
         self._members = members  # [(host, task, task_vars, play_context)]
+        self._slots = threading.BoundedSemaphore(max(1, parallel))
+        self._failures = []
 
     def _run(self):
-        threads = [
-            threading.Thread(target=self._run_host, args=member, name=f"pve-gpu-recover-{member[0].name}")
-            for member in self._members
-        ]
-        for thread in threads:
-            thread.start()
+        threads = []
+        for member in self._members:
+            thread = threading.Thread(target=self._run_host, args=member, name=f"pve-gpu-recover-{member[0].name}")
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had (a pids limit): this host runs here, after those started
+                self._run_host(*member)
+            else:
+                threads.append(thread)
         for thread in threads:
             thread.join()
+        if self._failures:
+            # Only once every other host has sent its result: as a worker of its own whose task raised past
+            # Ansible's own handling, this worker ends, and the run stops ("A worker was found in a dead state").
+            self._hard_exit("\n".join(self._failures))
 
     def _run_host(self, host, task, task_vars, play_context):
-        """One host's task, as ``WorkerProcess._run`` runs it in a worker of its own: on its own copy of the task
-        (TaskExecutor sets the task's fields as it templates them), sharing this worker's queues."""
-        try:
-            own = object.__new__(WorkerProcess)
-            own.__dict__.update(self.__dict__)
-            own._host, own._task, own._task_vars, own._play_context = (
-                host,
-                task.copy(exclude_tasks=True),
-                task_vars,
-                play_context,
-            )
-            with task_context(own._task, task_vars, host.name):
-                WorkerProcess._run(own)
-        except BaseException:  # as WorkerProcess.run: nothing may return into the strategy's code
-            self._hard_exit(traceback.format_exc())
+        """One host's task, as ``WorkerProcess._run`` runs it in a worker of its own (HostRun)."""
+        with self._slots:
+            try:
+                own = HostRun(self, host, task, task_vars, play_context)
+                display.debug(f"per_node: {host.name} runs in worker {os.getpid()}")
+                with task_context(own._task, task_vars, host.name):
+                    WorkerProcess._run(own)
+            except BaseException:  # as WorkerProcess.run: nothing may return into the strategy's code
+                self._failures.append(f"per_node: {host.name}: {traceback.format_exc()}")
 
 
 class StrategyModule(LinearStrategy):
@@ -145,12 +183,14 @@ class StrategyModule(LinearStrategy):
     def __init__(self, tqm):
         super().__init__(tqm)
         self._held = []  # [(node, host, task, task_vars, play_context)] of the task being queued
+        self._draining = False  # in _wait_on_pending_results: a host queued now (the debugger's redo) runs at once
+        self._connections = {}  # (task uuid, node): the connection a task delegated there uses
 
     def _queue_task(self, host, task, task_vars, play_context):
-        node = self._node_of(host, task, task_vars)
+        node = None if self._draining else self._node_of(host, task, task_vars, play_context)
         if node is None:
             return super()._queue_task(host, task, task_vars, play_context)
-        # What linear's own _queue_task records and tells for a host it queues; the worker starts later.
+        # What linear's own _queue_task records for a host it queues; its worker starts (and is told) later.
         self._queued_task_cache[(host.name, task._uuid)] = {
             "host": host,
             "task": task,
@@ -158,7 +198,6 @@ class StrategyModule(LinearStrategy):
             "play_context": play_context,
         }
         self._held.append((node, host, task, task_vars, play_context))
-        self._tqm.send_callback("v2_runner_on_start", host, task)
         self._pending_results += 1
         return None
 
@@ -167,9 +206,13 @@ class StrategyModule(LinearStrategy):
         held, self._held = self._held, []
         for node, members in node_groups(held):
             self._start_node_worker(node, members)
-        return super()._wait_on_pending_results(iterator)
+        self._draining = True
+        try:
+            return super()._wait_on_pending_results(iterator)
+        finally:
+            self._draining = False
 
-    def _node_of(self, host, task, task_vars):
+    def _node_of(self, host, task, task_vars, play_context):
         """The node whose worker this host's task joins, or None when it is queued as linear queues it."""
         action = getattr(task, "resolved_action", None) or task.action
         if action != SHARED_ACTION or not task.delegate_to:
@@ -180,6 +223,7 @@ class StrategyModule(LinearStrategy):
             together = shares_worker(
                 action,
                 delegate_to=node,
+                connection=self._connection_of(str(node), task, task_vars, templar, play_context),
                 per_node=boolean(templar.template(task.args.get("per_node", True)), strict=False),
                 loop=task.loop,
                 timeout=templar.template(task.timeout),
@@ -193,6 +237,20 @@ class StrategyModule(LinearStrategy):
             display.vvv(f"per_node: {host.name} queued alone ({type(error).__name__}: {error})")
             return None
         return str(node) if together else None
+
+    def _connection_of(self, node, task, task_vars, templar, play_context):
+        """The connection a task delegated to ``node`` uses: the node's ``ansible_connection``, else the task's, else
+        the play's (as TaskExecutor picks it); read once per node and task."""
+        key = (task._uuid, node)
+        if key not in self._connections:
+            try:  # a node that is not in the inventory has no variables of its own (Ansible's marker raises here)
+                own = task_vars["hostvars"].raw_get(node)
+            except Exception:  # by design: the task's or the play's connection then
+                own = None
+            given = own.get("ansible_connection") if isinstance(own, Mapping) else None
+            chosen = templar.template(given) if given else task.connection or play_context.connection
+            self._connections[key] = str(chosen)
+        return self._connections[key]
 
     def _start_node_worker(self, node, members):
         """Start the worker of ``node``'s ``members`` in the first free worker slot, waiting for one as linear's
@@ -208,6 +266,7 @@ class StrategyModule(LinearStrategy):
                         previous.close()
                     worker = NodeWorker(
                         members=members,
+                        parallel=len(self._workers),
                         final_q=self._final_q,
                         task_vars=task_vars,
                         host=host,
@@ -220,8 +279,15 @@ class StrategyModule(LinearStrategy):
                         cliargs=context.CLIARGS,
                     )
                     self._workers[slot] = worker
-                    worker.start()
+                    for member in members:  # as linear's _queue_task tells a host it starts
+                        self._tqm.send_callback("v2_runner_on_start", member[0], member[1])
+                    try:
+                        worker.start()
+                    except (EOFError, OSError, AssertionError) as error:  # as linear's: most likely an abort
+                        display.debug(f"got an error while queuing: {error}")
                     return
+            if self._tqm._terminated:
+                return
             # Every slot busy (fewer forks than nodes): one frees when its worker has sent its results and ended
             # (Ansible's result thread reads them meanwhile), as linear's _queue_task waits for one.
             time.sleep(C.DEFAULT_INTERNAL_POLL_INTERVAL)

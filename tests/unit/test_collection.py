@@ -132,8 +132,8 @@ def test_the_playbooks_and_roles_resolve_by_fqcn_from_a_consumers_playbook(insta
 
 def test_the_action_callback_and_lookup_run_from_the_installed_copy(installed, tmp_path):
     """The fact pass's action, run by the per_node strategy, refuses a bad pve_vmid before any connection, the
-    report callback writes that run's
-    report, and the uv_lock lookup compiles into the cache PVE_GPU_RECOVER_LOCK_CACHE_DIR names (docs/awx.md)."""
+    report callback writes that run's report, and the uv_lock lookup compiles into the cache
+    PVE_GPU_RECOVER_LOCK_CACHE_DIR names (docs/awx.md)."""
     consumer, env = installed.consumer, installed.env
     uv = tmp_path / "uv"  # stands in for uv: says its version, and `pip compile` writes a lock to --output-file
     uv.write_text(
