@@ -7,8 +7,8 @@ the target's node) that fork is most of what a converged CT costs the controller
 third of it the fork's copy-on-write (its system time), against one module execution per node that reads all of
 that node's CTs (docs/benchmarks.md, the fleet). So this strategy holds back the fact pass's hosts as ``linear``
 queues them and, once it has queued the task for every host, starts one worker per node (the task's
-``delegate_to``), in which each of the node's hosts runs in a thread of its own, at most the play's forks at once,
-as it would in a worker of its own: Ansible's ``WorkerProcess._run`` (TaskExecutor, the action, then the host's own
+``delegate_to``), whose threads (the play's forks, per worker) take the node's hosts in turn, each run as it would
+be in a worker of its own: Ansible's ``WorkerProcess._run`` (TaskExecutor, the action, then the host's own
 result on Ansible's result queue) on that host's own copy of the task and of its inventory ``Host`` (HostRun). The
 action's node queue (plugins/action/target_facts.py) then finds every target of the node waiting at once.
 
@@ -17,11 +17,13 @@ debugger queues again, and a fact pass that cannot share a worker (per_node off,
 ``run_once`` or ``throttle`` on the task, a connection not known to be safe in threads, one worker slot: one fork,
 or one host) is queued as ``linear`` queues it. A thread that raises past Ansible's own handling ends its worker
 once the node's other hosts have sent their results, as an exception in a worker of its own ends that worker: the
-run stops with Ansible's "A worker was found in a dead state".
+run stops with Ansible's "A worker was found in a dead state". A worker that cannot start (no process to be had)
+fails the run with the reason.
 
 Which internals it relies on (the strategy's queue and result bookkeeping, ``WorkerProcess._run``, the task context
 each worker enters) differ across ansible-core versions, so the fact pass shares workers only on the versions it
-was written and tested for (the project's supported range, KNOWN_ANSIBLE); on any other this is ``linear``.
+was written for (the project's supported range, KNOWN_ANSIBLE: tested on 2.19 and 2.21; 2.20's worker is 2.19's,
+read from its source); on any other this is ``linear``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ version_added: "2.3.0"
 description:
   - Runs a play as C(ansible.builtin.linear) does, task by task in lockstep across the hosts.
   - The fact pass (C(pve_gpu.recover.target_facts) delegated to the target's node) runs every host of one node in
-    one worker process, a thread per host (at most the play's forks at once), instead of a forked worker per host.
+    one worker process, whose threads (the play's forks) take its hosts in turn, instead of a forked worker per host.
     Each host keeps its own result, callbacks, C(--limit) and failure. The node's targets that share its connection
     are then read in one module execution on the node.
   - Every other task, and a fact pass with a C(loop), C(timeout) (ansible.cfg's C(task_timeout) too), C(async),
@@ -50,14 +52,15 @@ author: pve-gpu-recover contributors (@pve-gpu-recover)
 
 import copy
 import os
+import queue
 import threading
 import time
 import traceback
-from collections.abc import Mapping
 
 import ansible
 from ansible import constants as C
 from ansible import context
+from ansible.errors import AnsibleError
 from ansible.executor.process.worker import WorkerProcess
 from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.plugins import loader as plugin_loader
@@ -78,7 +81,7 @@ SHARED_ACTION = "pve_gpu.recover.target_facts"
 # The connections a node's hosts may share a worker over: each connection object is its own (ssh's master is shared
 # by its socket, the action's lock guards its opening). paramiko_ssh, for one, keeps a process-wide client cache that
 # each task's close() empties, and its known_hosts lock (lockf) does not exclude threads.
-THREAD_SAFE_CONNECTIONS = frozenset({"ssh", "ansible.builtin.ssh", "smart", "local", "ansible.builtin.local"})
+THREAD_SAFE_CONNECTIONS = frozenset({"ssh", "ansible.builtin.ssh", "local", "ansible.builtin.local"})
 
 
 def shares_worker(
@@ -137,26 +140,30 @@ class HostRun:
 
 
 class NodeWorker(WorkerProcess):
-    """One forked worker for the hosts of one node: each host's task runs in a thread of its own, as it would in a
-    worker of its own (``WorkerProcess._run`` on a HostRun), and sends its own result; at most ``parallel`` hosts
-    at once (the play's forks, as ``linear`` runs them)."""
+    """One forked worker for the hosts of one node: each host's task runs in a thread, as it would in a worker of
+    its own (``WorkerProcess._run`` on a HostRun), and sends its own result. ``parallel`` threads (the play's forks,
+    fewer for fewer hosts) take the hosts in turn, so a node of hundreds of CTs is never hundreds of threads."""
 
     def __init__(self, *, members, parallel, **kwargs):
         super().__init__(**kwargs)
         self._members = members  # [(host, task, task_vars, play_context)]
-        self._slots = threading.BoundedSemaphore(max(1, parallel))
+        self._parallel = max(1, parallel)
         self._failures = []
 
     def _run(self):
-        threads = []
+        waiting = queue.SimpleQueue()
         for member in self._members:
-            thread = threading.Thread(target=self._run_host, args=member, name=f"pve-gpu-recover-{member[0].name}")
+            waiting.put(member)
+        threads = []
+        for number in range(min(self._parallel, len(self._members))):
+            thread = threading.Thread(target=self._run_hosts, args=(waiting,), name=f"pve-gpu-recover-{number}")
             try:
                 thread.start()
-            except RuntimeError:  # no thread to be had (a pids limit): this host runs here, after those started
-                self._run_host(*member)
-            else:
-                threads.append(thread)
+            except RuntimeError:  # no more threads to be had (a pids limit): those started take every host
+                break
+            threads.append(thread)
+        if not threads:
+            self._run_hosts(waiting)
         for thread in threads:
             thread.join()
         if self._failures:
@@ -164,16 +171,24 @@ class NodeWorker(WorkerProcess):
             # Ansible's own handling, this worker ends, and the run stops ("A worker was found in a dead state").
             self._hard_exit("\n".join(self._failures))
 
+    def _run_hosts(self, waiting):
+        """Run the waiting hosts' tasks one after another until none is left."""
+        while True:
+            try:
+                member = waiting.get_nowait()
+            except queue.Empty:
+                return
+            self._run_host(*member)
+
     def _run_host(self, host, task, task_vars, play_context):
         """One host's task, as ``WorkerProcess._run`` runs it in a worker of its own (HostRun)."""
-        with self._slots:
-            try:
-                own = HostRun(self, host, task, task_vars, play_context)
-                display.debug(f"per_node: {host.name} runs in worker {os.getpid()}")
-                with task_context(own._task, task_vars, host.name):
-                    WorkerProcess._run(own)
-            except BaseException:  # as WorkerProcess.run: nothing may return into the strategy's code
-                self._failures.append(f"per_node: {host.name}: {traceback.format_exc()}")
+        try:
+            own = HostRun(self, host, task, task_vars, play_context)
+            display.debug(f"per_node: {host.name} runs in worker {os.getpid()}")
+            with task_context(own._task, task_vars, host.name):
+                WorkerProcess._run(own)
+        except BaseException:  # as WorkerProcess.run: nothing may return into the strategy's code
+            self._failures.append(f"per_node: {host.name}: {traceback.format_exc()}")
 
 
 class StrategyModule(LinearStrategy):
@@ -187,7 +202,7 @@ class StrategyModule(LinearStrategy):
         self._connections = {}  # (task uuid, node): the connection a task delegated there uses
 
     def _queue_task(self, host, task, task_vars, play_context):
-        node = None if self._draining else self._node_of(host, task, task_vars, play_context)
+        node = None if self._draining else self._node_of(host, task, task_vars)
         if node is None:
             return super()._queue_task(host, task, task_vars, play_context)
         # What linear's own _queue_task records for a host it queues; its worker starts (and is told) later.
@@ -212,7 +227,7 @@ class StrategyModule(LinearStrategy):
         finally:
             self._draining = False
 
-    def _node_of(self, host, task, task_vars, play_context):
+    def _node_of(self, host, task, task_vars):
         """The node whose worker this host's task joins, or None when it is queued as linear queues it."""
         action = getattr(task, "resolved_action", None) or task.action
         if action != SHARED_ACTION or not task.delegate_to:
@@ -223,7 +238,7 @@ class StrategyModule(LinearStrategy):
             together = shares_worker(
                 action,
                 delegate_to=node,
-                connection=self._connection_of(str(node), task, task_vars, templar, play_context),
+                connection=self._connection_of(str(node), task, task_vars, templar),
                 per_node=boolean(templar.template(task.args.get("per_node", True)), strict=False),
                 loop=task.loop,
                 timeout=templar.template(task.timeout),
@@ -238,56 +253,72 @@ class StrategyModule(LinearStrategy):
             return None
         return str(node) if together else None
 
-    def _connection_of(self, node, task, task_vars, templar, play_context):
-        """The connection a task delegated to ``node`` uses: the node's ``ansible_connection``, else the task's, else
-        the play's (as TaskExecutor picks it); read once per node and task."""
+    def _connection_of(self, node, task, task_vars, templar):
+        """The connection a task delegated to ``node`` uses, as TaskExecutor picks it: the delegated host's
+        ``ansible_connection`` (its inventory, group, play, role and task variables), else the task's ``connection``
+        (its block's, its play's, the command line's); read once per node and task."""
         key = (task._uuid, node)
         if key not in self._connections:
-            try:  # a node that is not in the inventory has no variables of its own (Ansible's marker raises here)
-                own = task_vars["hostvars"].raw_get(node)
-            except Exception:  # by design: the task's or the play's connection then
-                own = None
-            given = own.get("ansible_connection") if isinstance(own, Mapping) else None
-            chosen = templar.template(given) if given else task.connection or play_context.connection
-            self._connections[key] = str(chosen)
+            delegated, name = self._variable_manager.get_delegated_vars_and_hostname(templar, task, task_vars)
+            given = (delegated.get("ansible_delegated_vars") or {}).get(name, {}).get("ansible_connection")
+            self._connections[key] = str(templar.template(given if given is not None else task.connection))
         return self._connections[key]
 
     def _start_node_worker(self, node, members):
         """Start the worker of ``node``'s ``members`` in the first free worker slot, waiting for one as linear's
-        _queue_task does (handling the result queue's requests meanwhile where this ansible-core has them)."""
+        _queue_task does (handling the workers' inventory requests meanwhile where this ansible-core has them)."""
         host, task, task_vars, play_context = members[0]
-        display.vvv(f"per_node: {len(members)} host(s) of {node} in one worker")
-        while True:
-            if hasattr(self, "_process_rpc_queue"):  # ansible-core 2.21: workers' inventory requests
+        parallel = len(self._workers)
+        display.vvv(f"per_node: {len(members)} host(s) of {node} in one worker, {min(parallel, len(members))} at once")
+        while not self._tqm._terminated:
+            if hasattr(self, "_process_rpc_queue"):  # ansible-core 2.21
                 self._process_rpc_queue()
-            for slot, previous in enumerate(self._workers):
-                if previous is None or not previous.is_alive():
-                    if previous:
-                        previous.close()
-                    worker = NodeWorker(
-                        members=members,
-                        parallel=len(self._workers),
-                        final_q=self._final_q,
-                        task_vars=task_vars,
-                        host=host,
-                        task=task,
-                        play_context=play_context,
-                        loader=self._loader,
-                        variable_manager=self._variable_manager,
-                        shared_loader_obj=plugin_loader.get_plugin_loader_namespace(),
-                        worker_id=slot,
-                        cliargs=context.CLIARGS,
-                    )
-                    self._workers[slot] = worker
-                    for member in members:  # as linear's _queue_task tells a host it starts
-                        self._tqm.send_callback("v2_runner_on_start", member[0], member[1])
-                    try:
-                        worker.start()
-                    except (EOFError, OSError, AssertionError) as error:  # as linear's: most likely an abort
-                        display.debug(f"got an error while queuing: {error}")
-                    return
-            if self._tqm._terminated:
-                return
-            # Every slot busy (fewer forks than nodes): one frees when its worker has sent its results and ended
-            # (Ansible's result thread reads them meanwhile), as linear's _queue_task waits for one.
-            time.sleep(C.DEFAULT_INTERNAL_POLL_INTERVAL)
+            slot = self._free_slot()
+            if slot is None:
+                # Every slot busy (fewer forks than nodes): one frees when its worker has sent its results and
+                # ended (Ansible's result thread reads them meanwhile), as linear's _queue_task waits for one.
+                time.sleep(C.DEFAULT_INTERNAL_POLL_INTERVAL)
+                continue
+            self._workers[slot] = worker = NodeWorker(
+                members=members,
+                parallel=parallel,
+                final_q=self._final_q,
+                task_vars=task_vars,
+                host=host,
+                task=task,
+                play_context=play_context,
+                loader=self._loader,
+                variable_manager=self._variable_manager,
+                shared_loader_obj=plugin_loader.get_plugin_loader_namespace(),
+                worker_id=slot,
+                cliargs=context.CLIARGS,
+            )
+            for member in members:  # as linear's _queue_task tells each host it starts
+                self._tqm.send_callback("v2_runner_on_start", member[0], member[1])
+            try:
+                worker.start()
+            except (EOFError, OSError, AssertionError) as error:  # no process to be had (EAGAIN, ENOMEM)
+                self._workers[slot] = None
+                self._forget(members)
+                raise AnsibleError(f"per_node: no worker for the {len(members)} host(s) of {node}: {error}") from error
+            return
+        self._forget(members)  # the run is ending: never started, never waited for
+
+    def _free_slot(self):
+        """The first worker slot free for a new worker, or None. A worker that ended by its own failure stops the
+        run as Ansible's wait does (has_dead_workers), before its slot, and its exit code, are reused."""
+        for slot, previous in enumerate(self._workers):
+            if previous is None:
+                return slot
+            if not previous.is_alive():
+                if previous.exitcode not in (None, 0):
+                    raise AnsibleError("A worker was found in a dead state")
+                previous.close()
+                return slot
+        return None
+
+    def _forget(self, members):
+        """Take back what _queue_task recorded for ``members``: no result will come for them."""
+        for host, task, _task_vars, _play_context in members:
+            self._queued_task_cache.pop((host.name, task._uuid), None)
+        self._pending_results -= len(members)

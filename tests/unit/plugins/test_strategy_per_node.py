@@ -11,6 +11,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import types
 
 import pytest
 
@@ -109,11 +111,11 @@ class Named:
         return Named(self.name)
 
 
-def node_worker(strategy, members):
+def node_worker(strategy, members, parallel=2):
     """A NodeWorker as its forked process has it, without the process: its members and what HostRun reads of it."""
     worker = object.__new__(strategy.NodeWorker)
     worker._members = members
-    worker._slots = strategy.threading.BoundedSemaphore(2)
+    worker._parallel = parallel
     worker._failures = []
     worker._loader = worker._shared_loader_obj = worker._final_q = worker._variable_manager = None
     worker.worker_id, worker.worker_queue = 3, "queue"
@@ -152,41 +154,123 @@ def test_a_host_whose_thread_raises_ends_its_worker_once_the_others_have_sent_th
     """WorkerProcess.run: nothing may return into the strategy's code in a forked child; the worker ends (the run
     then stops with Ansible's "A worker was found in a dead state"), but only after every other host of the worker
     has run and sent its result, never in the middle of a sibling's send."""
-    ran = []
+    ran, raised = [], threading.Event()
 
     def run(own):
         if own._host.name == "ct1":
+            raised.set()
             raise RuntimeError("the executor broke")
+        assert raised.wait(10)  # the others finish only after ct1 has raised
         ran.append(own._host.name)
 
     monkeypatch.setattr(strategy.WorkerProcess, "_run", run)
     monkeypatch.setattr(strategy, "task_context", lambda *_args: contextlib.nullcontext())
-    worker = node_worker(strategy, [(Named(f"ct{i}"), Named("task"), {}, None) for i in range(4)])
+    worker = node_worker(strategy, [(Named(f"ct{i}"), Named("task"), {}, None) for i in range(4)], parallel=4)
     ended = []
-    worker._hard_exit = ended.append
+    worker._hard_exit = lambda message: ended.append((message, sorted(ran)))
     worker._run()
-    assert sorted(ran) == ["ct0", "ct2", "ct3"]
-    assert len(ended) == 1 and "per_node: ct1:" in ended[0] and "RuntimeError: the executor broke" in ended[0]
+    ((message, finished),) = ended
+    assert finished == ["ct0", "ct2", "ct3"]  # every sibling had sent its result when the worker ended
+    assert "per_node: ct1:" in message and "RuntimeError: the executor broke" in message
 
 
-def test_no_more_hosts_of_a_worker_run_at_once_than_the_play_has_forks(strategy, monkeypatch):
-    running, most = [], []
-    lock = strategy.threading.Lock()
+def test_a_worker_runs_no_more_hosts_at_once_than_it_has_threads_for(strategy, monkeypatch):
+    """``parallel`` threads (the play's forks: the strategy passes its number of worker slots) take the hosts in
+    turn: two at a time here, each pair meeting at a barrier, and never a third beside them."""
+    running, most, lock, pair = [], [], threading.Lock(), threading.Barrier(2, timeout=10)
 
     def run(_own):
         with lock:
             running.append(1)
             most.append(len(running))
-        strategy.time.sleep(0.05)
+        pair.wait()
         with lock:
             running.pop()
 
     monkeypatch.setattr(strategy.WorkerProcess, "_run", run)
     monkeypatch.setattr(strategy, "task_context", lambda *_args: contextlib.nullcontext())
-    worker = node_worker(strategy, [(Named(f"ct{i}"), Named("task"), {}, None) for i in range(6)])
+    worker = node_worker(strategy, [(Named(f"ct{i}"), Named("task"), {}, None) for i in range(6)], parallel=2)
     worker._hard_exit = pytest.fail
     worker._run()
-    assert len(most) == 6 and max(most) == 2  # node_worker's two slots
+    assert len(most) == 6 and max(most) == 2
+
+
+class Slot:
+    """A worker slot's process as the strategy sees it."""
+
+    def __init__(self, alive=False, exitcode=0):
+        self.alive, self.exitcode, self.closed = alive, exitcode, False
+
+    def is_alive(self):
+        return self.alive
+
+    def close(self):
+        self.closed = True
+
+
+def strategy_for_start(strategy, monkeypatch, workers, starts=None, terminated=False):
+    """The strategy's bookkeeping of two held hosts of pve1, without Ansible's task queue; the NodeWorker it makes
+    records itself and raises ``starts`` from start()."""
+    module = object.__new__(strategy.StrategyModule)
+    told = []
+    module._tqm = types.SimpleNamespace(_terminated=terminated, send_callback=lambda *args: told.append(args))
+    module._workers = workers
+    module._final_q = module._loader = module._variable_manager = None
+    module._process_rpc_queue = lambda: None  # ansible-core 2.21's workers' inventory requests: none here
+    members = [(Named(f"ct{i}"), Named("task"), {}, None) for i in range(2)]
+    for _host, task, *_rest in members:
+        task._uuid = "uuid"
+    module._queued_task_cache = {(host.name, "uuid"): {} for host, *_rest in members}
+    module._pending_results = 2
+    made = []
+
+    class Worker:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+        def start(self):
+            if starts:
+                raise starts
+
+    monkeypatch.setattr(strategy, "NodeWorker", Worker)
+    return module, members, told, made
+
+
+def test_a_node_worker_starts_in_a_free_slot_and_tells_each_host_it_starts(strategy, monkeypatch):
+    busy = Slot(alive=True)
+    done = Slot(alive=False, exitcode=0)
+    module, members, told, made = strategy_for_start(strategy, monkeypatch, [busy, done])
+    module._start_node_worker("pve1", members)
+    assert done.closed and not busy.closed and module._workers[0] is busy
+    ((kwargs,),) = [made]
+    assert kwargs["members"] == members and kwargs["parallel"] == 2 and kwargs["worker_id"] == 1
+    assert [(name, host.name) for name, host, _task in told] == [
+        ("v2_runner_on_start", "ct0"),
+        ("v2_runner_on_start", "ct1"),
+    ]
+    assert module._pending_results == 2
+
+
+def test_a_node_worker_that_cannot_start_fails_the_run_instead_of_leaving_it_waiting(strategy, monkeypatch):
+    module, members, _told, _made = strategy_for_start(
+        strategy, monkeypatch, [None], starts=OSError(11, "Resource temporarily unavailable")
+    )
+    with pytest.raises(strategy.AnsibleError, match=r"no worker for the 2 host\(s\) of pve1: .*temporarily"):
+        module._start_node_worker("pve1", members)
+    assert module._pending_results == 0 and module._queued_task_cache == {} and module._workers == [None]
+
+
+def test_a_run_that_is_ending_starts_no_node_worker_and_waits_for_none(strategy, monkeypatch):
+    module, members, told, made = strategy_for_start(strategy, monkeypatch, [None], terminated=True)
+    module._start_node_worker("pve1", members)
+    assert made == [] and told == [] and module._pending_results == 0
+
+
+def test_a_worker_that_ended_by_its_own_failure_stops_the_run_before_its_slot_is_reused(strategy, monkeypatch):
+    module, members, _told, made = strategy_for_start(strategy, monkeypatch, [Slot(alive=False, exitcode=1)])
+    with pytest.raises(strategy.AnsibleError, match="A worker was found in a dead state"):
+        module._start_node_worker("pve1", members)
+    assert made == []
 
 
 def test_each_host_enters_the_task_context_of_the_ansible_core_under_test(strategy):
@@ -297,6 +381,7 @@ def test_fewer_forks_than_nodes_start_each_nodes_worker_as_a_slot_frees(tmp_path
     pids = worker_pids(done)
     assert sorted(pids) == ["ct1", "ct2", "ct3", "ct4", "ct5"], tail
     assert len({pids["ct1"], pids["ct4"], pids["ct5"]}) == 3
+    assert "per_node: 3 host(s) of pve1 in one worker, 2 at once" in done.stdout, tail  # the play's forks
     assert sorted(reports) == ["ct1", "ct2", "ct3", "ct4", "ct5", "ct6"]
     assert "pct not found in PATH of node pve3" in failure_of(done, "ct5"), tail
     assert "pve_node" in failure_of(done, "ct6"), tail  # Ansible's own error, its own result
@@ -326,8 +411,9 @@ def test_the_debuggers_redo_of_a_host_of_a_nodes_worker_runs_again(tmp_path):
     )
     done, _reports = run_play(tmp_path, TWO_NODES, play, stdin="redo\ncontinue\n" * 8)
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-2000:]
-    # Four CTs failed; the ones redone failed again.
+    # Four CTs failed; the ones redone failed again, each in a worker of its own (as linear runs it).
     assert len(re.findall(r"^fatal: \[ct\d", done.stdout, re.M)) > 4, done.stdout[-3000:]
+    assert forked(done) >= 1, done.stdout[-3000:]
 
 
 def test_recover_yml_uses_the_strategy_unless_told_linear(tmp_path):
@@ -343,3 +429,23 @@ def test_recover_yml_uses_the_strategy_unless_told_linear(tmp_path):
         )
         assert done.returncode == 2 and "ct1: pve_vmid must be a Proxmox CT id" in done.stdout, done.stdout[-2000:]
         assert (warning in " ".join((done.stdout + done.stderr).split())) == warned, extra
+
+
+@pytest.mark.parametrize("where", ["node", "play"])
+def test_a_node_reached_over_another_connection_than_ssh_or_local_forks_a_worker_per_host(tmp_path, where):
+    """paramiko_ssh keeps a process-wide client cache that each task's close() empties: its hosts never share a
+    worker, whether the node's inventory or the play names the connection (as TaskExecutor picks it)."""
+    closed = "{ansible_host: 127.0.0.1, ansible_port: 9" + (
+        ", ansible_connection: paramiko_ssh}" if where == "node" else "}"
+    )
+    hosts = TWO_NODES.replace("{ansible_connection: local}", closed)
+    play = fact_pass_play("pve_gpu.recover.per_node")
+    if where == "play":
+        play = play.replace(
+            "  gather_facts: false\n", "  gather_facts: false\n  vars: {ansible_connection: paramiko_ssh}\n"
+        )
+    done, reports = run_play(tmp_path, hosts, play)
+    # Each CT's pass in a worker of its own (it fails: paramiko is not installed here, or the node is unreachable).
+    assert worker_pids(done) == {} and "in one worker" not in done.stdout, done.stdout[-3000:]
+    assert forked(done) >= 4, done.stdout[-3000:]
+    assert sorted(reports) == ["ct1", "ct2", "ct3", "ct4"]
