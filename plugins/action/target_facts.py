@@ -7,6 +7,9 @@ these was a task of its own (a set_fact, an assert, two ``pipe`` lookups), and e
 
 The steps' settings are read here too (``steps_from_variables``): from their roles' variables, in Python, where a
 Jinja mapping of them cost each of Ansible's workers a template compile per step (``_settings_from_variables``).
+So are the pass's own options, where the task asks (``options_from_variables``, the preflight role's task): from the
+preflight role's variables, where a template per option cost every target a Jinja compile and render in its worker,
+12 of its 18 (docs/benchmarks.md, the fleet).
 
 Then the module runs exactly as Ansible's ``normal`` action runs it, with its AnsiballZ payload kept between runs.
 
@@ -194,6 +197,93 @@ def renamed_variable_problem(host, names):
         if old in names:
             return f"{host}: {old} was renamed {new} in pve_gpu.recover 2.0.0 (CHANGELOG.md); rename it"
     return ""
+
+
+# options_from_variables: each option of the pass that the task leaves out and the preflight role's variable it is
+# read from, as the role's task passed them before 2.4.0: ``"{{ preflight_<option> }}"``, and for these two
+# ``"{{ ... | default(omit, true) }}"`` (a false or empty value is left out: the action names the run and its owner).
+OPTION_VARIABLES = {
+    "run_id": "preflight_run_id",
+    "owner": "preflight_lock_owner",
+    "lock_ttl": "preflight_lock_ttl",
+    "lock_dir": "preflight_lock_dir",
+    "python": "preflight_python",
+    "timeout": "preflight_timeout",
+    "per_node": "preflight_per_node",
+    "steps": "preflight_steps",
+}
+FALSE_IS_UNSET = frozenset({"run_id", "owner"})
+
+
+def options_from_variables(given, variable, host):
+    """The options of the pass that ``given`` (the task's own) leaves out, read from the variables (pure), each as the
+    preflight role's task templated it before 2.4.0: ``vmid`` is ``pve_vmid`` (``default(omit)``), ``node_name`` is
+    ``pve_node`` (``default(inventory_hostname)``: ``host``), ``steps_from_variables`` is preflight and
+    ``preflight_steps_from_variables``, ``check_run`` is the run's check mode (``ansible_check_mode``), the others
+    are OPTION_VARIABLES. ``variable(name)`` is the variable's templated value (KeyError when it is not set, or
+    templates to ``omit``: the option is left out, as a template of it would have left it; StepSpecError when it
+    cannot be templated: raised again, naming the variable and the option). Raises StepSpecError for steps to read
+    that are not a list."""
+    found = {}
+
+    def value(option, name):
+        return pve_steps.variable_value(variable, name, f"the fact pass's {option}")
+
+    def read(option, name, default=pve_steps.UNSET):
+        if option in given:
+            return
+        read_value = value(option, name)
+        read_value = default if read_value is pve_steps.UNSET else read_value
+        if read_value is not pve_steps.UNSET and not (option in FALSE_IS_UNSET and not read_value):
+            found[option] = read_value
+
+    read("vmid", "pve_vmid")
+    read("node_name", "pve_node", default=host)
+    for option, name in OPTION_VARIABLES.items():
+        read(option, name)
+    if "steps_from_variables" not in given:
+        more = value("steps_from_variables", "preflight_steps_from_variables")
+        more = [] if more is pve_steps.UNSET else more
+        if not isinstance(more, list):
+            raise StepSpecError(
+                f"preflight_steps_from_variables must be a list of step names, not {more!r}", kind="invalid_step"
+            )
+        found["steps_from_variables"] = [pve_steps.preflight_facts.NAME, *more]
+    read("check_run", "ansible_check_mode", default=False)
+    return found
+
+
+def per_node_source(args, variable, template):
+    """What says whether a task of this action reads its node's targets together, not yet read as a boolean (pure):
+    its ``per_node`` (``template``: templated as Ansible templates a task's options), else, where the task reads its
+    options from the role's variables (``options_from_variables``), what options_from_variables reads
+    (``variable``: its reader), else the option's default, true. The strategy (plugins/strategy/per_node.py) asks
+    before the action runs; the action reads the same."""
+    if "per_node" in args:
+        return template(args["per_node"])
+    if boolean(template(args.get("options_from_variables", False)), strict=False):
+        found = pve_steps.variable_value(variable, OPTION_VARIABLES["per_node"], "the fact pass's per_node")
+        return True if found is pve_steps.UNSET else found  # as options_from_variables reads it
+    return True
+
+
+def variable_reader(templar, task_vars):
+    """``variable(name)``: the task variable ``name`` templated by ``templar``; KeyError when it is not set or
+    templates to ``omit``, StepSpecError (Jinja's first line) when it cannot be templated. The one reader of the
+    role variables the action reads in Python (options_from_variables, pve_steps.settings_from_variables)."""
+
+    def variable(name):
+        if name not in task_vars:
+            raise KeyError(name)
+        try:
+            return templar.template(task_vars[name])
+        except AnsibleValueOmittedError as error:
+            raise KeyError(name) from error
+        except AnsibleError as error:
+            said = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise StepSpecError(said, kind="invalid_step") from error
+
+    return variable
 
 
 def unreachable_message(node, error):
@@ -622,12 +712,15 @@ class ActionModule(NormalAction):
 
     def run(self, tmp=None, task_vars=None):
         task_vars = task_vars or {}
+        options_problem = self._options_from_variables(task_vars)
         args = self._task.args
         given = args.get("run_id")
         problem = run_id_problem(given) if given not in (None, "") else None
         kind = "invalid"
         # A run id the task gives names the run; one that cannot is never used (it would name the report's file).
         run_id = given if given not in (None, "") and problem is None else self._run_id()
+        if options_problem:
+            problem, kind = options_problem, "invalid"
         if problem is None and "pve_vmid" in task_vars:
             kind = "inventory"
             # The inventory's own variables, not the options: a task may pass a vmid of its own (the module checks
@@ -661,6 +754,23 @@ class ActionModule(NormalAction):
         result["run_id"] = run_id  # the report names the run by it, whether the pass succeeded or not
         return result
 
+    def _options_from_variables(self, task_vars):
+        """Fill in the options the task leaves out from the preflight role's variables, where it asks
+        (``options_from_variables``: options_from_variables); the option is the action's own, taken off the task's
+        options once they are read (a retried task, retries/until, reads them again if this read failed). Returns a
+        problem, or None."""
+        args = self._task.args
+        if not boolean(args.get("options_from_variables", False), strict=False):
+            args.pop("options_from_variables", None)
+            return None
+        host = task_vars.get("inventory_hostname")
+        try:
+            args.update(options_from_variables(args, variable_reader(self._templar, task_vars), host))
+        except StepSpecError as error:
+            return f"{host}: {error}"
+        args.pop("options_from_variables")
+        return None
+
     def _settings_from_variables(self, task_vars):
         """Fill ``steps`` with the settings of the steps ``steps_from_variables`` names, read from their roles'
         variables (pve_steps.settings_from_variables); a step ``steps`` gives keeps the settings given. The option
@@ -683,19 +793,8 @@ class ActionModule(NormalAction):
         if not isinstance(given, dict):
             return f"{host}: steps must be a dict of each step's settings by step name, not a {type(given).__name__}"
 
-        def variable(name):
-            if name not in task_vars:
-                raise KeyError(name)
-            try:
-                return self._templar.template(task_vars[name])
-            except AnsibleValueOmittedError as error:
-                raise KeyError(name) from error
-            except AnsibleError as error:
-                said = str(error).splitlines()[0] if str(error) else type(error).__name__
-                raise StepSpecError(said, kind="invalid_step") from error
-
         try:
-            read = settings_from_variables(names, variable)
+            read = settings_from_variables(names, variable_reader(self._templar, task_vars))
         except StepSpecError as error:
             return f"{host}: {error}"
         # Only now: a retried task (retries/until) reads them again if this read failed.

@@ -175,24 +175,25 @@ def settings_from_variables(names, variable):
         renamed = getattr(step, "ROLE_VARIABLES", {})
         settings = {}
         for key in step.SPEC:
-            found = _variable(variable, renamed.get(key, f"{name}_{key}"), f"{name}'s {key}")
-            if found is not _UNSET:
+            found = variable_value(variable, renamed.get(key, f"{name}_{key}"), f"{name}'s {key}")
+            if found is not UNSET:
                 settings[key] = found
         steps[name] = settings
     return steps
 
 
-_UNSET = object()
+UNSET = object()
 
 
-def _variable(variable, name, what):
-    """``variable(name)``, or _UNSET when ``name`` is None or not set; a template error names the variable."""
+def variable_value(variable, name, what):
+    """``variable(name)`` (settings_from_variables' reader), or UNSET when ``name`` is None or the variable is not set;
+    a template error names the variable and ``what`` it gives."""
     if name is None:
-        return _UNSET
+        return UNSET
     try:
         return variable(name)
     except KeyError:
-        return _UNSET
+        return UNSET
     except StepSpecError as error:
         raise StepSpecError(f"the variable {name} ({what}) cannot be templated: {error}", kind="invalid_step") from (
             error
@@ -203,8 +204,8 @@ def _enabled(name, variable):
     """Whether step ``name`` is on (``<name>_enabled``); preflight always is."""
     if name == preflight_facts.NAME:
         return True
-    enabled = _variable(variable, f"{name}_enabled", "whether the step is on")
-    if enabled is _UNSET:
+    enabled = variable_value(variable, f"{name}_enabled", "whether the step is on")
+    if enabled is UNSET:
         raise StepSpecError(
             f"the variables of role pve_gpu.recover.{name} are not loaded ({name}_enabled is not set): import its "
             f"settings before the fact pass (import_role with tasks_from: settings), as recover.yml does",

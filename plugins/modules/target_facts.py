@@ -103,6 +103,21 @@ options:
     type: list
     elements: str
     default: []
+  options_from_variables:
+    description:
+      - Read the options this task leaves out from the preflight role's variables, on the controller, in Python, as
+        the role's task templated them before 2.4.0. I(vmid) is C(pve_vmid); I(node_name) is C(pve_node), else the
+        inventory host's name; I(run_id) is C(preflight_run_id) and I(owner) is C(preflight_lock_owner), each left
+        out when false or empty (the action fills them in); I(lock_ttl), I(lock_dir), I(python), I(timeout),
+        I(per_node) and I(steps) are C(preflight_<option>); I(steps_from_variables) is C(preflight) and the steps
+        C(preflight_steps_from_variables) names; I(check_run) is the run's check mode.
+      - A variable that is not set or templates to C(omit) leaves its option out; an option the task gives keeps
+        its value. A variable that fails to template fails the task with C(error=invalid), naming the variable,
+        before any connection.
+      - The preflight role's task sets it. A Jinja template for each option cost every target a template compile
+        and render in its worker; this reads the same variables. The module itself ignores it.
+    type: bool
+    default: false
   fail_on_problems:
     description:
       - Fail when a step found a problem, with every problem in one message (the run stops here, before anything
@@ -123,15 +138,15 @@ options:
       - Whether the action reads the targets of one node that run this task at the same time in one execution of
         this module on the node (I(batch)), instead of one execution each. Every target keeps its own result,
         report, lock and failure. The module itself ignores it.
-      - The roles set it from C(preflight_per_node).
+      - The preflight role's task reads it from C(preflight_per_node) (I(options_from_variables)).
     type: bool
     default: true
   batch:
     description:
       - Other targets of the same node to read in this same execution, beside the task's own. Each item holds
-        this module's options for one target (what its own task would pass, I(batch) and I(steps_from_variables)
-        aside; the keys are the options above), and is checked as a task's options are; an item that fails the
-        check fails alone.
+        this module's options for one target (what its own task would pass, I(batch), I(steps_from_variables) and
+        I(options_from_variables) aside; the keys are the options above), and is checked as a task's options are;
+        an item that fails the check fails alone.
       - An item may list, in C(same_as_task), the names of options whose value is the same as the task's own; the
         module takes those from the task's options. The action sends each target's options so, and what every
         target shares, such as a hashed lock of over 100 KB, travels once, not once per target. Options are
@@ -177,6 +192,11 @@ EXAMPLES = r"""
     vmid: 200
     steps_from_variables: [preflight, gpu_processes, verify]
   delegate_to: pve1
+
+- name: Read the options and the steps' settings from the roles' variables, as the preflight role's task does
+  pve_gpu.recover.target_facts:
+    options_from_variables: true
+  delegate_to: "{{ pve_node | default(inventory_hostname) }}"
 
 - name: Read the facts of a target even when a step found a problem
   pve_gpu.recover.target_facts:
@@ -435,6 +455,7 @@ def main():
             "batch": {"type": "list", "elements": "dict", "default": []},
             # The action's own (it reads the settings and takes the option off): never a batch item's.
             "steps_from_variables": {"type": "list", "elements": "str", "default": []},
+            "options_from_variables": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )

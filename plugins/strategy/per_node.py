@@ -39,7 +39,8 @@ description:
     Each host keeps its own result, callbacks, C(--limit) and failure. The node's targets that share its connection
     are then read in one module execution on the node.
   - Every other task, and a fact pass with a C(loop), C(timeout) (ansible.cfg's C(task_timeout) too), C(async),
-    C(run_once) or C(throttle), with the module's C(per_node) option off, over a connection other than C(ssh) or
+    C(run_once) or C(throttle), with the module's C(per_node) option off (C(preflight_per_node), where the task
+    reads its options from the role's variables), over a connection other than C(ssh) or
     C(local), or with one worker slot (one fork, or one host in the play batch), runs as C(ansible.builtin.linear)
     runs it; so does every task on an ansible-core outside the collection's supported range.
   - The collection's playbooks C(pve_gpu.recover.recover) and C(pve_gpu.recover.verify) use it; with
@@ -67,7 +68,11 @@ from ansible.plugins import loader as plugin_loader
 from ansible.plugins.strategy.linear import StrategyModule as LinearStrategy
 from ansible.template import Templar
 from ansible.utils.display import Display
-from ansible_collections.pve_gpu.recover.plugins.action.target_facts import known_ansible
+from ansible_collections.pve_gpu.recover.plugins.action.target_facts import (
+    known_ansible,
+    per_node_source,
+    variable_reader,
+)
 
 try:  # ansible-core 2.19 and later: the ambient context of the task a worker runs
     from ansible._internal import _task as ansible_task
@@ -239,7 +244,9 @@ class StrategyModule(LinearStrategy):
                 action,
                 delegate_to=node,
                 connection=self._connection_of(str(node), task, task_vars, templar),
-                per_node=boolean(templar.template(task.args.get("per_node", True)), strict=False),
+                per_node=boolean(
+                    per_node_source(task.args, variable_reader(templar, task_vars), templar.template), strict=False
+                ),
                 loop=task.loop,
                 timeout=templar.template(task.timeout),
                 async_val=templar.template(task.async_val),

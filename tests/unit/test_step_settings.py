@@ -78,5 +78,7 @@ def test_python_is_the_cts_interpreter_everywhere_and_the_fact_passs(step):
 
 def test_the_fact_pass_runs_on_the_same_interpreter():
     (task,) = role("preflight", "tasks/main.yml")
-    assert task["pve_gpu.recover.target_facts"]["python"] == "{{ preflight_python }}"
+    # Every option from the role's variables, read by the action (python from preflight_python: the action's
+    # OPTION_VARIABLES, tests/unit/plugins/test_action_target_facts.py).
+    assert task["pve_gpu.recover.target_facts"] == {"options_from_variables": True}
     assert role("preflight", "defaults/main.yml")["preflight_python"] == PYTHON_ARGUMENT_SPEC["python"]["default"]

@@ -19,6 +19,7 @@ import types
 from pathlib import Path
 
 import pytest
+import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 from ansible.utils.context_objects import CLIArgs
@@ -360,6 +361,131 @@ def test_the_steps_settings_are_read_from_the_variables_and_given_settings_win(a
     assert instance._settings_from_variables({"inventory_hostname": "ct1"}) == (
         "ct1: steps must be a dict of each step's settings by step name, not a list"
     )
+
+
+# -- the pass's own options read from the preflight role's variables (options_from_variables) ---------------------
+def role_variables(path):
+    return yaml.safe_load((ROOT / "roles" / "preflight" / path).read_text())
+
+
+def test_the_options_the_task_leaves_out_are_read_as_the_role_passed_them(action):
+    """As the preflight role's task templated them before: vmid from pve_vmid, node_name from pve_node else the host,
+    the steps to read from preflight and preflight_steps_from_variables, check_run from check mode, the rest from
+    preflight_<option>; an unset variable leaves its option out, a false run id or owner too; given options win."""
+    variables = {
+        **role_variables("defaults/main.yml"),
+        "pve_vmid": 301,
+        "pve_node": "pve-a",
+        "preflight_steps_from_variables": ["gpu_processes", "verify"],
+        "preflight_run_id": "",
+        "preflight_timeout": 90,
+        "ansible_check_mode": True,
+    }
+
+    def variable(name):
+        return variables[name]  # KeyError when unset, as variable_reader
+
+    assert action.options_from_variables({}, variable, "ct301") == {
+        "vmid": 301,
+        "node_name": "pve-a",
+        "lock_ttl": 7200,
+        "lock_dir": "/run/lock/pve-gpu-recover",
+        "python": "python3",
+        "timeout": 90,
+        "per_node": True,
+        "steps": {},
+        "steps_from_variables": ["preflight", "gpu_processes", "verify"],
+        "check_run": True,
+    }  # no run_id (empty) nor owner (null): the action names the run and records who runs it
+    del variables["pve_vmid"], variables["pve_node"], variables["preflight_steps_from_variables"]
+    variables.update(preflight_run_id="ticket-7", preflight_lock_owner="ops@example", ansible_check_mode=False)
+    found = action.options_from_variables({"timeout": 5, "steps": {"verify": {}}}, variable, "gpu1")
+    assert found["node_name"] == "gpu1" and "vmid" not in found  # a bare host, on its own name
+    assert found["run_id"] == "ticket-7" and found["owner"] == "ops@example" and found["check_run"] is False
+    assert found["steps_from_variables"] == ["preflight"]
+    assert "timeout" not in found and "steps" not in found  # the task's own options are kept as given
+    # null is passed on as the templates passed it (the module's default; per_node null reads the target alone),
+    # except where default(omit, true) left out any false value.
+    variables.update(pve_node=None, preflight_per_node=None, preflight_run_id=0, preflight_lock_owner=False)
+    found = action.options_from_variables({}, variable, "ct1")
+    assert found["node_name"] is None and found["per_node"] is None
+    assert "run_id" not in found and "owner" not in found
+    del variables["preflight_lock_dir"]  # unset (outside the role): the module's default, as omit would give
+    assert "lock_dir" not in action.options_from_variables({}, variable, "ct1")
+    variables["preflight_steps_from_variables"] = "verify"
+    with pytest.raises(action.StepSpecError, match=r"preflight_steps_from_variables must be a list of step names"):
+        action.options_from_variables({}, variable, "ct1")
+
+
+def test_each_option_is_read_from_the_preflight_roles_own_documented_variable(action):
+    """Option <o> from preflight_<o> (the owner from preflight_lock_owner), each set in the role's defaults and
+    described in its argument_specs: a typo in the action's table would be a variable nobody sets."""
+    options = ["run_id", "lock_ttl", "lock_dir", "python", "timeout", "per_node", "steps"]
+    expected = {option: f"preflight_{option}" for option in options}
+    assert {**expected, "owner": "preflight_lock_owner"} == action.OPTION_VARIABLES
+    defaults = role_variables("defaults/main.yml")
+    specs = role_variables("meta/argument_specs.yml")["argument_specs"]["main"]["options"]
+    for variable in [*action.OPTION_VARIABLES.values(), "preflight_steps_from_variables"]:
+        assert variable in defaults and variable in specs, variable
+
+
+def test_the_options_are_templated_by_ansible_and_read_again_by_a_retry_that_failed(action):
+    variables = {
+        **role_variables("defaults/main.yml"),
+        "pve_vmid": 200,
+        "pve_node": "pve1",
+        "inventory_hostname": "ct1",
+        "ansible_check_mode": False,
+        "preflight_lock_dir": trust_as_template("{{ base }}/locks"),
+        "base": "/run/lock/mine",
+        "preflight_python": trust_as_template("{{ omit }}"),  # not set: the module's default
+        "preflight_timeout": trust_as_template("{{ no_such_variable }}"),
+    }
+    instance = action.ActionModule.__new__(action.ActionModule)
+    instance._templar = Templar(loader=DataLoader(), variables=variables)
+    instance._task = Task({"options_from_variables": True, "lock_ttl": 60})
+    problem = instance._options_from_variables(variables)
+    assert problem.startswith("ct1: the variable preflight_timeout (the fact pass's timeout) cannot be templated: ")
+    assert "no_such_variable" in problem
+    # Ansible runs a retried task's action again on the same options: they are read again, not left out.
+    assert instance._task.args == {"options_from_variables": True, "lock_ttl": 60}
+    variables["preflight_timeout"] = 30
+    instance._templar = Templar(loader=DataLoader(), variables=variables)
+    assert instance._options_from_variables(variables) is None
+    assert "options_from_variables" not in instance._task.args  # never the module's
+    assert instance._task.args["lock_dir"] == "/run/lock/mine/locks" and instance._task.args["timeout"] == 30
+    assert instance._task.args["lock_ttl"] == 60 and "python" not in instance._task.args
+    instance._task = Task({"options_from_variables": False, "vmid": 200})
+    assert instance._options_from_variables(variables) is None and instance._task.args == {"vmid": 200}
+
+
+def test_whether_a_node_is_read_together_comes_from_the_same_place_for_the_strategy(action):
+    def template(value):
+        return value
+
+    def reader(variables):
+        return lambda name: variables[name]
+
+    assert action.per_node_source({"per_node": "no"}, reader({"preflight_per_node": True}), template) == "no"
+    off = reader({"preflight_per_node": "False"})  # -e preflight_per_node=False: a string
+    assert action.per_node_source({"options_from_variables": True}, off, template) == "False"
+    assert action.per_node_source({}, off, template) is True  # the option's default: the variable is not read
+    assert action.per_node_source({"options_from_variables": True}, reader({}), template) is True
+    null = reader({"preflight_per_node": None})  # as the action gets it: boolean(None) is false there too
+    assert action.per_node_source({"options_from_variables": True}, null, template) is None
+
+
+def test_a_variable_of_the_role_that_fails_to_template_fails_before_any_connection(tmp_path):
+    hosts = tmp_path / "hosts.yml"
+    hosts.write_text("all:\n  vars: " + CLOSED + "\n  hosts:\n    ct1: {pve_vmid: 200, pve_node: pve1}\n")
+    broken = json.dumps({"preflight_lock_ttl": "{{ no_such_variable }}", "preflight_steps": {}})
+    done = ad_hoc(tmp_path, str(hosts), "-a", '{"options_from_variables": true}', "-e", broken)
+    (report,) = reports_of(tmp_path)["ct1"]
+    assert report["error"]["kind"] == "invalid", done.stdout[-2000:]
+    assert report["error"]["msg"].startswith(
+        "ct1: the variable preflight_lock_ttl (the fact pass's lock_ttl) cannot be templated: "
+    ), report["error"]["msg"]
+    assert "UNREACHABLE" not in done.stdout
 
 
 def test_templating_is_warmed_only_where_tasks_run_and_a_failure_only_leaves_it_undone(action):
@@ -1032,11 +1158,11 @@ def test_each_fork_marks_its_host_so_the_reader_stops_waiting_once_the_batch_has
 
 
 def test_a_host_that_never_queues_marks_its_arrival_so_no_read_waits_for_it(action, tmp_path, monkeypatch):
-    """ct2 fails the action's own checks and ct3 is read alone (per_node off): both mark their arrival, so ct1's
-    node, whose batch names all three, reads as soon as ct1 has come."""
+    """ct2 fails the action's own checks, ct3 is read alone (per_node off) and ct4's options cannot be read: each
+    marks its arrival, so ct1's node, whose batch names all four, reads as soon as ct1 has come."""
     monkeypatch.setattr(action.C, "DEFAULT_LOCAL_TMP", str(tmp_path))
     monkeypatch.setattr(action.ansible_context, "CLIARGS", CLIArgs({"forks": 3}))
-    batch = ["ct1", "ct2", "ct3"]
+    batch = ["ct1", "ct2", "ct3", "ct4"]
     failing = equipped_fork(action, "task-1", "pve-a")
     failing._task.args = {"vmid": 202, "batch": [{"vmid": 1}]}  # refused before any connection
     assert failing.run(None, {"ansible_play_batch": batch, "inventory_hostname": "ct2"})["failed"]
@@ -1044,6 +1170,13 @@ def test_a_host_that_never_queues_marks_its_arrival_so_no_read_waits_for_it(acti
     alone._task.args = {"vmid": 203, "per_node": False}
     alone._read_alone = lambda _tmp, _task_vars: {"changed": False}
     assert alone.run(None, {"ansible_play_batch": batch, "inventory_hostname": "ct3"})["changed"] is False
+    # ct4's options cannot be read from the role's variables: refused before any connection, its arrival marked.
+    unreadable = equipped_fork(action, "task-1", "pve-a")
+    unreadable._task.args = {"options_from_variables": True}
+    variables = {"ansible_play_batch": batch, "inventory_hostname": "ct4", "pve_vmid": 204, "pve_node": "pve-a"}
+    variables["preflight_lock_dir"] = trust_as_template("{{ no_such_variable }}")
+    unreadable._templar = Templar(loader=DataLoader(), variables=variables)
+    assert unreadable.run(None, variables)["error"] == "invalid"
     queue = equipped_fork(action, "task-1", "pve-a")._node_queue({"ansible_play_batch": batch})
     queue.post({"vmid": 201}, host="ct1")
     now = [0.0]
@@ -1051,7 +1184,7 @@ def test_a_host_that_never_queues_marks_its_arrival_so_no_read_waits_for_it(acti
     def sleep(seconds):
         now[0] += seconds
 
-    assert queue.arrived() == 3 and queue.gather(clock=lambda: now[0], sleep=sleep) == 1
+    assert queue.arrived() == 4 and queue.gather(clock=lambda: now[0], sleep=sleep) == 1
     assert now[0] == 0.0  # no idle wait for ct2 and ct3
 
 

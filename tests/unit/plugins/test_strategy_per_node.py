@@ -369,6 +369,23 @@ def test_linear_and_a_fact_pass_that_cannot_share_a_worker_fork_one_worker_per_h
     assert sorted(reports) == ["ct1", "ct2", "ct3", "ct4"]
 
 
+def test_a_fact_pass_reading_its_options_from_the_role_variables_shares_a_worker_unless_per_node_is_off(tmp_path):
+    """The preflight role's task (options_from_variables): per_node is preflight_per_node, as the action reads it."""
+    play = fact_pass_play("pve_gpu.recover.per_node").replace(
+        '        steps: "{{ ct_steps | default({}) }}"\n        per_node: "{{ per_node | default(true) }}"\n',
+        "        options_from_variables: true\n",
+    )
+    assert "options_from_variables" in play
+    (tmp_path / "on").mkdir()
+    done, reports = run_play(tmp_path / "on", TWO_NODES, play)
+    assert sorted(worker_pids(done)) == ["ct1", "ct2", "ct3", "ct4"], done.stdout[-3000:]
+    assert sorted(reports) == ["ct1", "ct2", "ct3", "ct4"]
+    (tmp_path / "off").mkdir()
+    done, reports = run_play(tmp_path / "off", TWO_NODES, play, "-e", "preflight_per_node=False")
+    assert worker_pids(done) == {} and forked(done) == 8, done.stdout[-3000:]
+    assert sorted(reports) == ["ct1", "ct2", "ct3", "ct4"]
+
+
 def test_fewer_forks_than_nodes_start_each_nodes_worker_as_a_slot_frees(tmp_path):
     """Three nodes, two worker slots: the third node's worker waits for one. A CT whose node cannot be templated
     runs as linear runs it and fails with Ansible's own error, alone."""
