@@ -19,7 +19,9 @@ warm-up run of each that is not counted):
 * ``recover-linear``: ``recover`` with ``-e recover_strategy=linear``: a forked worker per CT on the controller (the
   fact pass's strategy before 2.3.0), each node's CTs still read in one execution.
 
-``--kinds`` runs some of them only.
+``--kinds`` runs some of them only. ``--baseline PATH`` names another checkout of this repository (``git worktree add
+/tmp/base v2.4.0``): each kind also runs from there, interleaved with this checkout's in the same loop, as
+``<kind>@baseline``, so that a change is measured against what it replaces on the same machine at the same time.
 
 Each run starts cold (a fresh ssh ControlPath directory). Per run it measures the wall time, new ssh connections
 (the ``Accepted`` lines of every node's sshd log), ssh sessions (bench/ssh-counting; each is one module execution
@@ -133,15 +135,21 @@ def remote_tasks(reports):
     )
 
 
-def command_for(kind, inventory, forks, workdir, reports):
+def tree_of(kind, baseline):
+    """``(kind without its tree, the checkout it runs from)``: ``recover@baseline`` runs from ``baseline``."""
+    name, _, tree = kind.partition("@")
+    return name, (baseline if tree else ROOT)
+
+
+def command_for(kind, inventory, forks, workdir, reports, *, root=ROOT):
     if kind in RECOVER_KINDS:
         return [
             *(str(BIN / "ansible-playbook"), "-i", str(inventory), "--forks", str(forks), *RECOVER_KINDS[kind]),
-            str(ROOT / "recover.yml"),
+            str(root / "recover.yml"),
         ]
     return [
         sys.executable,
-        str(ROOT / "drift/runner.py"),
+        str(root / "drift/runner.py"),
         *("--inventory", str(inventory), "--forks", str(forks), "--timeout", str(RUN_TIMEOUT)),
         *("--summary", str(workdir / "summary.json"), "--reports-dir", str(reports), "--keep-runs", "1"),
     ]
@@ -165,8 +173,9 @@ def converged_reports(kind, size, done, workdir, reports):
     return [json.loads(Path(t["report"]).read_text()) for t in targets.values()]
 
 
-def run_once(kind, size, inventory, *, forks, nodes, workdir):
+def run_once(kind, size, inventory, *, forks, nodes, workdir, baseline=None):
     """One cold run of ``kind`` on the first ``size`` CTs: wall and CPU seconds and what it cost in round trips."""
+    kind, root = tree_of(kind, baseline)
     ssh_log = workdir / "ssh.log"
     ssh_log.write_text("")
     reports = workdir / "reports"
@@ -175,7 +184,7 @@ def run_once(kind, size, inventory, *, forks, nodes, workdir):
     control = tempfile.mkdtemp(prefix="cp-", dir=workdir)
     env = dict(
         os.environ,
-        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
+        ANSIBLE_CONFIG=str(root / "ansible.cfg"),
         ANSIBLE_SSH_EXECUTABLE=str(ROOT / "bench/ssh-counting"),
         ANSIBLE_SSH_CONTROL_PATH_DIR=control,
         PVE_GPU_RECOVER_REPORT_DIR=str(reports),  # recover.yml's; the drift runner sets its own under --reports-dir
@@ -187,8 +196,8 @@ def run_once(kind, size, inventory, *, forks, nodes, workdir):
     containers = containers_cpu_seconds(nodes)
     started = time.monotonic()
     done = subprocess.run(
-        command_for(kind, inventory, forks, workdir, reports),
-        cwd=ROOT,
+        command_for(kind, inventory, forks, workdir, reports, root=root),
+        cwd=root,
         env=env,
         capture_output=True,
         text=True,
@@ -275,8 +284,13 @@ def main():
     parser.add_argument("--forks", type=int, default=16)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"which of {', '.join(KINDS)} to run")
+    parser.add_argument("--baseline", type=Path, help="another checkout whose kinds run interleaved with these")
     args = parser.parse_args()
     kinds = [k for k in KINDS if k in args.kinds.split(",")]
+    if args.baseline:
+        if not (args.baseline / "recover.yml").is_file():
+            parser.error(f"--baseline: {args.baseline} is not a checkout of this repository (no recover.yml)")
+        kinds += [f"{kind}@baseline" for kind in kinds]
     if unknown := set(args.kinds.split(",")) - set(KINDS):
         parser.error(f"--kinds: unknown {', '.join(sorted(unknown))} (known: {', '.join(KINDS)})")
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -291,6 +305,7 @@ def main():
         "sizes": sizes,
         "fleet": [{"node": n["node"], "cts": sorted(int(v) for v in n["cts"])} for n in nodes],
         "machine": {"cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()},
+        "baseline": str(args.baseline) if args.baseline else None,
         "delays": {},
     }
     pairs = [(kind, size) for size in sizes for kind in kinds]
@@ -305,11 +320,15 @@ def main():
                 subprocess.run([*FLEET, "pct-delay", str(delay)], check=True)
                 runs = {kind: {str(size): [] for size in sizes} for kind in kinds}
                 for kind, size in pairs:  # warm-up: file caches, python bytecode; not counted
-                    run_once(kind, size, inventories[size], forks=args.forks, nodes=nodes, workdir=workdir)
+                    run_once(kind, size, inventories[size], forks=args.forks, nodes=nodes, workdir=workdir,
+                             baseline=args.baseline)  # fmt: skip
                 for i in range(args.runs):
                     shift = i % len(pairs)
                     for kind, size in pairs[shift:] + pairs[:shift]:  # rotate so no figure always runs first
-                        run = run_once(kind, size, inventories[size], forks=args.forks, nodes=nodes, workdir=workdir)
+                        run = run_once(
+                            kind, size, inventories[size], forks=args.forks, nodes=nodes, workdir=workdir,
+                            baseline=args.baseline,
+                        )  # fmt: skip
                         runs[kind][str(size)].append(run)
                 results["delays"][f"{delay:g}"] = dict(summarize(runs, sizes), runs=runs)
                 print(f"pct delay {delay:g} s done", file=sys.stderr, flush=True)

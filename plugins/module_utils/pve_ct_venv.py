@@ -10,15 +10,12 @@ only, Python 3.9+, nothing of ours imported.
 
 import os
 import pwd
-import re
 import stat
 import sys
 
-_NAME_SEPARATORS = re.compile(r"[-_.]+")
 # A METADATA header as the target wrote it is read this far at most (Name and Version are its lines 2 and 3).
 HEADER_LINES = 200
 HEADER_LINE_CHARS = 8192
-_VERSION_NAME = r"\.\d{8}T\d{6}Z"  # <path>.<UTC stamp>: a version the training venv step built
 VENV_INSIDE = ("bin", "pyvenv.cfg", "lib")  # what the venv's python reads or runs at start-up, with lib/pythonX.Y/...
 
 
@@ -59,6 +56,15 @@ def _above(parts):
     return None
 
 
+def is_version_name(name, base):
+    """Whether ``name`` is ``<base>.<UTC stamp>``, a version the training venv step built: ``train.20261207T064401Z``
+    for ``train``. (Not a regular expression: this runs in every CT's fact pass, whose python imports no ``re``.)"""
+    stamp = name[len(base) + 1 :] if name.startswith(base + ".") else ""
+    return (
+        len(stamp) == 16 and stamp[:8].isdecimal() and stamp[8] == "T" and stamp[9:15].isdecimal() and stamp[15] == "Z"
+    )
+
+
 def _version_of(path):
     """``(real, None)``: the directory the venv at ``path`` is (itself, or the version its link names);
     ``(None, why)`` when the link is not the step's own (root's, to a sibling ``<path>.<stamp>``)."""
@@ -68,7 +74,7 @@ def _version_of(path):
     parent, base = os.path.split(path)
     target = os.readlink(path)
     real = os.path.normpath(os.path.join(parent, target))
-    if os.path.dirname(real) != parent or not re.match(rf"^{re.escape(base)}{_VERSION_NAME}$", os.path.basename(real)):
+    if os.path.dirname(real) != parent or not is_version_name(os.path.basename(real), base):
         return None, f"{path} is a symlink to {target}, not to a version {base}.<stamp> beside it"
     if info.st_uid != 0:  # a link's own mode means nothing; its owner may replace it in a sticky parent
         return None, f"{path} is owned by uid {info.st_uid}, not root"
@@ -126,8 +132,10 @@ def venv_unsafe(path):
 
 
 # -- what builds a venv: the build script runs it, the probe says beforehand whether it can ------------------------
-_PYTHON_NAME = re.compile(r"^python(\d+\.\d+)$")
-_UV_MANAGED = re.compile(r"^cpython-(\d+\.\d+)\.")  # uv python install: cpython-3.11.9-linux-x86_64-gnu
+# The regular expressions below are used by the venv step's part and its build only; ``re`` is imported where they
+# are, so that the verify part, which ships this module to every CT, never imports it.
+_PYTHON_NAME = r"^python(\d+\.\d+)$"
+_UV_MANAGED = r"^cpython-(\d+\.\d+)\."  # uv python install: cpython-3.11.9-linux-x86_64-gnu
 
 
 def find_command(name, path):
@@ -174,8 +182,10 @@ def interpreter_minor(executable):
     """The python minor of an interpreter, told from its files alone (it is never run): the name it resolves to
     (``/usr/bin/python3`` -> ``python3.11`` -> ``"3.11"``), or this very interpreter's own; None when unknown (a
     pyenv shim, a binary named ``python3``)."""
+    import re  # noqa: PLC0415 (see _PYTHON_NAME)
+
     real = os.path.realpath(executable)
-    named = _PYTHON_NAME.match(os.path.basename(real))
+    named = re.match(_PYTHON_NAME, os.path.basename(real))
     if named:
         return named.group(1)
     if sys.executable and real == os.path.realpath(sys.executable):
@@ -224,6 +234,8 @@ def uv_python(minor, path, environ=None):
     ``UV_PYTHON_DOWNLOADS=never``), told from files alone: ``python<minor>`` on ``path``, a ``python3`` or ``python``
     there of that minor (:func:`interpreter_minor`), or one uv installed itself; None when there is none. Without a
     minor the build asks for ``python3``: the one on ``path``."""
+    import re  # noqa: PLC0415 (see _PYTHON_NAME)
+
     if not minor:
         return find_command("python3", path)
     found = find_command(f"python{minor}", path)
@@ -239,7 +251,7 @@ def uv_python(minor, path, environ=None):
         except OSError:
             continue
         for name in names:
-            managed = _UV_MANAGED.match(name)
+            managed = re.match(_UV_MANAGED, name)
             if managed and managed.group(1) == minor:
                 return os.path.join(directory, name)
     return None
@@ -271,10 +283,70 @@ def build_needs(uv, minor, path):
     }
 
 
+# -- torch/version.py, read as text (never executed: the venv is untrusted input) ----------------------------------
+def _word_end(line):
+    """The length of the ``[A-Za-z0-9_]``-like word (``str.isalnum`` or ``_``) that starts ``line``."""
+    index = 0
+    while index < len(line) and (line[index].isalnum() or line[index] == "_"):
+        index += 1
+    return index
+
+
+def assignments(text):
+    """The ``name = value`` and ``name: type = value`` lines of a generated module's source, one line each, as
+    ``(name, value source)`` pairs: ``"__version__ = '2.11.0'\ncuda: Optional[str] = '12.8'\n"`` ->
+    ``[("__version__", "'2.11.0'"), ("cuda", "'12.8'")]``. A name starts its line; the value is the rest of it,
+    stripped, and not empty. (torch's setup writes one assignment a line; not a regular expression, since the
+    verify part runs this in every CT, whose python imports no ``re``.)"""
+    found = []
+    for line in text.split("\n"):  # not splitlines(): a form feed or a \x1c is no line break in Python source
+        end = _word_end(line)
+        if not end:
+            continue
+        rest = line[end:].lstrip()
+        if rest.startswith(":"):
+            _annotation, equals, value = rest[1:].partition("=")
+            if not equals:
+                continue
+            rest = "=" + value
+        if rest.startswith("=") and rest[1:].strip():
+            found.append((line[:end], rest[1:].strip()))
+    return found
+
+
+def string_literal(source):
+    """``'2.11.0'`` or ``"2.11.0"`` without a backslash or its own quote inside -> ``2.11.0``; anything else -> None."""
+    quote, inner = source[:1], source[1:-1]
+    if len(source) >= 2 and quote in ("'", '"') and source[-1] == quote and quote not in inner and "\\" not in inner:
+        return inner
+    return None
+
+
+def version_py_value(source):
+    """A version.py value: a quoted string (:func:`string_literal`), None, True or False; anything else is kept as
+    its source text."""
+    literal = string_literal(source)
+    if literal is not None:
+        return literal
+    return {"None": None, "True": True, "False": False}.get(source, source)
+
+
+def read_version_py(text, keys, value=version_py_value):
+    """``{keys[name]: value(source)}`` of torch/version.py's :func:`assignments` whose name is in ``keys`` (the
+    last one wins); a key it does not assign is None."""
+    found = dict.fromkeys(keys.values())
+    for name, source in assignments(text):
+        if name in keys:
+            found[keys[name]] = value(source)
+    return found
+
+
 def canonical_name(name):
     """PEP 503 normalization: ``Typing_Extensions`` -> ``typing-extensions``, ``zope.interface`` ->
     ``zope-interface``."""
-    return _NAME_SEPARATORS.sub("-", name).lower()
+    import re  # noqa: PLC0415 (see _PYTHON_NAME)
+
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def installed_versions(records, torch_build, pins=None):

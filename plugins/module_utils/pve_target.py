@@ -703,8 +703,70 @@ def shared_modules(modules):
 # part's ``from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs`` finds it; then each
 # part's source in a module of its own and probe(payload) of each, in order; the answers as one JSON object on
 # stdout. Standard library only, Python 3.9+.
+#
+# Every CT pays its imports on every run, so it imports no pure-Python module: the ``json`` package imports ``re``
+# (and ``re`` imports ``enum``, ``functools``, ``collections``): about 7 of the 13 ms the old imports cost a CT
+# (docs/benchmarks.md, "The CT's read without imports"). It reads its stdin with json's own C scanner and writes
+# the answer with json's own C string encoder (``_json``, what ``json.loads``/``json.dumps`` call); a value that is
+# not plain JSON data, or a Python without ``_json``, goes through the ``json`` package as before.
 PROBES_MAIN = """
-import json, sys, time, types
+import sys, time
+
+try:
+    from _json import encode_basestring_ascii as quote, make_scanner
+except ImportError:
+    quote = make_scanner = None
+
+
+class NotPlain(Exception):
+    pass
+
+
+class Decoding:
+    # What json's C scanner asks of its decoder: json.loads' defaults.
+    strict = True
+    object_hook = object_pairs_hook = None
+    parse_float, parse_int = float, int
+    parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}.__getitem__
+
+
+def loads(data):
+    if make_scanner is not None:
+        try:
+            text = data.decode("utf-8")
+            value, end = make_scanner(Decoding)(text, 0)
+            if end == len(text):
+                return value
+        except (StopIteration, ValueError, RecursionError):
+            pass  # json.loads says what is wrong, or reads what this does not (a BOM, deep nesting)
+    import json
+
+    return json.loads(data)
+
+
+def dumps(value):
+    kind = type(value)
+    if kind is str:
+        return quote(value)
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if kind is int:
+        return int.__repr__(value)
+    if kind is float:
+        if value != value:
+            return "NaN"
+        if value in (float("inf"), float("-inf")):
+            return "Infinity" if value > 0 else "-Infinity"
+        return float.__repr__(value)
+    if kind is list or kind is tuple:
+        return "[" + ", ".join([dumps(item) for item in value]) + "]"
+    if kind is dict and all(type(key) is str for key in value):
+        return "{" + ", ".join([quote(key) + ": " + dumps(item) for key, item in value.items()]) + "}"
+    raise NotPlain
 
 
 def stub(dotted):
@@ -712,14 +774,14 @@ def stub(dotted):
     for depth in range(1, len(names) + 1):
         name = ".".join(names[:depth])
         if name not in sys.modules:
-            sys.modules[name] = types.ModuleType(name)
+            sys.modules[name] = type(sys)(name)
             if depth > 1:
                 setattr(sys.modules[".".join(names[: depth - 1])], names[depth - 1], sys.modules[name])
     return sys.modules[dotted]
 
 
 answers = {}
-given = json.loads(sys.stdin.buffer.read())
+given = loads(sys.stdin.buffer.read())
 payloads = given["payloads"]
 stub("ansible.module_utils")
 stub("ansible_collections.pve_gpu.recover.plugins.module_utils")
@@ -728,14 +790,22 @@ for dotted, source in given["shared"].items():
 for name, source in given["sources"].items():
     started = time.monotonic()
     try:
-        module = types.ModuleType("probe_" + name)
+        module = type(sys)("probe_" + name)
         exec(compile(source, "<probe " + name + ">", "exec"), module.__dict__)
         answer = {"answer": module.probe(payloads[name])}
     except Exception as error:
         answer = {"error": type(error).__name__ + ": " + str(error)}
     answer["seconds"] = round(time.monotonic() - started, 3)
     answers[name] = answer
-sys.stdout.write(json.dumps(answers))
+try:
+    if quote is None:
+        raise NotPlain
+    written = dumps(answers)
+except (NotPlain, RecursionError):  # deep nesting: json's C encoder goes deeper than this recursion
+    import json
+
+    written = json.dumps(answers)
+sys.stdout.write(written)
 """
 
 

@@ -23,7 +23,13 @@ from pathlib import Path
 
 import compile_cache
 import pytest
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_fs, pve_ct_progress, pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils import (
+    pve_ct_act,
+    pve_ct_fs,
+    pve_ct_lean,
+    pve_ct_progress,
+    pve_ct_venv,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script
@@ -209,7 +215,7 @@ def test_ct_check_mode_reports_the_purge_and_the_real_run_does_it_in_one_more_pc
     # in one process.
     given = json.loads(runner.stdin[1])
     assert given["shared"] == {
-        m.__name__: inspect.getsource(m) for m in (pve_ct_act, pve_ct_fs, pve_ct_progress, pve_ct_venv)
+        m.__name__: inspect.getsource(m) for m in (pve_ct_act, pve_ct_fs, pve_ct_lean, pve_ct_progress, pve_ct_venv)
     }
     assert given["sources"] == {
         "act": inspect.getsource(script),

@@ -3,6 +3,7 @@ a command stuck after SIGKILL. Real processes and a real python; no sleeps beyon
 
 import hashlib
 import importlib.util
+import os
 import subprocess
 import sys
 import threading
@@ -178,16 +179,22 @@ class UnkillablePopen(subprocess.Popen):
         raise subprocess.TimeoutExpired(self.args, timeout)
 
 
-def test_the_preflight_probe_never_waits_without_a_deadline_for_a_command_stuck_after_sigkill(monkeypatch):
-    monkeypatch.setattr(preflight_probe.subprocess, "Popen", UnkillablePopen)
+def test_the_preflight_probe_never_waits_without_a_deadline_for_a_command_stuck_after_sigkill(monkeypatch, tmp_path):
+    """A child as one in state D looks to its parent: SIGKILL is sent, yet it never exits (here the kill is lost;
+    the real process is ended by the test afterwards)."""
+    marker = tmp_path / "stuck.pid"
+    monkeypatch.setattr(os, "killpg", lambda pid, sig: None)
     done = {}
-    worker = threading.Thread(target=lambda: done.update(preflight_probe._run(["sleep", "30"], 1)), daemon=True)
+    argv = ["sh", "-c", f'echo $$ > "{marker}"; exec sleep 30']
+    worker = threading.Thread(target=lambda: done.update(preflight_probe._run(argv, 1)), daemon=True)
     worker.start()
     worker.join(10)
+    monkeypatch.undo()
+    os.kill(int(marker.read_text()), 9)
     assert not worker.is_alive(), "the probe waited without a deadline for a child that outlived SIGKILL"
     assert done["timed_out"] is True
     assert done["abandoned"] is True
-    assert "did not exit after SIGKILL" in done["stderr"]
+    assert "did not exit after SIGKILL within 2 s" in done["stderr"]
 
 
 def test_the_preflight_probe_kills_the_whole_group_of_a_command_past_its_deadline(tmp_path):

@@ -10,13 +10,20 @@ import types
 from pathlib import Path
 
 import pytest
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs, pve_ct_git, pve_ct_venv, pve_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils import (
+    pve_ct_fs,
+    pve_ct_git,
+    pve_ct_lean,
+    pve_ct_venv,
+    pve_target,
+)
 from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target, TargetError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import probe as preflight_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
 
+from tests.conftest import unavailable
 from tests.fakes import FakeRunner
 from tests.unit.module_utils.test_pve_cache import CU130, SPEC, fake_venv, write_stamp
 
@@ -350,7 +357,12 @@ def test_parts_with_shared_modules_answer_in_a_ct_exactly_as_on_a_bare_host(tmp_
     in_ct = ct(one_pct_exec).run_probes(parts)
     on_host = Target(runner=FakeRunner()).run_probes(parts)
     assert len(calls) == 1
-    assert list(json.loads(calls[0])["shared"]) == [pve_ct_fs.__name__, pve_ct_venv.__name__, pve_ct_git.__name__]
+    assert list(json.loads(calls[0])["shared"]) == [
+        pve_ct_fs.__name__,
+        pve_ct_lean.__name__,
+        pve_ct_venv.__name__,
+        pve_ct_git.__name__,
+    ]
     for name in parts:
         assert "error" not in in_ct[name], in_ct[name]
         assert dict(in_ct[name]["answer"], pid=None) == dict(on_host[name]["answer"], pid=None)  # pid: its own
@@ -513,3 +525,57 @@ def test_module_sources_are_read_once_and_never_by_two_threads_at_once(monkeypat
     assert errors == []
     assert sorted(calls) == [f"probe_{index}" for index in range(4)]  # each read once
     assert sorted(found) == sorted(f"# probe_{i % 4}\n" for i in range(16))
+
+
+# The probe program reads and writes JSON with json's C scanner and string encoder (no ``json`` package: it imports
+# ``re``, which every CT's python would pay for on every run). What it writes must be what json.dumps writes.
+AWKWARD = {
+    "strings": ["", 'quote " and \\ backslash', "\x00\x1f\x7f controls", "é € 😀", "\udcff lone surrogate", "\t\n\r"],
+    "numbers": [0, -1, 2**70, 1.5, -0.0, 1e300, 5e-324, float("nan"), float("inf"), float("-inf")],
+    "constants": [True, False, None],
+    "nested": {"a": [{"b": [[], {}]}], "": {"c": "d"}},
+}
+OLDEST_PYTHON = Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9"
+
+
+def run_probes_program(python, parts):
+    """The probe program on ``python`` with ``parts``: ``(stdout, the names of the modules it had imported)``."""
+    program = pve_target.PROBES_MAIN + "\nsys.stderr.write(' '.join(sorted(sys.modules)))\n"
+    done = subprocess.run(
+        [*pve_target.probes_argv(str(python))[:-1], program],
+        input=pve_target.probes_input(parts),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout, set(done.stderr.split())
+
+
+@pytest.mark.parametrize("python", [sys.executable, OLDEST_PYTHON], ids=["this_python", "python3.9"])
+def test_the_probes_program_writes_what_json_dumps_writes_and_reads_what_json_dumps_wrote(monkeypatch, python):
+    if not Path(python).exists():
+        unavailable(f"no {python} here")
+    echo = types.ModuleType("pve_probe_echo")
+    keys = types.ModuleType("pve_probe_keys")  # an answer json.dumps takes but the program's own writer does not
+    sources = {
+        echo: "def probe(payload):\n    return {'payload': payload, 'tuple': ('x', 1)}\n",
+        keys: "def probe(payload):\n    return {1: 'one', None: 'none'}\n",
+    }
+    sources_of(monkeypatch, lambda module: sources[module])
+
+    # Plain answers: read and written by the program's own reader and writer, json never imported.
+    written, imported = run_probes_program(python, {"echo": (echo, AWKWARD)})
+    assert "json" not in imported and "re" not in imported
+    answers = json.loads(written)
+    assert written == json.dumps(answers)  # byte for byte
+    assert json.dumps(answers["echo"]["answer"]["payload"]) == json.dumps(AWKWARD)  # NaN compares unequal to itself
+    assert answers["echo"]["answer"]["tuple"] == ["x", 1]
+
+    # An answer the own writer does not take (keys that are not strings): the whole answer goes through json.
+    written, imported = run_probes_program(python, {"echo": (echo, AWKWARD), "keys": (keys, {})})
+    assert "json" in imported
+    answers = json.loads(written)
+    assert written == json.dumps(answers)
+    assert json.dumps(answers["echo"]["answer"]["payload"]) == json.dumps(AWKWARD)
+    assert answers["keys"]["answer"] == {"1": "one", "null": "none"}

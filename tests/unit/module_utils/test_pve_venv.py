@@ -1037,3 +1037,68 @@ def test_a_metadata_header_is_read_bounded_whatever_the_target_wrote(tmp_path):
     late.write_text("Classifier: x\n" * (pve_ct_venv.HEADER_LINES + 5) + "Name: late\nVersion: 1\n")
     assert pve_ct_venv.metadata_header(late) == {}  # past the bound: unknown, as an unreadable header is
     assert pve_ct_venv.metadata_header(tmp_path / "missing") is None
+
+
+# -- torch/version.py read line by line (no ``re`` in a CT's fact pass) ----------------------------------------
+# The regular expressions the probes used before 2.4.1: the line reader must find the same assignments.
+OLD_ASSIGNMENT = re.compile(r"^(\w+)\s*(?::[^=\n]*)?=\s*(.+?)\s*$", re.MULTILINE)
+OLD_STRING = re.compile(r"""^(?:'([^'\\]*)'|"([^"\\]*)")$""")
+
+
+def test_assignments_finds_on_each_line_what_the_old_regular_expression_found():
+    """100,000 random lines of the pieces a version.py is made of (and some it is not): every line with a value
+    gives the same (name, value) as before; a line whose value is blank gives none (it was a whitespace value)."""
+    import random  # noqa: PLC0415
+
+    chooser = random.Random(2026)  # noqa: S311 (reproducible test data, not a secret)
+    pieces = ["__version__", "cuda", "x1_", "é", " ", "\t", "=", "==", ":", "Optional[str]", "'2.1'", '"12.8"']
+    pieces += ["None", "#", "'a\\'b'", "''", '""', "\x0b", "\x1c", "\xa0", "\r", "٣"]
+    for _ in range(100000):
+        line = "".join(chooser.choice(pieces) for _ in range(chooser.randint(1, 7)))
+        old = [(name, value) for name, value in OLD_ASSIGNMENT.findall(line) if value.strip()]
+        assert pve_ct_venv.assignments(line) == old, repr(line)
+        for _, value in old:
+            match = OLD_STRING.match(value)
+            literal = (match.group(1) if match.group(1) is not None else match.group(2)) if match else None
+            assert pve_ct_venv.string_literal(value) == literal, repr(value)
+
+
+def test_every_probe_reads_a_real_torch_version_py_the_same_way():
+    from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import (  # noqa: PLC0415
+        probe as cache_probe,
+    )
+    from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import (  # noqa: PLC0415
+        probe as verify_probe,
+    )
+
+    assert verify_probe.parse_torch_version_py(VERSION_PY_CU130) == {
+        "version": "2.11.0+cu130",
+        "cuda": "13.0",
+        "git_version": venv_probe.parse_torch_version_py(VERSION_PY_CU130)["git_version"],
+    }
+    cache = cache_probe.parse_torch_version_py(VERSION_PY_CU130)
+    venv = venv_probe.parse_torch_version_py(VERSION_PY_CU130)
+    assert cache == {key: venv[key] for key in ("version", "cuda", "git_version", "hip")}
+    assert cache["hip"] is None
+    assert verify_probe.parse_torch_version_py("__version__ = get_version()\ncuda = ''\n") == {
+        "version": None,
+        "cuda": None,
+        "git_version": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "version"),
+    [
+        ("train.20261207T064401Z", True),
+        ("train.20261207T064401Z\n", False),
+        ("train.2026120T064401Z", False),
+        ("train.20261207t064401Z", False),
+        ("train.20261207T064401Z-previous", False),
+        ("trainx.20261207T064401Z", False),
+        ("other.20261207T064401Z", False),
+        ("train.2026120٣T064401Z", True),  # \d was any decimal digit; so is isdecimal()
+    ],
+)
+def test_a_version_name_is_the_base_a_dot_and_a_utc_stamp(name, version):
+    assert pve_ct_venv.is_version_name(name, "train") is version

@@ -25,15 +25,12 @@ import os
 import pwd
 import re
 import stat
-import subprocess
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs, pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs, pve_ct_lean, pve_ct_venv
 
-SHARED = (pve_ct_fs, pve_ct_venv)  # container-side modules Target.run_probes ships with this part
+SHARED = (pve_ct_fs, pve_ct_lean, pve_ct_venv)  # container-side modules Target.run_probes ships with this part
 # torch/version.py assigns plain literals (`cuda: Optional[str] = '12.8'`); an annotation may sit before `=`.
-_ASSIGNMENT = re.compile(r"^(\w+)\s*(?::[^=\n]*)?=\s*(.+?)\s*$", re.MULTILINE)
-_STRING = re.compile(r"""^(?:'([^'\\]*)'|"([^"\\]*)")$""")
 TORCH_VERSION_KEYS = {"__version__": "version", "cuda": "cuda", "git_version": "git_version", "hip": "hip"}
 _LIB_PYTHON = re.compile(r"^python(\d+\.\d+)$")
 _PYTHON_MINOR = re.compile(r"^(\d+)\.(\d+)")
@@ -52,21 +49,10 @@ def _read(path):
         return None
 
 
-def _literal(text):
-    match = _STRING.match(text)
-    if match:
-        return match.group(1) if match.group(1) is not None else match.group(2)
-    return {"None": None, "True": True, "False": False}.get(text, text)
-
-
 def parse_torch_version_py(text):
     """``__version__ = '2.11.0+cu128'\\ncuda: Optional[str] = '12.8'`` -> ``{"version": "2.11.0+cu128",
     "cuda": "12.8", "git_version": None, "hip": None}`` (the same reading as the training venv's probe)."""
-    found = dict.fromkeys(TORCH_VERSION_KEYS.values())
-    for name, value in _ASSIGNMENT.findall(text):
-        if name in TORCH_VERSION_KEYS:
-            found[TORCH_VERSION_KEYS[name]] = _literal(value)
-    return found
+    return pve_ct_venv.read_version_py(text, TORCH_VERSION_KEYS)
 
 
 def _site_packages(path):
@@ -413,14 +399,9 @@ def read_warmup(warmup, user):
 
 
 def run_nvidia_smi(argv, timeout):
-    env = dict(os.environ, LC_ALL="C", LANG="C")
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-    except FileNotFoundError:
-        return {"rc": 127, "stdout": "", "stderr": f"{argv[0]}: command not found", "missing": True}
-    except subprocess.TimeoutExpired:
-        return {"rc": 124, "stdout": "", "stderr": f"{argv[0]} timed out after {timeout} s", "timed_out": True}
-    return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+    """The GPU names' query in the C locale (pve_ct_lean.run: a hung nvidia-smi is killed with its group, never
+    waited for without a deadline)."""
+    return pve_ct_lean.run(argv, timeout, env=dict(os.environ, LC_ALL="C", LANG="C"))
 
 
 def probe(payload):

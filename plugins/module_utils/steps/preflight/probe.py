@@ -3,19 +3,21 @@
 """Preflight probe: everything preflight needs from inside a target, gathered in ONE run.
 
 In a CT this file's source is fed to the CT's python3 on stdin by ``Target.run_probe`` (one ``pct exec``);
-on a bare host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, no
-imports from ansible, and the answer is plain JSON. It only reads; the module decides what is wrong.
+on a bare host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of
+ours but pve_ct_lean (shipped with it: ``subprocess`` and ``glob`` without their imports, which every CT would pay
+on every run), and the answer is plain JSON. It only reads; the module decides what is wrong.
 """
-# Runs in the target from its source (standard library only), where no AnsibleModule.run_command exists.
+# Runs in the target from its source (standard library and pve_ct_lean only), where no AnsibleModule.run_command
+# exists.
 # pylint: disable=ansible-bad-function
 
-import contextlib
-import glob
 import os
-import signal
 import stat
-import subprocess
 import sys
+
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_lean
+
+SHARED = (pve_ct_lean,)  # container-side modules Target.run_probes ships with this part
 
 
 def _device(path):
@@ -54,43 +56,10 @@ def _space(path):
     }
 
 
-# Seconds a killed command may take to exit before it is left behind (a process in state D never exits).
-REAP_GRACE = 2
-
-
 def _run(argv, timeout):
-    """Run ``argv`` within ``timeout`` s; past it, kill its whole process group and wait REAP_GRACE s at most.
-
-    Not subprocess.run: after killing the child it waits without a deadline, and an nvidia-smi stuck in the
-    driver (a GPU fallen off the bus) survives SIGKILL: on a bare host that wait would hang the run.
-    """
-    env = dict(os.environ, LC_ALL="C", LANG="C")
-    try:
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,  # its own group: what it starts is killed with it
-        )
-    except FileNotFoundError:
-        return {"rc": 127, "stdout": "", "stderr": f"{argv[0]}: command not found", "missing": True}
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):  # gone already
-            os.killpg(process.pid, signal.SIGKILL)
-        said = f"{argv[0]} timed out after {timeout} s"
-        try:
-            process.communicate(timeout=REAP_GRACE)
-        except subprocess.TimeoutExpired:
-            # Left behind (Popen reaps it later if it ever exits); named so the report says why.
-            said += f" and did not exit after SIGKILL within {REAP_GRACE} s (stuck in the kernel or the driver)"
-            return {"rc": 124, "stdout": "", "stderr": said, "timed_out": True, "abandoned": True}
-        return {"rc": 124, "stdout": "", "stderr": said, "timed_out": True}
-    return {"rc": process.returncode, "stdout": out, "stderr": err}
+    """``argv`` run in the C locale within ``timeout`` s (pve_ct_lean.run: a hung nvidia-smi is killed with its
+    process group and left behind if it will not die)."""
+    return pve_ct_lean.run(argv, timeout, env=dict(os.environ, LC_ALL="C", LANG="C"))
 
 
 def _nvidia_smi(payload):
@@ -107,13 +76,13 @@ def probe(payload):
     """Answer ``payload`` (device globs, version file, library globs, nvidia-smi argv, space path) as a dict."""
     devices = []
     for pattern in payload["device_globs"]:
-        for path in sorted(glob.glob(pattern)):
+        for path in sorted(pve_ct_lean.glob(pattern)):
             found = _device(path)
             if found:
                 devices.append(found)
     libraries = []
     for pattern in payload["library_globs"]:
-        libraries.extend(sorted(glob.glob(pattern)))
+        libraries.extend(sorted(pve_ct_lean.glob(pattern)))
     return {
         # What socket.gethostname() and platform.python_version() say, without importing either in every CT.
         "hostname": os.uname().nodename,

@@ -8,7 +8,7 @@ imports from ansible, and the answer is plain JSON.
 
 It never runs the venv's python and never imports torch (``import torch`` takes seconds on a real node): it
 reads ``pyvenv.cfg``, the header of each distribution's METADATA (PKG-INFO for an .egg-info), each one's RECORD
-(top_level.txt for an .egg-info) and ``torch/version.py``, which it parses with regular expressions (never exec:
+(top_level.txt for an .egg-info) and ``torch/version.py``, which it reads line by line (pve_ct_venv; never exec:
 the venv is untrusted input). It only reads; the module decides what is wrong.
 
 What the venv imports is more than its distributions: every ``.pth`` file in site-packages runs at start-up, and so
@@ -34,8 +34,6 @@ SHARED = (pve_ct_venv, pve_ct_git)  # container-side modules Target.run_probes s
 
 # torch/version.py assigns plain literals (`cuda: Optional[str] = '12.8'`, `debug = False`); an annotation may
 # sit between the name and the `=`.
-_ASSIGNMENT = re.compile(r"^(\w+)\s*(?::[^=\n]*)?=\s*(.+?)\s*$", re.MULTILINE)
-_STRING = re.compile(r"""^(?:'([^'\\]*)'|"([^"\\]*)")$""")
 TORCH_VERSION_KEYS = {"__version__": "version", "cuda": "cuda", "git_version": "git_version"}
 TORCH_VERSION_KEYS.update({"hip": "hip", "rocm": "rocm", "xpu": "xpu", "debug": "debug"})
 _PYTHON_MINOR = re.compile(r"^(\d+)\.(\d+)")
@@ -47,7 +45,6 @@ START_UP_MODULES = ("sitecustomize", "usercustomize")
 # Records and bytecode: __pycache__ is read only for a source beside it, never by itself (PEP 3147).
 _NOT_ENTRIES = re.compile(r"(?:\.dist-info|\.egg-info|^__pycache__)$")
 MARKER = ".pve-gpu-recover-building"  # in a version the build has not finished (venv_script)
-_STAMP = r"\d{8}T\d{6}Z"
 HOOK_TEXT = 200  # characters of an unowned .pth file the answer carries (the module recognizes a venv creator's)
 
 
@@ -168,22 +165,10 @@ def _distribution(site_packages, entry):
     }, None
 
 
-def _literal(text):
-    """A version.py value: a quoted string, None, True or False; anything else is kept as its source text."""
-    match = _STRING.match(text)
-    if match:
-        return match.group(1) if match.group(1) is not None else match.group(2)
-    return {"None": None, "True": True, "False": False}.get(text, text)
-
-
 def parse_torch_version_py(text):
     """``__version__ = '2.11.0+cu130'\\ncuda: Optional[str] = '13.0'`` -> ``{"version": "2.11.0+cu130",
     "cuda": "13.0", "git_version": None, "hip": None, "rocm": None, "xpu": None, "debug": None}``."""
-    found = dict.fromkeys(TORCH_VERSION_KEYS.values())
-    for name, value in _ASSIGNMENT.findall(text):
-        if name in TORCH_VERSION_KEYS:
-            found[TORCH_VERSION_KEYS[name]] = _literal(value)
-    return found
+    return pve_ct_venv.read_version_py(text, TORCH_VERSION_KEYS)
 
 
 def _site_packages(path, python):
@@ -203,9 +188,8 @@ def finished_versions(path):
     """The finished versions beside ``path`` that the build made: ``<path>.<UTC stamp>`` real directories without
     the build's marker, sorted (oldest first); what retention may remove."""
     parent, base = os.path.split(path.rstrip("/"))
-    pattern = re.compile(rf"^{re.escape(base)}\.{_STAMP}$")
     try:
-        names = sorted(name for name in os.listdir(parent or "/") if pattern.match(name))
+        names = sorted(name for name in os.listdir(parent or "/") if pve_ct_venv.is_version_name(name, base))
     except OSError:
         return []
     found = []

@@ -4,7 +4,7 @@
 
 * ``probe(payload)``, the fact pass's part: the CT's python3 runs it (its source on stdin, next to the other
   steps' parts, one ``pct exec``); on a bare host it runs in the module's own process. It reads the venv's
-  ``torch/version.py`` AS TEXT (regular expressions, never exec: the venv is untrusted input), which is what
+  ``torch/version.py`` AS TEXT (``pve_ct_venv.assignments``, never exec: the venv is untrusted input), which is what
   ``torch.__version__`` and ``torch.version.cuda`` will say, without the seconds ``import torch`` costs.
 * run as a script by the venv's OWN python (``<venv>/bin/python -I -B -`` with this source on stdin: no bytecode
   is written, so a verify leaves the venv's files as they were; the verify module does it, through Target, with
@@ -17,13 +17,9 @@
 It only reads; the module decides what is wrong.
 """
 
-import glob
-import json
 import os
-import re
 import sys
 import time
-import warnings
 
 try:  # shipped with this part in the fact pass (SHARED); the venv's own python running torch_facts() lacks it
     from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_venv
@@ -32,10 +28,7 @@ except ImportError:
 
 SHARED = (pve_ct_venv,) if pve_ct_venv else ()  # container-side modules Target.run_probes ships with this part
 
-_ASSIGNMENT = re.compile(r"^(\w+)\s*(?::[^=\n]*)?=\s*(.+?)\s*$", re.MULTILINE)
-_STRING = re.compile(r"""^(?:'([^'\\]*)'|"([^"\\]*)")$""")
 TORCH_VERSION_KEYS = {"__version__": "version", "cuda": "cuda", "git_version": "git_version"}
-_PYTHON_MINOR = re.compile(r"^(\d+)\.(\d+)")
 DEVICE_GLOB = "/dev/nvidia[0-9]*"
 TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton")
 SHORT = 300  # characters kept of an error or warning
@@ -54,13 +47,10 @@ def _read(path):
 
 def parse_torch_version_py(text):
     """``__version__ = '2.11.0+cu130'\\ncuda: Optional[str] = '13.0'`` -> ``{"version": "2.11.0+cu130", "cuda":
-    "13.0", "git_version": None}``; a value that is not a plain string literal or None is None."""
-    found = dict.fromkeys(TORCH_VERSION_KEYS.values())
-    for name, value in _ASSIGNMENT.findall(text):
-        if name in TORCH_VERSION_KEYS:
-            literal = _STRING.match(value)
-            found[TORCH_VERSION_KEYS[name]] = (literal.group(1) or literal.group(2)) if literal else None
-    return found
+    "13.0", "git_version": None}``; a value that is not a plain, non-empty string literal is None."""
+    return pve_ct_venv.read_version_py(
+        text, TORCH_VERSION_KEYS, lambda source: pve_ct_venv.string_literal(source) or None
+    )
 
 
 def _minor(config_text):
@@ -68,15 +58,27 @@ def _minor(config_text):
     for line in (config_text or "").splitlines():
         key, sep, value = line.partition("=")
         if sep and key.strip().lower() in ("version", "version_info"):
-            match = _PYTHON_MINOR.match(value.strip())
-            if match:
-                return f"{match.group(1)}.{match.group(2)}"
+            major, dot, rest = value.strip().partition(".")
+            digits = len(rest) - len(rest.lstrip("0123456789"))
+            if major.isdecimal() and major.isascii() and dot and digits:
+                return f"{major}.{rest[:digits]}"
     return None
 
 
 def site_packages(venv):
     """The venv's site-packages: the one of the minor its pyvenv.cfg names, else its only one, else None."""
-    found = sorted(glob.glob(os.path.join(glob.escape(venv), "lib", "python3.*", "site-packages")))
+    lib = os.path.join(venv, "lib")
+    try:
+        names = os.listdir(lib)
+    except OSError:
+        names = []
+    found = sorted(
+        os.path.join(lib, name, "site-packages")
+        for name in names
+        if name.startswith("python3.")
+        and os.path.isdir(os.path.join(lib, name))
+        and os.path.lexists(os.path.join(lib, name, "site-packages"))
+    )
     minor = _minor(_read(os.path.join(venv, "pyvenv.cfg")))
     named = [path for path in found if minor and os.path.basename(os.path.dirname(path)) == f"python{minor}"]
     if named:
@@ -122,7 +124,7 @@ def short(text):
 def _distribution_version(names):
     """The version of the first of ``names`` that is installed (its metadata only: nothing is imported)."""
     # Imported here, in the venv's own python: importlib.metadata pulls in email, zipfile and csv, which the fact
-    # pass would otherwise pay for in every CT on every run without using them.
+    # pass would otherwise pay for in every CT on every run without using them (so are glob, json and warnings).
     from importlib import metadata  # noqa: PLC0415 (see above)
 
     for name in names:
@@ -142,6 +144,9 @@ def torch_facts():
     The first eight keys are those of tests/fixtures/h200/torch_facts.json (a real H200 capture). Nothing here
     raises: what fails is recorded as ``error`` (its phase says whether torch could be imported at all).
     """
+    import glob  # noqa: PLC0415 (see _distribution_version)
+    import warnings  # noqa: PLC0415 (see _distribution_version)
+
     started = time.monotonic()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     answer = {
@@ -199,6 +204,8 @@ def main():
         sys.stdout.flush()
         os.dup2(real_stdout, 1)
         os.close(real_stdout)
+    import json  # noqa: PLC0415 (see _distribution_version)
+
     # On a line of its own: the venv's site (a package's .pth file) may have printed before this program ran.
     sys.stdout.write("\n" + json.dumps(answer))
     sys.stdout.flush()

@@ -1,0 +1,66 @@
+#!/bin/bash
+# 2.4.1's hardware run (docs/hardware.md): the fact pass's probe program, which no longer imports json, subprocess,
+# glob or re in the CT, against a real GPU machine's nvidia-smi, device nodes and NVML libraries; what each piece of
+# a CT's read costs there (bench/per_ct_cost.py: the real nvidia-smi's CPU); then converged recover.yml runs in bare
+# mode, where the same probe parts run in the module's threads.
+#   OUT=/some/dir bench/hardware_probe.sh        # with .whl/ (ansible-core and its needs, cp312) carried along
+# Changes nothing on the machine: the real runs happen only when --check found nothing to change.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+. bench/hardware_env.sh
+RECOVER=(ansible-playbook -i inventory/localhost recover.yml -e preflight_min_free_gib=1
+         -e "preflight_expected_gpu_count=$(nvidia-smi -L | wc -l)"
+         -e "verify_gpu_name='$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)'")  # H100 or H200
+recover() {  # recover [--check --diff]: one run; its exit code, wall time, changed count and tasks
+    local start end rc
+    start=$(date +%s.%N)
+    "${RECOVER[@]}" "$@" > "$OUT/run.txt" 2>&1
+    rc=$?
+    end=$(date +%s.%N)
+    echo "== recover.yml ${*:-(real)}: exit $rc, wall $(python3 -c "print(round($end - $start, 2))") s," \
+        "$(grep -o 'changed=[0-9]*' "$OUT/run.txt" | head -1), tasks $(grep -c '^TASK' "$OUT/run.txt")"
+    return $rc
+}
+{
+    date -u; uname -r; nvidia-smi -L; python3 -V; ansible-playbook --version | head -1
+    python3 bench/per_ct_cost.py --runs 30 --venv "$(python3 -c 'import sys; print(sys.prefix)')" \
+        --out "$OUT/per_ct_cost.json"
+    # pve_ct_lean against the standard library on the real device nodes, libraries and nvidia-smi, and what the
+    # probe program imports and answers here.
+    python3 - "$OUT/probe_answer.json" <<'PY'
+import glob, json, os, subprocess, sys
+sys.path.insert(0, "tests")
+import conftest  # noqa: F401  (the collection importable)
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_lean, pve_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts as verify
+payload = preflight.probe_payload(dict(preflight.SPEC_DEFAULTS))
+for pattern in (*payload["device_globs"], *payload["library_globs"]):
+    mine, theirs = sorted(pve_ct_lean.glob(pattern)), sorted(glob.glob(pattern))
+    print(f"== glob {pattern}: {'same' if mine == theirs else 'DIFFERENT'} {mine}" + ("" if mine == theirs else f" != {theirs}"))
+env = dict(os.environ, LC_ALL="C", LANG="C")
+lean = pve_ct_lean.run(payload["nvidia_smi_argv"], 60, env=env)
+real = subprocess.run(payload["nvidia_smi_argv"], capture_output=True, text=True, env=env, check=False)
+same = (lean["rc"], lean["stdout"].splitlines()[:1], lean["stderr"]) == (real.returncode, real.stdout.splitlines()[:1], real.stderr)
+print(f"== nvidia-smi through pve_ct_lean.run: {'same' if same else 'DIFFERENT'} exit {lean['rc']}, {lean['stdout'].count(chr(10))} lines")
+parts = {"preflight": (preflight.PROBE, payload), "verify": (verify.PROBE, verify.probe_payload({"venv": sys.prefix}))}
+program = pve_target.PROBES_MAIN + "\nsys.stderr.write(' '.join(sorted(sys.modules)))\n"
+done = subprocess.run([*pve_target.probes_argv("python3")[:-1], program], input=pve_target.probes_input(parts),
+                      capture_output=True, text=True, check=True)
+heavy = sorted(set(done.stderr.split()) & {"re", "enum", "json", "subprocess", "glob", "fnmatch", "signal", "locale"})
+print(f"== the probe program imported of re, enum, json, subprocess, glob, fnmatch, signal, locale: {heavy}")
+json.dump(json.loads(done.stdout), open(sys.argv[1], "w"), indent=1)
+PY
+    echo "== checks: exit $?"
+    # A real run only where --check found nothing to change: this script must change nothing on the machine.
+    if recover --check --diff && grep -q 'changed=0' "$OUT/run.txt"; then
+        for _ in 1 2 3; do recover; recover --check --diff; done
+    else
+        echo "== not converged: no real run"
+        cat "$OUT/run.txt"
+    fi
+    tail -4 "$OUT/run.txt"
+} > "$OUT/runs.log" 2>&1
+rm -f "$OUT/run.txt"
+rm -rf "$OUT/reports"
+echo done
