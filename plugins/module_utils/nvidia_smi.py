@@ -372,11 +372,20 @@ def parse_library_version(filename):
     return match.group(1) if match and match.group(1).count(".") >= 1 else None
 
 
-def classify_failure(rc, stdout, stderr):
+def classify_failure(rc, stdout, stderr, truncated=False):
     """NvidiaSmiError for a failed nvidia-smi run, or None when the output can be used (rc 0, or 14 = warning).
 
     The version-mismatch message is recognised whatever the exit code, since it is the one users search for.
+    ``truncated``: the target's runner kept only the first bytes of what it printed (pve_ct_lean.OUTPUT_CAP): its
+    output is untrusted and not read.
     """
+    if truncated:
+        return NvidiaSmiError(
+            "nvidia-smi printed more than 4 MiB (a few KB per GPU expected): its output was cut and is not read; "
+            "check what runs as nvidia-smi in the target",
+            kind="probe",
+            rc=rc,
+        )
     text = f"{stdout}\n{stderr}"
     if "Driver/library version mismatch" in text:
         library = re.search(r"NVML library version: (\S+)", text)

@@ -24,6 +24,9 @@ import time
 
 # Seconds a killed command may take to exit before it is left behind (a process in state D never exits).
 REAP_GRACE = 2
+# Bytes of each stream kept (what the CT's commands print is untrusted: a few KB for nvidia-smi); the rest is read
+# and dropped, so a command that prints without end costs the CT's python no memory.
+OUTPUT_CAP = 4 * 1024 * 1024
 _CHUNK = 65536
 
 
@@ -94,9 +97,12 @@ def _spawn(argv, env):
     return pid, out_read, err_read
 
 
-def _read_all(fds, deadline):
-    """``{fd: bytes}`` read from ``fds`` until each is at its end, and whether that came before ``deadline``."""
+def _read_all(fds, deadline, cap):
+    """``{fd: bytes}`` read from ``fds`` until each is at its end (the first ``cap`` bytes of each kept), whether that
+    came before ``deadline``, and whether any was cut."""
     output = {fd: [] for fd in fds}
+    kept = dict.fromkeys(fds, 0)
+    cut = False
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
@@ -108,11 +114,15 @@ def _read_all(fds, deadline):
         for fd, _events in poller.poll(left * 1000):
             data = os.read(fd, _CHUNK)
             if data:
-                output[fd].append(data)
+                room = cap - kept[fd]
+                cut = cut or len(data) > room
+                if room > 0:
+                    output[fd].append(data[:room])
+                    kept[fd] += min(room, len(data))
             else:
                 poller.unregister(fd)
                 reading.discard(fd)
-    return {fd: b"".join(chunks) for fd, chunks in output.items()}, not reading
+    return {fd: b"".join(chunks) for fd, chunks in output.items()}, not reading, cut
 
 
 def _kill_group(pid):
@@ -123,14 +133,15 @@ def _kill_group(pid):
     return True
 
 
-def run(argv, timeout, env=None, grace=REAP_GRACE):
+def run(argv, timeout, env=None, grace=REAP_GRACE, cap=OUTPUT_CAP):
     """Run ``argv`` with no stdin, its output captured, within ``timeout`` seconds.
 
     ``{"rc", "stdout", "stderr"}``; a command that is not found: ``rc`` 127 and ``"missing": True``; past
     ``timeout``: its process group (it is started in a session of its own, so what it starts dies with it) gets
     SIGKILL, ``rc`` 124 and ``"timed_out": True``, plus ``"abandoned": True`` when it has not exited ``grace``
     seconds later (stuck in the kernel or the driver: it is left behind instead of hanging the run). ``env``: the
-    environment (this process's when None). Started with ``posix_spawn`` (a vfork on Linux: safe in the module's
+    environment (this process's when None). Each stream keeps its first ``cap`` bytes (``"truncated": True`` when
+    more came). Started with ``posix_spawn`` (a vfork on Linux: safe in the module's
     threads on a bare host).
     """
     started = _spawn(argv, env)
@@ -139,13 +150,14 @@ def run(argv, timeout, env=None, grace=REAP_GRACE):
     pid, out_read, err_read = started
     deadline = time.monotonic() + timeout
     try:
-        output, ended = _read_all((out_read, err_read), deadline)
+        output, ended, cut = _read_all((out_read, err_read), deadline, cap)
     finally:
         os.close(out_read)
         os.close(err_read)
     rc = _wait(pid, deadline) if ended else None
     if rc is not None:
-        return {"rc": rc, "stdout": _text(output[out_read]), "stderr": _text(output[err_read])}
+        done = {"rc": rc, "stdout": _text(output[out_read]), "stderr": _text(output[err_read])}
+        return dict(done, truncated=True) if cut else done
     _kill_group(pid)
     said = f"{argv[0]} timed out after {timeout} s"
     if _wait(pid, time.monotonic() + grace) is None:

@@ -104,3 +104,12 @@ def test_in_the_fact_pass_a_forged_answer_is_the_steps_problem():
     facts = pve_steps.evaluate_steps(specs, None, answers, ctx)["compile_cache"]
     assert facts["pending"] is False
     assert "not in the expected shape: root /tmp/a: walk size_bytes is '12abc', not a count" in facts["problems"][0]
+
+
+def test_gpu_names_cut_at_the_runners_cap_are_a_problem_not_a_list():
+    """pve_ct_lean.run keeps the first 4 MiB of what the target's nvidia-smi prints: a cut answer is not read."""
+    smi = {"rc": 0, "stdout": "name\nNVIDIA H200\nNVIDIA H200\n", "stderr": "", "truncated": True}
+    names, problem = cache_fingerprint.gpu_names_read({"gpus": smi})
+    assert names == []
+    assert "nvidia-smi printed more than 4 MiB" in problem and "output was cut and is not read" in problem
+    assert cache_fingerprint.gpu_names_read({"gpus": dict(smi, truncated=False)}) == (["NVIDIA H200"] * 2, None)

@@ -111,6 +111,14 @@ def test_the_command_starts_in_a_session_of_its_own_with_default_sigpipe():
     assert ignored & (1 << (25 - 1)) == 0, "SIGXFSZ ignored in the child"
 
 
+def test_each_stream_keeps_its_first_cap_bytes_of_a_command_that_prints_without_end():
+    done = pve_ct_lean.run(["sh", "-c", "yes out | head -c 300000; yes err | head -c 5 >&2"], 30, cap=1000)
+    assert (done["stdout"], done["stderr"], done["rc"], done["truncated"]) == ("out\n" * 250, "err\ne", 0, True)
+    assert "truncated" not in pve_ct_lean.run(["sh", "-c", "printf 12345"], 30, cap=5)
+    endless = pve_ct_lean.run(["yes"], 0.5, cap=1000)  # a deadline still ends it; nothing kept past the cap
+    assert (endless["rc"], endless.get("timed_out")) == (124, True)
+
+
 def test_the_preflight_probe_runs_nvidia_smi_in_the_c_locale(monkeypatch):
     monkeypatch.setenv("LANG", "de_DE.UTF-8")
     done = preflight_probe._run(["sh", "-c", 'echo "$LC_ALL $LANG"'], 10)

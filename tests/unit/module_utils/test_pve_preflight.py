@@ -52,6 +52,16 @@ def test_a_probe_answer_missing_a_part_is_a_clear_error(key):
         preflight_facts.parse_probe(answer)
 
 
+def test_an_nvidia_smi_answer_cut_at_the_cap_is_named_not_parsed():
+    """What prints more than pve_ct_lean's cap is untrusted: its first rows may parse, but it is not read."""
+    smi = dict(ANCHORS["healthy"]["nvidia_smi"], truncated=True)
+    facts = preflight_facts.evaluate_step(
+        SPEC, dict(ANCHORS["healthy"], nvidia_smi=smi), {"driver_version": "580.159.04"}, CONTEXT
+    )
+    assert facts["gpus"] == []
+    assert any("nvidia-smi printed more than 4 MiB" in p and "output was cut" in p for p in facts["problems"])
+
+
 def test_the_node_part_reads_the_node_kernel_module(tmp_path: Path):
     version = tmp_path / "version"
     version.write_text((ROOT / "tests/fixtures/h200/proc_driver_nvidia_version.txt").read_text())

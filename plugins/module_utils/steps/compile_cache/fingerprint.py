@@ -101,7 +101,9 @@ def gpu_names_read(answer):
     smi = answer.get("gpus")
     if not isinstance(smi, dict) or smi.get("missing"):
         return [], None
-    failure = classify_failure(smi.get("rc"), smi.get("stdout") or "", smi.get("stderr") or "")
+    failure = classify_failure(
+        smi.get("rc"), smi.get("stdout") or "", smi.get("stderr") or "", truncated=bool(smi.get("truncated"))
+    )
     if failure is None:
         try:
             return [g["name"] for g in parse_gpus(smi.get("stdout") or "", GPU_NAME_FIELDS)], None

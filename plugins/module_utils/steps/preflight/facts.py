@@ -103,7 +103,9 @@ def parse_probe(answer):
     if smi.get("missing"):
         failure = NvidiaSmiError("nvidia-smi is not installed", kind="missing")
     else:
-        failure = classify_failure(smi.get("rc"), smi.get("stdout") or "", smi.get("stderr") or "")
+        failure = classify_failure(
+            smi.get("rc"), smi.get("stdout") or "", smi.get("stderr") or "", truncated=bool(smi.get("truncated"))
+        )
         if failure is None:
             fields = BASIC_GPU_FIELDS if smi.get("fallback") else GPU_FIELDS
             try:
