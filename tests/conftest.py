@@ -21,3 +21,20 @@ def unavailable(reason):
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason} (CI=true: make test must install what this test needs)")
     pytest.skip(reason)
+
+
+def other_python(minor):
+    """An interpreter of Python ``minor`` that runs here (Debian's ``/usr/bin/pythonX.Y``, one on PATH, pyenv's:
+    pyenv's shims exist for versions that are not selected), or None."""
+    import glob  # noqa: PLC0415 (only the tests of old Pythons need these)
+    import shutil  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    pyenv = sorted(glob.glob(str(Path.home() / f".pyenv/versions/{minor}.*/bin/python{minor}")))
+    for candidate in filter(None, (f"/usr/bin/python{minor}", shutil.which(f"python{minor}"), *pyenv)):
+        if (
+            Path(candidate).exists()
+            and subprocess.run([candidate, "-c", "pass"], capture_output=True, check=False).returncode == 0
+        ):
+            return candidate
+    return None

@@ -16,6 +16,8 @@ import sys
 # A METADATA header as the target wrote it is read this far at most (Name and Version are its lines 2 and 3).
 HEADER_LINES = 200
 HEADER_LINE_CHARS = 8192
+# A small file the target wrote (pyvenv.cfg, torch/version.py...) is read this far at most: a few KB in real ones.
+SMALL_FILE_LIMIT = 65536
 VENV_INSIDE = ("bin", "pyvenv.cfg", "lib")  # what the venv's python reads or runs at start-up, with lib/pythonX.Y/...
 
 
@@ -370,6 +372,32 @@ def installed_versions(records, torch_build, pins=None):
     if torch_build and metadata and "+" not in metadata and torch_build.startswith(f"{metadata}+") and not plain_pin:
         versions["torch"] = torch_build
     return versions
+
+
+def read_small_text(path, limit=SMALL_FILE_LIMIT):
+    """The first ``limit`` bytes of a small file the target wrote (``pyvenv.cfg``, ``torch/version.py``,
+    ``top_level.txt``, ``/proc/<pid>/comm``) as text with universal newlines, bytes that are not UTF-8 replaced; None
+    when it cannot be read or is not a regular file. Opened without blocking: a FIFO left in its place never hangs
+    the read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    chunks, left = [], limit
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        while left > 0:
+            data = os.read(fd, min(left, 65536))
+            if not data:
+                break
+            chunks.append(data)
+            left -= len(data)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def metadata_header(path):

@@ -29,7 +29,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_ven
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.lock import VenvError
 
-from tests.conftest import FIXTURES, ROOT, unavailable
+from tests.conftest import FIXTURES, ROOT, other_python, unavailable
 from tests.fakes import run_probes_program
 
 VENV_FIXTURES = FIXTURES / "venv"
@@ -751,18 +751,6 @@ def test_a_torch_wheel_installed_by_uv_is_read_from_its_files(tmp_path, metadata
     assert facts["changes"] == expected
 
 
-def other_python(minor):
-    """An interpreter of ``minor`` that runs (pyenv shims exist for versions that are not selected)."""
-    candidates = [
-        shutil.which(f"python{minor}"),
-        *sorted(glob.glob(str(Path.home() / f".pyenv/versions/{minor}.*/bin/python{minor}"))),
-    ]
-    for candidate in filter(None, candidates):
-        if subprocess.run([candidate, "-c", "pass"], capture_output=True, check=False).returncode == 0:
-            return candidate
-    return None
-
-
 @pytest.mark.parametrize("minor", ["3.9", "3.10"])
 def test_the_probe_runs_as_the_fact_pass_ships_it_on_old_pythons(tmp_path, minor):
     python = other_python(minor)
@@ -1102,3 +1090,36 @@ def test_every_probe_reads_a_real_torch_version_py_the_same_way():
 )
 def test_a_version_name_is_the_base_a_dot_and_a_utc_stamp(name, version):
     assert pve_ct_venv.is_version_name(name, "train") is version
+
+
+# -- small files the target wrote, read bounded (pyvenv.cfg, torch/version.py, top_level.txt) ------------------
+def test_a_small_file_is_read_as_open_read_it_with_universal_newlines(tmp_path):
+    path = tmp_path / "pyvenv.cfg"
+    path.write_bytes(b"home = /usr/bin\r\nversion = 3.11.2\rinclude-system-site-packages = false\n\xff\n")
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        assert pve_ct_venv.read_small_text(path) == handle.read()
+    assert pve_ct_venv.read_small_text(tmp_path / "missing") is None
+    assert pve_ct_venv.read_small_text(tmp_path) is None  # a directory
+
+
+def test_a_large_file_is_read_up_to_the_limit_only(tmp_path):
+    path = tmp_path / "version.py"
+    path.write_text("__version__ = '2.11.0+cu128'\n" + "#" * 10_000_000)
+    text = pve_ct_venv.read_small_text(path)
+    assert len(text) == pve_ct_venv.SMALL_FILE_LIMIT
+    assert pve_ct_venv.read_version_py(text, {"__version__": "version"}) == {"version": "2.11.0+cu128"}
+
+
+def test_a_fifo_in_place_of_a_file_is_not_read_and_never_blocks(tmp_path):
+    """A CT user can leave a FIFO where torch/version.py belongs: opening it for reading would wait for a writer."""
+    fifo = tmp_path / "version.py"
+    os.mkfifo(fifo)
+    done = subprocess.run(
+        [sys.executable, "-c", f"import pve_ct_venv; print(pve_ct_venv.read_small_text({str(fifo)!r}))"],
+        cwd=Path(pve_ct_venv.__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert done.stdout == "None\n"

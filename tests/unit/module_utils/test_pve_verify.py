@@ -13,7 +13,6 @@ import inspect
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
@@ -28,7 +27,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify impor
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import torch_checks as verify_torch_checks
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.answers import VerifyError
 
-from tests.conftest import FIXTURES, unavailable
+from tests.conftest import FIXTURES, other_python, unavailable
 from tests.fakes import run_probes_program
 
 LABEL = "CT 200 on pve1"
@@ -685,16 +684,6 @@ def test_version_py_is_read_never_executed():
 def test_a_probe_answer_that_is_not_the_probes_is_a_clear_error(answer, message):
     with pytest.raises(VerifyError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         verify_facts.evaluate_step(KNOWN_GOOD, answer, {}, context())
-
-
-def other_python(minor):
-    for candidate in (
-        f"/usr/bin/python{minor}",
-        *sorted(Path.home().glob(f".pyenv/versions/{minor}.*/bin/python{minor}")),
-    ):
-        if Path(candidate).exists() and subprocess.run([candidate, "-c", "pass"], check=False).returncode == 0:
-            return str(candidate)
-    return None
 
 
 @pytest.mark.parametrize("minor", ["3.9", "3.12"])

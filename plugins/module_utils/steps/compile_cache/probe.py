@@ -41,14 +41,6 @@ STAMP_LIMIT = 65536  # a stamp is a small JSON object; anything larger is not ou
 SHOWN = 20  # links out of a root and mount points named per root (the count says how many in all)
 
 
-def _read(path):
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
-    except OSError:
-        return None
-
-
 def parse_torch_version_py(text):
     """``__version__ = '2.11.0+cu128'\\ncuda: Optional[str] = '12.8'`` -> ``{"version": "2.11.0+cu128",
     "cuda": "12.8", "git_version": None, "hip": None}`` (the same reading as the training venv's probe)."""
@@ -63,7 +55,7 @@ def _site_packages(path):
     except OSError:
         return None
     wanted = None
-    for line in (_read(os.path.join(path, "pyvenv.cfg")) or "").splitlines():
+    for line in (pve_ct_venv.read_small_text(os.path.join(path, "pyvenv.cfg")) or "").splitlines():
         key, sep, value = line.partition("=")
         if sep and key.strip().lower() in ("version", "version_info"):
             match = _PYTHON_MINOR.match(value.strip())
@@ -82,7 +74,7 @@ def read_venv(path):
     if site_packages is None:
         return answer
     answer["site_packages"] = site_packages
-    text = _read(os.path.join(site_packages, "torch", "version.py"))
+    text = pve_ct_venv.read_small_text(os.path.join(site_packages, "torch", "version.py"))
     if text is not None:
         answer["torch_version_py"] = parse_torch_version_py(text)
     try:
@@ -284,7 +276,7 @@ def read_users(reals, deadline, own_pid):
         except OSError:
             continue
         if used:
-            name = (_read(f"/proc/{pid}/comm") or "?").strip()
+            name = (pve_ct_venv.read_small_text(f"/proc/{pid}/comm") or "?").strip()
             for real, how in used.items():
                 users[real].append({"pid": pid, "name": name, "how": sorted(how)})
     return users, unreadable, False

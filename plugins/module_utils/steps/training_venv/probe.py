@@ -48,14 +48,6 @@ MARKER = ".pve-gpu-recover-building"  # in a version the build has not finished 
 HOOK_TEXT = 200  # characters of an unowned .pth file the answer carries (the module recognizes a venv creator's)
 
 
-def _read(path):
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
-    except OSError:
-        return None
-
-
 def _head(path):
     """The first HOOK_TEXT characters of a file, or None when it cannot be read."""
     try:
@@ -125,7 +117,7 @@ def _owned(record, names, site_packages, is_dist_info):
         except OSError:
             return set(), ()
     if not is_dist_info and "top_level.txt" in names:
-        text = _read(os.path.join(record, "top_level.txt")) or ""
+        text = pve_ct_venv.read_small_text(os.path.join(record, "top_level.txt")) or ""
         return set(), tuple(line.strip() for line in text.splitlines() if line.strip())
     return set(), ()
 
@@ -152,7 +144,7 @@ def _distribution(site_packages, entry):
         return None, "its metadata cannot be read"
     if not header.get("name") or not header.get("version"):
         return None, "its metadata has no Name or no Version"
-    installer = _read(os.path.join(record, "INSTALLER")) if "INSTALLER" in names else None
+    installer = pve_ct_venv.read_small_text(os.path.join(record, "INSTALLER")) if "INSTALLER" in names else None
     owns, owns_names = _owned(record, names, site_packages, entry.endswith(".dist-info"))
     owns.add(entry)
     return {
@@ -279,7 +271,7 @@ def probe(payload):
         answer["repo_lock"] = pve_ct_git.read_at_commit(
             source.get("git") or "git", source["repo"], source["commit"], source["path"], deadline=deadline
         )
-    text = _read(os.path.join(path, "pyvenv.cfg"))
+    text = pve_ct_venv.read_small_text(os.path.join(path, "pyvenv.cfg"))
     if text is None:
         return answer
     pyvenv = _pyvenv(text)
@@ -320,7 +312,7 @@ def probe(payload):
         answer["hooks"], answer["unowned"] = start_up_and_unowned(site_packages, listing, answer["distributions"])
     for dist in answer["distributions"]:
         del dist["owns"], dist["owns_names"]
-    torch_version = _read(os.path.join(site_packages, "torch", "version.py"))
+    torch_version = pve_ct_venv.read_small_text(os.path.join(site_packages, "torch", "version.py"))
     if torch_version is not None:
         answer["torch_version_py"] = parse_torch_version_py(torch_version)
     return answer

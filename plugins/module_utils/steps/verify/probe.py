@@ -37,14 +37,6 @@ MAX_DEVICES = 64
 
 
 # -- the fact pass's part: torch/version.py as text ------------------------------------------------------------
-def _read(path):
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read(65536)
-    except OSError:
-        return None
-
-
 def parse_torch_version_py(text):
     """``__version__ = '2.11.0+cu130'\\ncuda: Optional[str] = '13.0'`` -> ``{"version": "2.11.0+cu130", "cuda":
     "13.0", "git_version": None}``; a value that is not a plain, non-empty string literal is None."""
@@ -79,7 +71,7 @@ def site_packages(venv):
         and os.path.isdir(os.path.join(lib, name))
         and os.path.lexists(os.path.join(lib, name, "site-packages"))
     )
-    minor = _minor(_read(os.path.join(venv, "pyvenv.cfg")))
+    minor = _minor(pve_ct_venv.read_small_text(os.path.join(venv, "pyvenv.cfg")))
     named = [path for path in found if minor and os.path.basename(os.path.dirname(path)) == f"python{minor}"]
     if named:
         return named[0]
@@ -108,7 +100,7 @@ def probe(payload):
     if found is None:
         return answer
     answer["site_packages"] = found
-    text = _read(os.path.join(found, "torch", "version.py"))
+    text = pve_ct_venv.read_small_text(os.path.join(found, "torch", "version.py"))
     if text is not None:
         answer["torch_version_py"] = parse_torch_version_py(text)
     return answer
