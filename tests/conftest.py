@@ -25,12 +25,16 @@ def unavailable(reason):
 
 def other_python(minor):
     """An interpreter of Python ``minor`` that runs here (Debian's ``/usr/bin/pythonX.Y``, one on PATH, pyenv's:
-    pyenv's shims exist for versions that are not selected), or None."""
+    pyenv's shims exist for versions that are not selected), or None. pyenv's are looked for in the user's own home,
+    not in $HOME (which tests point at a temporary one)."""
     import glob  # noqa: PLC0415 (only the tests of old Pythons need these)
+    import os  # noqa: PLC0415
+    import pwd  # noqa: PLC0415
     import shutil  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
-    pyenv = sorted(glob.glob(str(Path.home() / f".pyenv/versions/{minor}.*/bin/python{minor}")))
+    home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    pyenv = sorted(glob.glob(str(home / f".pyenv/versions/{minor}.*/bin/python{minor}")))
     for candidate in filter(None, (f"/usr/bin/python{minor}", shutil.which(f"python{minor}"), *pyenv)):
         if (
             Path(candidate).exists()

@@ -4,7 +4,8 @@
 
 The training code's probe part and its reset script both import it (``SHARED``): ``Target.run_probes`` ships its
 source with theirs in the same ``pct exec``, and on a node it is imported as usual. So: standard library only,
-Python 3.9+, nothing of ours imported.
+Python 3.9+, nothing of ours but :mod:`pve_ct_lean` (its own ``SHARED``), whose runner kills a git that outlives
+its deadline with everything it started.
 
 * git never reads a configuration the repository's owner wrote, so nothing they name runs as root (filters,
   textconv, an fsmonitor, hooks, ssh commands, pagers, credential helpers, includes...). git has no switch to skip
@@ -38,9 +39,12 @@ import os
 import re
 import shutil
 import stat
-import subprocess
 import tempfile
 import time
+
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_lean
+
+SHARED = (pve_ct_lean,)  # container-side modules Target.run_probes ships with this module
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What an unfinished operation leaves in the git dir, first match wins (rebase-apply/applying is `git am`).
@@ -130,6 +134,33 @@ def git_argv(git, top, args, config=()):
     """``git -c core.fsmonitor=false -c core.hooksPath=/dev/null ... [-c <config>...] -C <top> <args...>``."""
     fixed = [part for setting in (*FIXED, *config) for part in ("-c", setting)]
     return [git, *fixed, "-C", top, *args]
+
+
+class Unfinished(Exception):
+    """A git read that gave no answer: git could not be started, or it was killed at its deadline."""
+
+
+def read(argv, env, deadline):
+    """``(rc, stdout bytes, stderr text)`` of a git call that only reads (root's, in a :class:`View`'s ``env``),
+    within ``deadline`` (``time.monotonic()``): past it, git and whatever it started are killed (its own session,
+    :func:`pve_ct_lean.run`) and :class:`Unfinished` says so; so it does when git cannot be started. Its output is
+    kept whole: it is the repository's own (a listing of a large tree is MBs)."""
+    shown = " ".join(["git", *argv[argv.index("-C") + 2 :]]) if "-C" in argv else " ".join(argv)
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise Unfinished(f"the time was up before `{shown}`")
+    try:
+        done = pve_ct_lean.run(argv, remaining, env=env, cap=None, text=False)
+    except OSError as error:
+        raise Unfinished(f"cannot run `{argv[0]}`: {error.strerror}") from None
+    if done.get("missing"):
+        raise Unfinished(f"cannot run `{argv[0]}`: it is not there")
+    if done.get("timed_out"):
+        said = f"`{shown}` did not finish in time and was killed with what it started"
+        if done.get("abandoned"):
+            said += "; it did not exit after SIGKILL (stuck in the kernel) and was left behind"
+        raise Unfinished(said)
+    return done["rc"], done["stdout"], done["stderr"].decode(errors="replace")
 
 
 class Untrusted(Exception):
@@ -279,7 +310,7 @@ class View:
     """The repository as git is shown it: the real git dir, a common dir of links whose config is only the
     allowed keys (see the module's docstring). ``env`` is what every git call runs with; ``close()`` removes it."""
 
-    def __init__(self, git, top, git_dir, common, environ=None, *, owner=None):
+    def __init__(self, git, top, git_dir, common, environ=None, *, owner=None, deadline=None):
         self.top = top
         self.git_dir = git_dir
         self.common = common
@@ -294,20 +325,22 @@ class View:
         os.mkdir(self.dir, 0o700)
         os.mkdir(home, 0o700)
         base = git_env(top, environ)
-        # Read the real config with git's parser alone: no repository (GIT_DIR names none), no include followed.
-        done = subprocess.run(
-            [git, "config", "--file", os.path.join(common, "config"), "--list", "--null"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            env=dict(base, HOME=home, GIT_DIR=os.path.join(self.scratch, "none")),
-            cwd=self.scratch,
-            timeout=60,
-            check=False,
-        )
-        if done.returncode != 0 and os.path.exists(os.path.join(common, "config")):
-            said = done.stderr.decode(errors="replace").strip().splitlines()
+        # Read the real config with git's parser alone: no repository (GIT_DIR names none), no include followed;
+        # within the caller's deadline (60 s when it gives none).
+        try:
+            rc, out, err = read(
+                [git, "-C", self.scratch, "config", "--file", os.path.join(common, "config"), "--list", "--null"],
+                dict(base, HOME=home, GIT_DIR=os.path.join(self.scratch, "none")),
+                time.monotonic() + 60 if deadline is None else deadline,
+            )
+        except Unfinished as error:
+            self.close()
+            raise ViewError(f"cannot read {common}/config: {error}") from None
+        if rc != 0 and os.path.exists(os.path.join(common, "config")):
+            self.close()
+            said = err.strip().splitlines()
             raise ViewError(f"cannot read {common}/config: {said[-1] if said else 'no output'}")
-        self.config = parse_config_list(done.stdout)
+        self.config = parse_config_list(out)
         for name in os.listdir(common):
             if name not in NOT_LINKED:
                 os.symlink(os.path.join(common, name), os.path.join(self.dir, name))
@@ -520,29 +553,18 @@ def read_at_commit(git, top, commit, path, *, deadline, limit=BLOB_LIMIT):
     view = None
 
     def run(*args):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise subprocess.TimeoutExpired(args, 0)
-        return subprocess.run(
-            git_argv(executable, real, args),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            env=view.env,
-            cwd="/",
-            timeout=remaining,
-            check=False,
-        )
+        return read(git_argv(executable, real, args), view.env, deadline)
 
     try:
-        view = View(executable, real, git_dir, common)
-        if run("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+        view = View(executable, real, git_dir, common, deadline=deadline)
+        if run("cat-file", "-e", f"{commit}^{{commit}}")[0] != 0:
             return dict(found, missing="commit")
         return dict(found, **_blob_at(run, commit, path, where, limit))
     except UnicodeDecodeError:
         return dict(found, error=f"{where} is not UTF-8 text: it is no lock")
-    except subprocess.TimeoutExpired:
-        return dict(found, error=f"reading {where} did not finish within the probe's time")
-    except (OSError, ValueError, subprocess.SubprocessError, ViewError) as error:
+    except Unfinished as error:
+        return dict(found, error=f"reading {where} did not finish within the probe's time: {error}")
+    except (OSError, ValueError, ViewError) as error:
         return dict(found, error=f"cannot read {where}: {error}")
     finally:
         if view is not None:
@@ -550,11 +572,12 @@ def read_at_commit(git, top, commit, path, *, deadline, limit=BLOB_LIMIT):
 
 
 def _blob_at(run, commit, path, where, limit):
-    """``{"text"}``, ``{"missing": "path"}`` or ``{"error"}`` of ``path`` in ``commit``; ``run(*args)`` runs git."""
-    listed = run("ls-tree", "-z", "--full-tree", commit, "--", path)
-    if listed.returncode != 0:
-        return {"error": f"cannot list {where}: {first_error(listed.stderr.decode(errors='replace'))}"}
-    entry = listed.stdout.decode("utf-8", "surrogateescape").split("\0")[0]
+    """``{"text"}``, ``{"missing": "path"}`` or ``{"error"}`` of ``path`` in ``commit``; ``run(*args)`` runs git
+    (:func:`read`)."""
+    rc, out, err = run("ls-tree", "-z", "--full-tree", commit, "--", path)
+    if rc != 0:
+        return {"error": f"cannot list {where}: {first_error(err)}"}
+    entry = out.decode("utf-8", "surrogateescape").split("\0")[0]
     meta, _, name = entry.partition("\t")
     if not entry or name != path:
         return {"missing": "path"}
@@ -562,10 +585,10 @@ def _blob_at(run, commit, path, where, limit):
     kind, _, blob = rest.partition(" ")
     if kind != "blob" or mode not in ("100644", "100755"):
         return {"error": f"{where} is {_NOT_A_FILE.get(mode, kind)}, not a regular file"}
-    size = run("cat-file", "-s", blob)
-    if size.returncode != 0 or int(size.stdout or b"0") > limit:
+    rc, out, _ = run("cat-file", "-s", blob)
+    if rc != 0 or int(out or b"0") > limit:
         return {"error": f"{where} is larger than {limit} bytes: it is no lock"}
-    data = run("cat-file", "blob", blob)
-    if data.returncode != 0:
-        return {"error": f"cannot read {where}: {first_error(data.stderr.decode(errors='replace'))}"}
-    return {"text": data.stdout.decode("utf-8")}
+    rc, out, err = run("cat-file", "blob", blob)
+    if rc != 0:
+        return {"error": f"cannot read {where}: {first_error(err)}"}
+    return {"text": out.decode("utf-8")}

@@ -114,7 +114,7 @@ def _read_all(fds, deadline, cap):
         for fd, _events in poller.poll(left * 1000):
             data = os.read(fd, _CHUNK)
             if data:
-                room = cap - kept[fd]
+                room = len(data) if cap is None else cap - kept[fd]
                 cut = cut or len(data) > room
                 if room > 0:
                     output[fd].append(data[:room])
@@ -133,7 +133,7 @@ def _kill_group(pid):
     return True
 
 
-def run(argv, timeout, env=None, grace=REAP_GRACE, cap=OUTPUT_CAP):
+def run(argv, timeout, env=None, grace=REAP_GRACE, *, cap=OUTPUT_CAP, text=True):
     """Run ``argv`` with no stdin, its output captured, within ``timeout`` seconds.
 
     ``{"rc", "stdout", "stderr"}``; a command that is not found: ``rc`` 127 and ``"missing": True``; past
@@ -141,12 +141,14 @@ def run(argv, timeout, env=None, grace=REAP_GRACE, cap=OUTPUT_CAP):
     SIGKILL, ``rc`` 124 and ``"timed_out": True``, plus ``"abandoned": True`` when it has not exited ``grace``
     seconds later (stuck in the kernel or the driver: it is left behind instead of hanging the run). ``env``: the
     environment (this process's when None). Each stream keeps its first ``cap`` bytes (``"truncated": True`` when
-    more came). Started with ``posix_spawn`` (a vfork on Linux: safe in the module's
-    threads on a bare host).
+    more came; None: all of it, for output whose size the caller bounds, as git's of a repository). ``text``
+    False: both streams as bytes, as they came. Started with ``posix_spawn`` (a vfork on Linux: safe in the
+    module's threads on a bare host).
     """
+    as_output = _text if text else bytes
     started = _spawn(argv, env)
     if started is None:
-        return {"rc": 127, "stdout": "", "stderr": f"{argv[0]}: command not found", "missing": True}
+        return _said(as_output, 127, f"{argv[0]}: command not found", missing=True)
     pid, out_read, err_read = started
     deadline = time.monotonic() + timeout
     try:
@@ -156,15 +158,20 @@ def run(argv, timeout, env=None, grace=REAP_GRACE, cap=OUTPUT_CAP):
         os.close(err_read)
     rc = _wait(pid, deadline) if ended else None
     if rc is not None:
-        done = {"rc": rc, "stdout": _text(output[out_read]), "stderr": _text(output[err_read])}
+        done = {"rc": rc, "stdout": as_output(output[out_read]), "stderr": as_output(output[err_read])}
         return dict(done, truncated=True) if cut else done
     _kill_group(pid)
-    said = f"{argv[0]} timed out after {timeout} s"
+    said = f"{argv[0]} timed out after {timeout:g} s"
     if _wait(pid, time.monotonic() + grace) is None:
         # Left behind (a zombie until this process exits, if it ever exits); named so the report says why.
-        said += f" and did not exit after SIGKILL within {grace} s (stuck in the kernel or the driver)"
-        return {"rc": 124, "stdout": "", "stderr": said, "timed_out": True, "abandoned": True}
-    return {"rc": 124, "stdout": "", "stderr": said, "timed_out": True}
+        said += f" and did not exit after SIGKILL within {grace:g} s (stuck in the kernel or the driver)"
+        return _said(as_output, 124, said, timed_out=True, abandoned=True)
+    return _said(as_output, 124, said, timed_out=True)
+
+
+def _said(as_output, rc, message, **flags):
+    """The answer of a command that gave none of its own: ``message`` as its stderr, no stdout."""
+    return dict({"rc": rc, "stdout": as_output(b""), "stderr": as_output(message.encode())}, **flags)
 
 
 # -- glob ------------------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cach
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import verdicts as cache_verdicts
 
-from tests.conftest import ROOT, unavailable
+from tests.conftest import ROOT, other_python, unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
 
 STAMP = ".pve-gpu-recover-stamp"
@@ -621,8 +621,8 @@ def test_a_warm_up_that_fills_no_root_is_an_error_not_a_run_that_repeats_forever
 
 
 def test_the_probe_and_script_run_as_shipped_on_python_3_9(host, capsys):
-    python = Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9"
-    if not python.exists():
+    python = other_python("3.9")
+    if python is None:
         unavailable("no python3.9 here")
     host.weeks_of_experiments()
     spec = {name: host.params().get(name, default) for name, default in cache_facts.SPEC_DEFAULTS.items()}

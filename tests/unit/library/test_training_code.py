@@ -12,7 +12,6 @@ import hashlib
 import inspect
 import json
 import os
-import pwd
 import socket
 import stat
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import training_code
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git, pve_ct_lean
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import (
     backups,
     git_runner,
@@ -30,7 +29,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_cod
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
 
-from tests.conftest import unavailable
+from tests.conftest import other_python, unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
 
 PINNED = "4f3c2a1b0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b"
@@ -178,7 +177,7 @@ def test_ct_check_mode_reports_the_reset_and_the_real_run_does_it_in_one_more_pc
     # What travels on stdin: the shared modules once (the reset script's parts among them, each after what it
     # needs), then the reset script's and the reader's sources, run in that order in one process.
     given = json.loads(runner.stdin[1])
-    shared = (pve_ct_act, pve_ct_git, git_runner, nofollow, backups)
+    shared = (pve_ct_act, pve_ct_lean, pve_ct_git, git_runner, nofollow, backups)
     assert given["shared"] == {m.__name__: inspect.getsource(m) for m in shared}
     assert list(given["shared"]) == [m.__name__ for m in shared]
     sources = {"reset": inspect.getsource(script), "training_code": inspect.getsource(code_probe)}
@@ -732,9 +731,7 @@ def test_a_repository_another_user_owns_is_read_as_root_and_reset_as_its_owner(l
 
 
 def test_the_parts_run_as_shipped_on_python_3_9(lab):
-    home = Path(pwd.getpwuid(os.getuid()).pw_dir)  # HOME is the test's own here
-    candidates = [home / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9", Path("/usr/bin/python3.9")]
-    python = next((str(p) for p in candidates if p.exists()), None)
+    python = other_python("3.9")
     if python is None:
         unavailable("no python3.9 here")
     lab.dirty()

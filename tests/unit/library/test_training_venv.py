@@ -29,6 +29,7 @@ import training_venv
 from ansible_collections.pve_gpu.recover.plugins.module_utils import (
     pve_ct_act,
     pve_ct_git,
+    pve_ct_lean,
     pve_ct_progress,
     pve_ct_venv,
     pve_progress,
@@ -41,7 +42,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_ven
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import script
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.lock import VenvError
 
-from tests.conftest import ROOT, unavailable
+from tests.conftest import ROOT, other_python, unavailable
 from tests.fakes import FakeRunner, not_shippable, run_module, run_probes_program
 
 UV = str(ROOT / ".venv" / "bin" / "uv")
@@ -369,7 +370,7 @@ def test_ct_check_mode_reports_the_rebuild_and_the_real_run_does_it_in_one_more_
     # What travels on stdin: the shared modules once each, then the build script's and the reader's sources, run in
     # that order in one process.
     given = json.loads(runner.stdin[1])
-    shared = (pve_ct_act, pve_ct_progress, pve_ct_venv, pve_ct_git)
+    shared = (pve_ct_act, pve_ct_progress, pve_ct_venv, pve_ct_lean, pve_ct_git)
     assert given["shared"] == {m.__name__: inspect.getsource(m) for m in shared}
     sources = {"build": inspect.getsource(script), "training_venv": inspect.getsource(venv_probe)}
     assert given["sources"] == sources
@@ -960,9 +961,8 @@ def test_a_link_planted_at_the_lock_or_freeze_name_is_replaced_never_followed(tm
 
 
 def test_the_script_runs_as_shipped_on_python_3_9(host, capsys):
-    candidates = [Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9", Path("/usr/bin/python3.9")]
-    python = next((str(p) for p in candidates if p.exists()), None)
-    if python is None or subprocess.run([python, "-c", "pass"], check=False).returncode != 0:
+    python = other_python("3.9")
+    if python is None:
         unavailable("no python3.9 here")
     spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python_version": "3.11", "tooling": "ignore"}
     payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[0])

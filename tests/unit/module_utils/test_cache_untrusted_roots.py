@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs
@@ -21,7 +20,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cach
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script
 
-from tests.conftest import unavailable
+from tests.conftest import other_python, unavailable
 from tests.fakes import run_probes_program
 from tests.unit.module_utils.test_pve_cache import CU130, LABEL, SPEC, fake_venv, probe_of, write_stamp
 
@@ -279,8 +278,8 @@ def test_the_users_own_root_is_purged_but_a_directory_of_roots_moved_into_it_is_
 
 
 def test_the_probe_and_script_open_roots_this_way_on_python_3_9(tmp_path):
-    python = Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9"
-    if not python.exists():
+    python = other_python("3.9")
+    if python is None:
         unavailable("no python3.9 here")
     root = stale_cache(tmp_path / "inductor")
     fake_venv(tmp_path / "venv")

@@ -29,7 +29,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cach
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.answer import CacheError
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
 
-from tests.conftest import unavailable
+from tests.conftest import other_python, unavailable
 from tests.fakes import not_shippable, run_probes_program
 
 LABEL = "CT 200 on pve1"
@@ -650,8 +650,8 @@ def test_the_probe_names_a_process_whose_cwd_or_open_file_is_in_a_root(tmp_path)
 
 
 def test_the_probe_runs_as_the_fact_pass_ships_it_on_python_3_9(tmp_path):
-    python = Path.home() / ".pyenv" / "versions" / "3.9.18" / "bin" / "python3.9"
-    if not python.exists():
+    python = other_python("3.9")
+    if python is None:
         unavailable("no python3.9 here")
     fake_venv(tmp_path / "venv")
     root = tmp_path / "inductor"

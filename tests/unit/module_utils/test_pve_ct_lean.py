@@ -119,6 +119,15 @@ def test_each_stream_keeps_its_first_cap_bytes_of_a_command_that_prints_without_
     assert (endless["rc"], endless.get("timed_out")) == (124, True)
 
 
+def test_bytes_as_they_came_when_asked_for_and_its_own_messages_as_bytes_too():
+    done = pve_ct_lean.run(["printf", "a\\r\\n\\377"], 10, text=False)
+    assert done == {"rc": 0, "stdout": b"a\r\n\xff", "stderr": b""}
+    missing = pve_ct_lean.run(["no-such-command-pve-gpu"], 10, text=False)
+    assert (missing["stdout"], missing["stderr"]) == (b"", b"no-such-command-pve-gpu: command not found")
+    late = pve_ct_lean.run(["sleep", "5"], 0.2, text=False)
+    assert (late["rc"], late["stdout"], late["stderr"]) == (124, b"", b"sleep timed out after 0.2 s")
+
+
 def test_the_preflight_probe_runs_nvidia_smi_in_the_c_locale(monkeypatch):
     monkeypatch.setenv("LANG", "de_DE.UTF-8")
     done = preflight_probe._run(["sh", "-c", 'echo "$LC_ALL $LANG"'], 10)

@@ -6,7 +6,8 @@ In a CT this file's source is fed to the CT's python3 on stdin by ``Target.run_p
 bare host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of ours
 but the container-side modules of ``SHARED`` (shipped with it), and the answer is plain JSON.
 
-It runs git (never a shell) with a deadline and only reads: ``status`` runs with ``GIT_OPTIONAL_LOCKS=0``, so not
+It runs git (never a shell) with a deadline (past it, git is killed with whatever it started: :func:`pve_ct_git.read`)
+and only reads: ``status`` runs with ``GIT_OPTIONAL_LOCKS=0``, so not
 even the index's stat cache is rewritten. Every git call goes through :mod:`pve_ct_git`, as the acting script's
 do: a view of the repository whose config is an allowlist of the real one's keys, no system or global config, no
 ``GIT_*`` of the caller, no submodule; nothing of the repository is written.
@@ -16,7 +17,6 @@ do: a view of the repository whose config is an allowlist of the real one's keys
 # pylint: disable=disallowed-name,ansible-bad-function
 
 import os
-import subprocess
 import time
 
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git
@@ -38,25 +38,12 @@ class Git:
         self.env = pve_ct_git.git_env(top)  # until the view is open: `git --version` only
 
     def run(self, *args, env=None):
-        remaining = self.deadline - time.monotonic()
-        shown = "git " + " ".join(args)
-        if remaining <= 0:
-            raise Stop(f"stopped before `{shown}`: the probe's time is up")
         try:
-            done = subprocess.run(
-                pve_ct_git.git_argv(self.git, self.top, args),
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                env=dict(self.env, **(env or {})),
-                cwd="/",
-                timeout=remaining,
-                check=False,
+            return pve_ct_git.read(
+                pve_ct_git.git_argv(self.git, self.top, args), dict(self.env, **(env or {})), self.deadline
             )
-        except subprocess.TimeoutExpired:
-            raise Stop(f"`{shown}` in {self.top} did not finish within the probe's time and was killed") from None
-        except OSError as error:
-            raise Stop(f"cannot run `{self.git}`: {error.strerror}") from None
-        return done.returncode, done.stdout, done.stderr.decode(errors="replace")
+        except pve_ct_git.Unfinished as error:
+            raise Stop(f"{error} (in {self.top}, within the probe's timeout)") from None
 
     def must(self, *args, env=None):
         rc, out, err = self.run(*args, env=env)
@@ -151,8 +138,8 @@ def probe(payload):
             answer["bare"] = pve_ct_git.looks_bare(top)
             return answer
         try:
-            view = pve_ct_git.View(git_path, top, git_dir, common)
-        except (OSError, subprocess.SubprocessError, pve_ct_git.ViewError) as error:
+            view = pve_ct_git.View(git_path, top, git_dir, common, deadline=git.deadline)
+        except (OSError, pve_ct_git.ViewError) as error:
             raise Stop(f"cannot read the repository's config in {common}: {error}") from None
         git.env = view.env
         # The remotes a fetch of a missing commit can name (the view keeps their URLs, nothing else of them).

@@ -70,7 +70,6 @@ directory, or None), "touched" (whether step 5 or later had begun)}``.
 import contextlib
 import os
 import stat
-import subprocess
 import time
 
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git
@@ -148,8 +147,10 @@ class Reset(backups.Backup):
         if git_dir is None:
             raise pve_ct_act.ActError("no_repository", f"{self.path} is not a git work tree (no .git)")
         try:
-            self.view = pve_ct_git.View(git, self.top, git_dir, common, owner=(info.st_uid, info.st_gid))
-        except (OSError, subprocess.SubprocessError, pve_ct_git.ViewError) as error:
+            self.view = pve_ct_git.View(
+                git, self.top, git_dir, common, owner=(info.st_uid, info.st_gid), deadline=self.deadline
+            )
+        except (OSError, pve_ct_git.ViewError) as error:
             raise pve_ct_act.ActError(
                 "no_repository", f"cannot read the repository's config in {common}: {error}"
             ) from None
