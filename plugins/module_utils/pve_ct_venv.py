@@ -374,6 +374,53 @@ def installed_versions(records, torch_build, pins=None):
     return versions
 
 
+def minor_of(version):
+    """``3.11.2``, ``3.11.2.final.0`` or ``3.11`` -> ``3.11``; anything else -> None."""
+    major, dot, rest = (version or "").strip().partition(".")
+    digits = len(rest) - len(rest.lstrip("0123456789"))
+    if major.isdecimal() and major.isascii() and dot and digits:
+        return f"{major}.{rest[:digits]}"
+    return None
+
+
+def config_minor(config):
+    """The python minor of a venv's ``pyvenv.cfg`` (``{key: value}``, keys lower case, as :func:`read_config`
+    reads it): its ``version`` (uv, virtualenv) or ``version_info`` (venv), else None."""
+    return minor_of(config.get("version") or config.get("version_info"))
+
+
+def read_config(text):
+    """``pyvenv.cfg`` as a dict: ``home = /usr/bin`` -> ``{"home": "/usr/bin"}`` (keys lower-cased; a later line
+    wins, as Python's own reading of the file)."""
+    config = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and not key.lstrip().startswith("#"):
+            config[key.strip().lower()] = value.strip()
+    return config
+
+
+def lib_minors(venv):
+    """The ``X.Y`` of each ``lib/pythonX.Y`` entry of ``venv``, sorted; [] when there is no ``lib`` to list."""
+    try:
+        names = os.listdir(os.path.join(venv, "lib"))
+    except OSError:
+        return []
+    return sorted(name[6:] for name in names if name.startswith("python") and minor_of(name[6:]) == name[6:])
+
+
+def site_packages(venv, minor):
+    """``(site-packages, minor, minors)`` of ``venv``: ``lib/python<minor>/site-packages`` when ``lib`` has that
+    minor (the one the venv's python imports from: ``minor`` is the one its pyvenv.cfg names), or when ``minor``
+    is None the only ``lib/pythonX.Y``'s; else None (another minor's is never taken: the venv's python would not
+    import it). ``minors``: every ``lib/pythonX.Y`` found."""
+    minors = lib_minors(venv)
+    if minor is None and len(minors) == 1:
+        minor = minors[0]
+    chosen = os.path.join(venv, "lib", f"python{minor}", "site-packages") if minor in minors else None
+    return chosen, minors, minor
+
+
 def read_small_text(path, limit=SMALL_FILE_LIMIT):
     """The first ``limit`` bytes of a small file the target wrote (``pyvenv.cfg``, ``torch/version.py``,
     ``top_level.txt``, ``/proc/<pid>/comm``) as text with universal newlines, bytes that are not UTF-8 replaced; None

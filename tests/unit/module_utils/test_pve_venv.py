@@ -681,6 +681,33 @@ def test_the_python_minor_comes_from_lib_when_pyvenv_cfg_names_none(tmp_path):
     assert probe(venv)["python"] == "{}.{}".format(*sys.version_info[:2])
 
 
+@pytest.mark.parametrize(
+    ("config", "libs", "expected"),
+    [
+        ("home = /usr/bin\nversion = 3.11.2\n", ["python3.10", "python3.11"], "3.11"),  # uv, virtualenv
+        ("version_info = 3.12.1.final.0\n", ["python3.12"], "3.12"),  # venv's own key
+        ("version = 3.10.4\nversion = 3.11.2\n", ["python3.10", "python3.11"], "3.11"),  # a later line wins
+        ("home = /usr/bin\n", ["python3.11"], "3.11"),  # none named: the only one
+        ("home = /usr/bin\n", ["python3.10", "python3.11"], None),  # which one? neither
+        ("version = 3.11.2\n", ["python3.10"], None),  # never another minor's: the venv's python would not import it
+        ("version = 3.1l\n", ["python3.11", "python3.11.bak", "python3", "pythonX.Y"], None),
+        ("version = 3.11\n", [], None),
+    ],
+)
+def test_one_reading_of_which_site_packages_a_venvs_python_imports_from(tmp_path, config, libs, expected):
+    """verify's, compile_cache's and the venv step's probes, and the build script, all read it so."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    for name in libs:
+        (venv / "lib" / name / "site-packages").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text(config)
+    minor = pve_ct_venv.config_minor(pve_ct_venv.read_config(config))
+    found, minors, chosen = pve_ct_venv.site_packages(str(venv), minor)
+    assert minors == sorted(n[6:] for n in libs if n[6:] in ("3.10", "3.11", "3.12"))
+    assert found == (str(venv / "lib" / f"python{expected}" / "site-packages") if expected else None)
+    assert chosen == expected or found is None
+
+
 def test_a_dangling_interpreter_and_a_missing_site_packages_are_reported(tmp_path):
     venv = make_venv(tmp_path / "venv")
     (venv / "bin" / "python").unlink()

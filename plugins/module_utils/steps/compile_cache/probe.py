@@ -32,8 +32,6 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs, 
 SHARED = (pve_ct_fs, pve_ct_lean, pve_ct_venv)  # container-side modules Target.run_probes ships with this part
 # torch/version.py assigns plain literals (`cuda: Optional[str] = '12.8'`); an annotation may sit before `=`.
 TORCH_VERSION_KEYS = {"__version__": "version", "cuda": "cuda", "git_version": "git_version", "hip": "hip"}
-_LIB_PYTHON = re.compile(r"^python(\d+\.\d+)$")
-_PYTHON_MINOR = re.compile(r"^(\d+)\.(\d+)")
 _NAME_SEPARATORS = re.compile(r"[-_.]+")
 # Distributions that provide the `triton` package torch compiles with, in the order they are preferred.
 TRITON_NAMES = ("triton", "pytorch-triton")
@@ -48,21 +46,10 @@ def parse_torch_version_py(text):
 
 
 def _site_packages(path):
-    """The venv's site-packages: the one of pyvenv.cfg's python minor, else the only lib/pythonX.Y."""
-    lib = os.path.join(path, "lib")
-    try:
-        minors = sorted(m.group(1) for m in map(_LIB_PYTHON.match, os.listdir(lib)) if m)
-    except OSError:
-        return None
-    wanted = None
-    for line in (pve_ct_venv.read_small_text(os.path.join(path, "pyvenv.cfg")) or "").splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key.strip().lower() in ("version", "version_info"):
-            match = _PYTHON_MINOR.match(value.strip())
-            wanted = f"{match.group(1)}.{match.group(2)}" if match else None
-    if wanted not in minors:
-        wanted = minors[0] if len(minors) == 1 else None
-    return os.path.join(lib, f"python{wanted}", "site-packages") if wanted else None
+    """The venv's site-packages (pve_ct_venv.site_packages: the one of pyvenv.cfg's python minor, else the only
+    lib/pythonX.Y), or None."""
+    config = pve_ct_venv.read_config(pve_ct_venv.read_small_text(os.path.join(path, "pyvenv.cfg")) or "")
+    return pve_ct_venv.site_packages(path, pve_ct_venv.config_minor(config))[0]
 
 
 def read_venv(path):

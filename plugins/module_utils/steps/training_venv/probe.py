@@ -36,8 +36,6 @@ SHARED = (pve_ct_venv, pve_ct_git)  # container-side modules Target.run_probes s
 # sit between the name and the `=`.
 TORCH_VERSION_KEYS = {"__version__": "version", "cuda": "cuda", "git_version": "git_version"}
 TORCH_VERSION_KEYS.update({"hip": "hip", "rocm": "rocm", "xpu": "xpu", "debug": "debug"})
-_PYTHON_MINOR = re.compile(r"^(\d+)\.(\d+)")
-_LIB_PYTHON = re.compile(r"^python(\d+\.\d+)$")
 # Top-level entries of site-packages that Python imports or runs at start-up. Anything else (a README, an
 # .egg-link) is never imported by itself.
 IMPORTABLE_SUFFIXES = (".py", ".pyc", ".pyo", ".so", ".pyd", ".pth")
@@ -55,22 +53,6 @@ def _head(path):
             return handle.read(HOOK_TEXT)
     except OSError:
         return None
-
-
-def _pyvenv(text):
-    """``pyvenv.cfg`` as a dict: ``home = /usr/bin`` -> ``{"home": "/usr/bin"}`` (keys lower-cased)."""
-    config = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key.strip() and not key.lstrip().startswith("#"):
-            config[key.strip().lower()] = value.strip()
-    return config
-
-
-def _minor(version):
-    """``3.11.2`` or ``3.11.2.final.0`` -> ``3.11``; anything else -> None."""
-    match = _PYTHON_MINOR.match(version or "")
-    return f"{match.group(1)}.{match.group(2)}" if match else None
 
 
 def record_tops(text, site_packages):
@@ -161,19 +143,6 @@ def parse_torch_version_py(text):
     """``__version__ = '2.11.0+cu130'\\ncuda: Optional[str] = '13.0'`` -> ``{"version": "2.11.0+cu130",
     "cuda": "13.0", "git_version": None, "hip": None, "rocm": None, "xpu": None, "debug": None}``."""
     return pve_ct_venv.read_version_py(text, TORCH_VERSION_KEYS)
-
-
-def _site_packages(path, python):
-    """The venv's site-packages (the one of its python minor) and every lib/pythonX.Y found."""
-    lib = os.path.join(path, "lib")
-    try:
-        minors = sorted(m.group(1) for m in map(_LIB_PYTHON.match, os.listdir(lib)) if m)
-    except OSError:
-        minors = []
-    if python is None and len(minors) == 1:
-        python = minors[0]
-    chosen = os.path.join(lib, f"python{python}", "site-packages") if python in minors else None
-    return chosen, minors, python
 
 
 def finished_versions(path):
@@ -274,7 +243,7 @@ def probe(payload):
     text = pve_ct_venv.read_small_text(os.path.join(path, "pyvenv.cfg"))
     if text is None:
         return answer
-    pyvenv = _pyvenv(text)
+    pyvenv = pve_ct_venv.read_config(text)
     interpreter = os.path.join(path, "bin", "python")
     answer.update(
         exists=True,
@@ -285,7 +254,7 @@ def probe(payload):
         # A venv's bin/python links to its base interpreter; a dangling link means that python is gone.
         interpreter={"path": os.path.realpath(interpreter), "exists": os.path.exists(interpreter)},
     )
-    site_packages, minors, python = _site_packages(path, _minor(pyvenv.get("version") or pyvenv.get("version_info")))
+    site_packages, minors, python = pve_ct_venv.site_packages(path, pve_ct_venv.config_minor(pyvenv))
     answer.update(python=python, lib_pythons=minors, site_packages=site_packages)
     if site_packages is None:  # a venv without its site-packages is broken, not unreadable: a rebuild fixes it
         answer["broken"].append({"record": f"lib/python{python or 'X.Y'}/site-packages", "reason": "missing"})

@@ -97,10 +97,8 @@ CA_SETTINGS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT")
 SYSTEM_CERTS_SETTINGS = ("UV_SYSTEM_CERTS", "UV_NATIVE_TLS")
 PYTHON_CHECK = "import sys; print(tuple(sys.version_info[:2]))"
 _PYTHON_TUPLE = re.compile(r"\((\d+), (\d+)\)")
-_LIB_PYTHON = re.compile(r"^python(\d+\.\d+)$")
 _ERROR = re.compile(r"^(?:error|ERROR)\s*:\s*")
 _CAUSE = re.compile(r"^(?:cause|Caused by)\s*:\s*")
-_TORCH_VERSION = re.compile(r"""^__version__\s*(?::[^=\n]*)?=\s*['"]([^'"\\]+)['"]\s*$""", re.MULTILINE)
 # What `python3 -m venv` says without Debian's python3-venv (its message wraps "is not\navailable").
 NO_VENV_MODULE = re.compile(r"ensurepip\s+is\s+not\s+available|No module named '?(?:venv|ensurepip)")
 
@@ -290,12 +288,8 @@ def read_venv(venv, python=None):
     ``python`` ("3.11") picks its site-packages; None reads every ``lib/pythonX.Y/site-packages``.
     """
     lib = os.path.join(venv, "lib")
-    try:
-        minors = sorted(m.group(1) for m in map(_LIB_PYTHON.match, os.listdir(lib)) if m)
-    except OSError:
-        minors = []
     records, broken, torch_build = [], [], None
-    for minor in [python] if python else minors:
+    for minor in [python] if python else pve_ct_venv.lib_minors(venv):
         site = os.path.join(lib, f"python{minor}", "site-packages")
         try:
             entries = sorted(e for e in os.listdir(site) if e.endswith((".dist-info", ".egg-info")))
@@ -312,12 +306,9 @@ def read_venv(venv, python=None):
                 records.append((header["name"], header["version"]))
             else:
                 broken.append(entry)
-        try:
-            with open(os.path.join(site, "torch", "version.py"), encoding="utf-8", errors="replace") as handle:
-                match = _TORCH_VERSION.search(handle.read())
-        except OSError:
-            match = None
-        torch_build = match.group(1) if match else torch_build
+        text = pve_ct_venv.read_small_text(os.path.join(site, "torch", "version.py")) or ""
+        version = pve_ct_venv.read_version_py(text, {"__version__": "version"}, pve_ct_venv.string_literal)["version"]
+        torch_build = version or torch_build
     return {"records": records, "broken": broken, "torch_build": torch_build}
 
 

@@ -45,37 +45,12 @@ def parse_torch_version_py(text):
     )
 
 
-def _minor(config_text):
-    """The python minor a ``pyvenv.cfg`` names (``version = 3.11.2`` or ``version_info = 3.11.2.final.0``)."""
-    for line in (config_text or "").splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key.strip().lower() in ("version", "version_info"):
-            major, dot, rest = value.strip().partition(".")
-            digits = len(rest) - len(rest.lstrip("0123456789"))
-            if major.isdecimal() and major.isascii() and dot and digits:
-                return f"{major}.{rest[:digits]}"
-    return None
-
-
 def site_packages(venv):
-    """The venv's site-packages: the one of the minor its pyvenv.cfg names, else its only one, else None."""
-    lib = os.path.join(venv, "lib")
-    try:
-        names = os.listdir(lib)
-    except OSError:
-        names = []
-    found = sorted(
-        os.path.join(lib, name, "site-packages")
-        for name in names
-        if name.startswith("python3.")
-        and os.path.isdir(os.path.join(lib, name))
-        and os.path.lexists(os.path.join(lib, name, "site-packages"))
-    )
-    minor = _minor(pve_ct_venv.read_small_text(os.path.join(venv, "pyvenv.cfg")))
-    named = [path for path in found if minor and os.path.basename(os.path.dirname(path)) == f"python{minor}"]
-    if named:
-        return named[0]
-    return found[0] if len(found) == 1 else None
+    """The venv's site-packages directory (pve_ct_venv.site_packages: the one of the minor its pyvenv.cfg names,
+    else its only one), or None."""
+    config = pve_ct_venv.read_config(pve_ct_venv.read_small_text(os.path.join(venv, "pyvenv.cfg")) or "")
+    found = pve_ct_venv.site_packages(venv, pve_ct_venv.config_minor(config))[0]
+    return found if found is not None and os.path.isdir(found) else None
 
 
 def probe(payload):
