@@ -92,13 +92,17 @@ def run_probes_program(python, parts, prefix=()):
 
 
 def not_shippable(module):
-    """What the part ``module`` imports that a CT's python lacks: neither the standard library nor a container-side
-    module it ships (``SHARED``); empty for a part that runs in any CT."""
-    tree = ast.parse(inspect.getsource(module))
-    imported = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
-    imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-    shipped = {m.__name__ for m in pve_target.shared_modules([module])}
-    return {name for name in imported - shipped if name.split(".")[0] not in sys.stdlib_module_names}
+    """What the part ``module``, or a container-side module it ships, imports that a CT's python lacks: neither the
+    standard library nor a container-side module it ships (``SHARED``, at any depth); empty for a part that runs in
+    any CT."""
+    shipped = pve_target.shared_modules([module])
+    imported = set()
+    for each in (module, *shipped):
+        tree = ast.parse(inspect.getsource(each))
+        imported |= {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+        imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    names = {m.__name__ for m in shipped}
+    return {name for name in imported - names if name.split(".")[0] not in sys.stdlib_module_names}
 
 
 def run_module(module, args, runner, monkeypatch, capsys, *, check_mode=False):

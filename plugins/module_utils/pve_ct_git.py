@@ -4,8 +4,9 @@
 
 The training code's probe part and its reset script both import it (``SHARED``): ``Target.run_probes`` ships its
 source with theirs in the same ``pct exec``, and on a node it is imported as usual. So: standard library only,
-Python 3.9+, nothing of ours but :mod:`pve_ct_lean` (its own ``SHARED``), whose runner kills a git that outlives
-its deadline with everything it started.
+Python 3.9+, nothing of ours but :mod:`pve_ct_lean` (its own ``SHARED``), whose runner kills a git read that
+outlives its deadline with everything it started (:func:`read`). The training venv's probe reads its lock from a
+commit through it too (:func:`read_at_commit`).
 
 * git never reads a configuration the repository's owner wrote, so nothing they name runs as root (filters,
   textconv, an fsmonitor, hooks, ssh commands, pagers, credential helpers, includes...). git has no switch to skip
@@ -137,29 +138,39 @@ def git_argv(git, top, args, config=()):
 
 
 class Unfinished(Exception):
-    """A git read that gave no answer: git could not be started, or it was killed at its deadline."""
+    """A git read that gave no answer: ``timed_out`` (it was killed at its deadline, or the time was up before it
+    started), else git could not be started."""
+
+    def __init__(self, message, *, timed_out):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def read(argv, env, deadline):
     """``(rc, stdout bytes, stderr text)`` of a git call that only reads (root's, in a :class:`View`'s ``env``),
     within ``deadline`` (``time.monotonic()``): past it, git and whatever it started are killed (its own session,
-    :func:`pve_ct_lean.run`) and :class:`Unfinished` says so; so it does when git cannot be started. Its output is
-    kept whole: it is the repository's own (a listing of a large tree is MBs)."""
+    :func:`pve_ct_lean.run`) and :class:`Unfinished` says so; so it does when git cannot be started.
+
+    Its output is kept whole, as ``subprocess.run`` kept it: it is the repository's own listing, MBs for a large
+    tree, as large as the tree it lists. The reset's writes run as the repository's owner, which ``posix_spawn``
+    cannot do: they go through ``git_runner.Git`` (``subprocess``, a session of its own, its group killed too). git
+    starts in this process's directory: ``-C`` (every argv here has one) is where it works.
+    """
     shown = " ".join(["git", *argv[argv.index("-C") + 2 :]]) if "-C" in argv else " ".join(argv)
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        raise Unfinished(f"the time was up before `{shown}`")
+        raise Unfinished(f"the time was up before `{shown}`", timed_out=True)
     try:
         done = pve_ct_lean.run(argv, remaining, env=env, cap=None, text=False)
     except OSError as error:
-        raise Unfinished(f"cannot run `{argv[0]}`: {error.strerror}") from None
+        raise Unfinished(f"cannot run `{argv[0]}`: {error.strerror or error}", timed_out=False) from None
     if done.get("missing"):
-        raise Unfinished(f"cannot run `{argv[0]}`: it is not there")
+        raise Unfinished(f"cannot run `{argv[0]}`: it is not there", timed_out=False)
     if done.get("timed_out"):
         said = f"`{shown}` did not finish in time and was killed with what it started"
         if done.get("abandoned"):
             said += "; it did not exit after SIGKILL (stuck in the kernel) and was left behind"
-        raise Unfinished(said)
+        raise Unfinished(said, timed_out=True)
     return done["rc"], done["stdout"], done["stderr"].decode(errors="replace")
 
 
@@ -320,6 +331,14 @@ class View:
         self.scratch = tempfile.mkdtemp(
             prefix="pve-gpu-recover-git-", dir=ROOT_TMP if owned_by_user else scratch_root()
         )
+        try:
+            self._fill(git, environ, owner, deadline)
+        except BaseException:
+            self.close()  # a view that could not be made is not left in the temp directory
+            raise
+
+    def _fill(self, git, environ, owner, deadline):
+        top, git_dir, common = self.top, self.git_dir, self.common
         self.dir = os.path.join(self.scratch, "common")
         home = os.path.join(self.scratch, "home")
         os.mkdir(self.dir, 0o700)
@@ -327,19 +346,14 @@ class View:
         base = git_env(top, environ)
         # Read the real config with git's parser alone: no repository (GIT_DIR names none), no include followed;
         # within the caller's deadline (60 s when it gives none).
-        try:
-            rc, out, err = read(
-                [git, "-C", self.scratch, "config", "--file", os.path.join(common, "config"), "--list", "--null"],
-                dict(base, HOME=home, GIT_DIR=os.path.join(self.scratch, "none")),
-                time.monotonic() + 60 if deadline is None else deadline,
-            )
-        except Unfinished as error:
-            self.close()
-            raise ViewError(f"cannot read {common}/config: {error}") from None
+        rc, out, err = read(
+            [git, "-C", self.scratch, "config", "--file", os.path.join(common, "config"), "--list", "--null"],
+            dict(base, HOME=home, GIT_DIR=os.path.join(self.scratch, "none")),
+            time.monotonic() + 60 if deadline is None else deadline,
+        )
         if rc != 0 and os.path.exists(os.path.join(common, "config")):
-            self.close()
             said = err.strip().splitlines()
-            raise ViewError(f"cannot read {common}/config: {said[-1] if said else 'no output'}")
+            raise ViewError(f"`git config --file {common}/config` failed: {said[-1] if said else 'no output'}")
         self.config = parse_config_list(out)
         for name in os.listdir(common):
             if name not in NOT_LINKED:
@@ -563,7 +577,9 @@ def read_at_commit(git, top, commit, path, *, deadline, limit=BLOB_LIMIT):
     except UnicodeDecodeError:
         return dict(found, error=f"{where} is not UTF-8 text: it is no lock")
     except Unfinished as error:
-        return dict(found, error=f"reading {where} did not finish within the probe's time: {error}")
+        if error.timed_out:
+            return dict(found, error=f"reading {where} did not finish within the probe's time: {error}")
+        return dict(found, error=f"cannot read {where}: {error}")
     except (OSError, ValueError, ViewError) as error:
         return dict(found, error=f"cannot read {where}: {error}")
     finally:

@@ -1,18 +1,20 @@
 # Copyright: pve-gpu-recover contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Container side, shared: what the fact pass's parts need of ``subprocess`` and ``glob``, without their imports.
+"""Container side, shared: what the probe parts need of ``subprocess`` and ``glob``, without their imports.
 
 Every CT's python pays the fact pass's imports on every run. ``subprocess`` imports ``signal``, ``threading``,
 ``locale`` (and so ``re``) and ``enum``; ``glob`` imports ``fnmatch`` (and so ``re``): together with ``json``, 13
 of the 29 ms a CT's python took before its parts ran (docs/benchmarks.md, "The CT's read without imports"). This
 module needs only ``os``, ``select``, ``time`` and ``_signal``, whose imports cost a CT nothing measurable.
 
-The preflight and compile_cache parts import it (``SHARED``): ``Target.run_probes`` ships its source with the
-parts in the same ``pct exec``, and on a node (a bare host's probe) it is imported as usual. So: standard library
-only, Python 3.9+, nothing of ours imported.
+The preflight and compile_cache parts and :mod:`pve_ct_git` (the training code's probe and reset, the venv probe's
+lock read from a commit) import it (``SHARED``): ``Target.run_probes`` ships its source with theirs in the same
+``pct exec``, and on a node (a bare host's probe) it is imported as usual. So: standard library only, Python 3.9+,
+nothing of ours imported.
 
-* :func:`run`: ``subprocess.run(argv, timeout=...)`` for a command that may hang in the driver: past the
-  deadline its whole process group is killed and it is waited for ``grace`` seconds at most, then left behind.
+* :func:`run`: ``subprocess.run(argv, timeout=...)`` for a command that only reads and may hang (``nvidia-smi`` in
+  the driver, git on a slow disk): past the deadline its whole process group is killed and it is waited for
+  ``grace`` seconds at most, then left behind.
 * :func:`glob`: ``glob.glob(pattern)`` for patterns of ``*``, ``?`` and plain ``[...]`` sets; any other pattern
   (a ``**``, an escape, a set with ``]``, ``[`` or ``-`` at an edge) is handed to ``glob.glob`` itself.
 """
@@ -141,7 +143,8 @@ def run(argv, timeout, env=None, grace=REAP_GRACE, *, cap=OUTPUT_CAP, text=True)
     SIGKILL, ``rc`` 124 and ``"timed_out": True``, plus ``"abandoned": True`` when it has not exited ``grace``
     seconds later (stuck in the kernel or the driver: it is left behind instead of hanging the run). ``env``: the
     environment (this process's when None). Each stream keeps its first ``cap`` bytes (``"truncated": True`` when
-    more came; None: all of it, for output whose size the caller bounds, as git's of a repository). ``text``
+    more came; None: all of it, as ``subprocess.run`` kept it, for git's listing of a repository that may be MBs).
+    ``text``
     False: both streams as bytes, as they came. Started with ``posix_spawn`` (a vfork on Linux: safe in the
     module's threads on a bare host).
     """

@@ -3,9 +3,9 @@
 """Container side, shared: who could change a venv whose python runs as root (verify, the venv build's checks), and
 what builds a venv in the target (the venv probe asks before anything changes, the build script uses the same).
 
-The training venv and verify probe parts and the venv build script import it (``SHARED``): ``Target.run_probes``
-ships its source with theirs in the same ``pct exec``, and on a node it is imported as usual. So: standard library
-only, Python 3.9+, nothing of ours imported.
+The training venv, verify and compile_cache probe parts and the venv build script import it (``SHARED``):
+``Target.run_probes`` ships its source with theirs in the same ``pct exec``, and on a node it is imported as usual.
+So: standard library only, Python 3.9+, nothing of ours imported.
 """
 
 import os
@@ -335,11 +335,12 @@ def version_py_value(source):
 
 def read_version_py(text, keys, value=version_py_value):
     """``{keys[name]: value(source)}`` of torch/version.py's :func:`assignments` whose name is in ``keys`` (the
-    last one wins); a key it does not assign is None."""
+    last one wins); a key it does not assign is None. ``__version__`` is read as a string literal only (None
+    else): it is compared as a version, and a ``__version__ = True`` a file in the target says is no version."""
     found = dict.fromkeys(keys.values())
     for name, source in assignments(text):
         if name in keys:
-            found[keys[name]] = value(source)
+            found[keys[name]] = string_literal(source) if name == "__version__" else value(source)
     return found
 
 
@@ -385,7 +386,7 @@ def minor_of(version):
 
 def config_minor(config):
     """The python minor of a venv's ``pyvenv.cfg`` (``{key: value}``, keys lower case, as :func:`read_config`
-    reads it): its ``version`` (uv, virtualenv) or ``version_info`` (venv), else None."""
+    reads it): its ``version`` (Python's venv) or ``version_info`` (uv, virtualenv), else None."""
     return minor_of(config.get("version") or config.get("version_info"))
 
 
@@ -410,15 +411,15 @@ def lib_minors(venv):
 
 
 def site_packages(venv, minor):
-    """``(site-packages, minor, minors)`` of ``venv``: ``lib/python<minor>/site-packages`` when ``lib`` has that
-    minor (the one the venv's python imports from: ``minor`` is the one its pyvenv.cfg names), or when ``minor``
-    is None the only ``lib/pythonX.Y``'s; else None (another minor's is never taken: the venv's python would not
-    import it). ``minors``: every ``lib/pythonX.Y`` found."""
+    """``(site-packages, minors, minor)`` of ``venv``: the directory ``lib/python<minor>/site-packages``, the one
+    the venv's python imports from (``minor``: what its pyvenv.cfg names; when it names none, the only
+    ``lib/pythonX.Y``'s), or None when there is none (another minor's is never taken: the venv's python would not
+    import it); every ``lib/pythonX.Y`` found; and the minor it looked for (None: which one is not told)."""
     minors = lib_minors(venv)
     if minor is None and len(minors) == 1:
         minor = minors[0]
     chosen = os.path.join(venv, "lib", f"python{minor}", "site-packages") if minor in minors else None
-    return chosen, minors, minor
+    return (chosen if chosen is not None and os.path.isdir(chosen) else None), minors, minor
 
 
 def read_small_text(path, limit=SMALL_FILE_LIMIT):

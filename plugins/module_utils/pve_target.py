@@ -686,14 +686,18 @@ def probes_input(parts):
 
 
 def shared_modules(modules):
-    """The container-side modules ``modules`` declare in ``SHARED``, dependencies first, each once (pure). One
-    level of their own ``SHARED`` is enough: a shared module that needs another names it."""
+    """The container-side modules ``modules`` declare in ``SHARED``, and those their own ``SHARED`` declare, at any
+    depth: each once, after every module it needs (pure). A part names only what it imports itself."""
     found = []
+
+    def add(module, seen):
+        for needed in getattr(module, "SHARED", ()):
+            if needed not in found and needed not in seen:
+                add(needed, (*seen, needed))
+                found.append(needed)
+
     for module in modules:
-        for shared in getattr(module, "SHARED", ()):
-            for needed in (*getattr(shared, "SHARED", ()), shared):
-                if needed not in found:
-                    found.append(needed)
+        add(module, ())
     return found
 
 

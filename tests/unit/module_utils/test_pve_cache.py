@@ -553,6 +553,14 @@ def fake_venv(directory, version="2.11.0+cu128", cuda="'12.8'", triton="3.3.0"):
     return directory
 
 
+def test_the_venv_is_read_from_the_site_packages_its_python_imports_only(tmp_path):
+    venv = fake_venv(tmp_path / "venv")
+    assert cache_probe.read_venv(str(venv))["torch_version_py"]["version"] == "2.11.0+cu128"
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\nversion = 3.12.1\n")  # its python is 3.12 now
+    answer = cache_probe.read_venv(str(venv))
+    assert (answer["site_packages"], answer["torch_version_py"], answer["triton"]) == (None, None, None)
+
+
 def write_stamp(root, fingerprint):
     (root / SPEC["stamp_name"]).write_text(json.dumps({"fingerprint": fingerprint, "stamped_by": "pve-gpu-recover"}))
 

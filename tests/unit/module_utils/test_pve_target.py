@@ -376,6 +376,12 @@ def test_shared_modules_go_once_with_their_own_dependencies_first():
     first, second = types.ModuleType("first"), types.ModuleType("second")
     first.SHARED, second.SHARED = (fs,), (git, fs)
     assert pve_target.shared_modules([first, second, types.ModuleType("plain")]) == [base, fs, git]
+    # At any depth: a part names what it imports, not what that imports in turn.
+    runner, lean = types.ModuleType("git_runner"), types.ModuleType("ansible.module_utils.pve_ct_lean")
+    git.SHARED, runner.SHARED = (lean,), (git,)
+    script = types.ModuleType("script")
+    script.SHARED = (runner,)
+    assert pve_target.shared_modules([script]) == [lean, git, runner]
 
 
 def test_a_part_never_imports_an_ansible_found_where_it_runs(monkeypatch):

@@ -554,6 +554,17 @@ def test_version_py_is_parsed_without_exec():
     assert venv_probe.parse_torch_version_py("import os\nos.system('reboot')\n")["version"] is None
 
 
+@pytest.mark.parametrize("source", ["True", "None", "2.11", "get_version()", "'2.11.0' + '+cu128'"])
+def test_a_version_that_is_no_string_literal_is_no_version_and_fails_nothing_on_the_node(source):
+    """A version.py the target holds may say anything: what is compared as a version is a string or None, so the
+    venv step finds a torch without a version (and rebuilds), never a traceback in the module."""
+    text = f"__version__ = {source}\ncuda = '12.8'\n"
+    assert venv_probe.parse_torch_version_py(text)["version"] is None
+    answer = answer_of([{"name": "torch", "version": "2.11.0"}], text)
+    assert venv_compare.torch_inconsistency(answer) == "torch/version.py has no __version__"
+    assert venv_compare.installed_versions(answer) == {"torch": "2.11.0"}
+
+
 # -- the probe part against real venvs -------------------------------------------------------------------------
 def uv(*args):
     if UV is None:
@@ -682,30 +693,32 @@ def test_the_python_minor_comes_from_lib_when_pyvenv_cfg_names_none(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("config", "libs", "expected"),
+    ("config", "libs", "minor", "found"),
     [
-        ("home = /usr/bin\nversion = 3.11.2\n", ["python3.10", "python3.11"], "3.11"),  # uv, virtualenv
-        ("version_info = 3.12.1.final.0\n", ["python3.12"], "3.12"),  # venv's own key
-        ("version = 3.10.4\nversion = 3.11.2\n", ["python3.10", "python3.11"], "3.11"),  # a later line wins
-        ("home = /usr/bin\n", ["python3.11"], "3.11"),  # none named: the only one
-        ("home = /usr/bin\n", ["python3.10", "python3.11"], None),  # which one? neither
-        ("version = 3.11.2\n", ["python3.10"], None),  # never another minor's: the venv's python would not import it
-        ("version = 3.1l\n", ["python3.11", "python3.11.bak", "python3", "pythonX.Y"], None),
-        ("version = 3.11\n", [], None),
+        ("home = /usr/bin\nversion = 3.11.2\n", ["python3.10", "python3.11"], "3.11", True),  # Python's venv
+        ("version_info = 3.12.1.final.0\n", ["python3.12"], "3.12", True),  # uv, virtualenv
+        ("version = 3.10.4\nversion = 3.11.2\n", ["python3.10", "python3.11"], "3.11", True),  # a later line wins
+        ("home = /usr/bin\n", ["python3.11"], "3.11", True),  # none named: the only one
+        ("home = /usr/bin\n", ["python3.10", "python3.11"], None, False),  # which one? neither
+        ("version = 3.11.2\n", ["python3.10"], "3.11", False),  # never another minor's: its python would not import it
+        ("home = /usr/bin\n", ["python3.11", "python3.11.bak", "python3", "pythonX.Y"], "3.11", True),  # one minor
+        ("version = 3.1l\n", ["python3.11"], "3.1", False),  # what the line says, not a guess
+        ("version = 3.11\n", [], "3.11", False),
+        ("version = 3.11\n", ["python3.11/no-site-packages"], "3.11", False),  # lib/python3.11 without one
     ],
 )
-def test_one_reading_of_which_site_packages_a_venvs_python_imports_from(tmp_path, config, libs, expected):
+def test_one_reading_of_which_site_packages_a_venvs_python_imports_from(tmp_path, config, libs, minor, found):
     """verify's, compile_cache's and the venv step's probes, and the build script, all read it so."""
     venv = tmp_path / "venv"
     venv.mkdir()
     for name in libs:
-        (venv / "lib" / name / "site-packages").mkdir(parents=True)
+        (venv / "lib" / name / ("" if "/" in name else "site-packages")).mkdir(parents=True)
     (venv / "pyvenv.cfg").write_text(config)
-    minor = pve_ct_venv.config_minor(pve_ct_venv.read_config(config))
-    found, minors, chosen = pve_ct_venv.site_packages(str(venv), minor)
-    assert minors == sorted(n[6:] for n in libs if n[6:] in ("3.10", "3.11", "3.12"))
-    assert found == (str(venv / "lib" / f"python{expected}" / "site-packages") if expected else None)
-    assert chosen == expected or found is None
+    named = pve_ct_venv.config_minor(pve_ct_venv.read_config(config))
+    site, minors, looked_for = pve_ct_venv.site_packages(str(venv), named)
+    assert minors == sorted({n[6:10] for n in libs if n[6:10] in ("3.10", "3.11", "3.12") and n[10:11] in ("", "/")})
+    assert looked_for == minor
+    assert site == (str(venv / "lib" / f"python{minor}" / "site-packages") if found else None)
 
 
 def test_a_dangling_interpreter_and_a_missing_site_packages_are_reported(tmp_path):

@@ -649,6 +649,10 @@ def test_the_probe_takes_the_site_packages_of_the_venvs_python(tmp_path):
     assert answer["torch_version_py"]["version"] == "2.11.1+cu128"  # lib/python3.11, as pyvenv.cfg says
     unnamed = make_venv_dir(tmp_path / "two", minors=("3.10", "3.11"), cfg_minor=None)
     assert verify_probe.probe({"venv": str(unnamed)})["site_packages"] is None  # which one? neither
+    # pyvenv.cfg names 3.11, only 3.10's is there: the venv's python never imports it, so no torch is read from it.
+    other = make_venv_dir(tmp_path / "other", minors=("3.10",), cfg_minor="3.11")
+    assert verify_probe.probe({"venv": str(other)})[("site_packages")] is None
+    assert verify_probe.probe({"venv": str(other)})["torch_version_py"] is None
 
 
 def test_the_probe_answers_for_a_missing_venv_and_a_venv_without_torch(tmp_path):

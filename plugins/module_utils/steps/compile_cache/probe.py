@@ -46,8 +46,8 @@ def parse_torch_version_py(text):
 
 
 def _site_packages(path):
-    """The venv's site-packages (pve_ct_venv.site_packages: the one of pyvenv.cfg's python minor, else the only
-    lib/pythonX.Y), or None."""
+    """The venv's site-packages directory (pve_ct_venv.site_packages: the one of pyvenv.cfg's python minor, or the
+    only lib/pythonX.Y's when it names none), or None."""
     config = pve_ct_venv.read_config(pve_ct_venv.read_small_text(os.path.join(path, "pyvenv.cfg")) or "")
     return pve_ct_venv.site_packages(path, pve_ct_venv.config_minor(config))[0]
 

@@ -28,6 +28,23 @@ class Stop(Exception):
     """A git call that could not give an answer (timed out, could not run, failed): the probe says so and stops."""
 
 
+def stopped(error, where):
+    """The :class:`Stop` of a git read that gave no answer (:class:`pve_ct_git.Unfinished`), ``where`` it ran."""
+    if error.timed_out:
+        return Stop(f"{error} ({where}, within the probe's timeout)")
+    return Stop(str(error))
+
+
+def open_view(git, top, git_dir, common):
+    """The repository's :class:`pve_ct_git.View` within ``git``'s deadline; Stop when its config cannot be read."""
+    try:
+        return pve_ct_git.View(git.git, top, git_dir, common, deadline=git.deadline)
+    except pve_ct_git.Unfinished as error:
+        raise stopped(error, f"reading the repository's config in {common}") from None
+    except (OSError, pve_ct_git.ViewError) as error:
+        raise Stop(f"cannot read the repository's config in {common}: {error}") from None
+
+
 class Git:
     """Runs git in one repository within one deadline; ``run`` answers ``(rc, stdout bytes, stderr text)``."""
 
@@ -43,7 +60,7 @@ class Git:
                 pve_ct_git.git_argv(self.git, self.top, args), dict(self.env, **(env or {})), self.deadline
             )
         except pve_ct_git.Unfinished as error:
-            raise Stop(f"{error} (in {self.top}, within the probe's timeout)") from None
+            raise stopped(error, f"in {self.top}") from None
 
     def must(self, *args, env=None):
         rc, out, err = self.run(*args, env=env)
@@ -137,10 +154,7 @@ def probe(payload):
         if git_dir is None:
             answer["bare"] = pve_ct_git.looks_bare(top)
             return answer
-        try:
-            view = pve_ct_git.View(git_path, top, git_dir, common, deadline=git.deadline)
-        except (OSError, pve_ct_git.ViewError) as error:
-            raise Stop(f"cannot read the repository's config in {common}: {error}") from None
+        view = open_view(git, top, git_dir, common)
         git.env = view.env
         # The remotes a fetch of a missing commit can name (the view keeps their URLs, nothing else of them).
         answer["remotes"] = pve_ct_git.remote_names(view.config)

@@ -75,8 +75,8 @@ import time
 from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import backups, git_runner, nofollow
 
-# Container-side modules Target.run_probes ships with this part, dependencies first: each one's own SHARED
-# before it (pve_target.shared_modules).
+# Container-side modules Target.run_probes ships with this part, each after what its own SHARED names
+# (pve_target.shared_modules).
 SHARED = (pve_ct_act, pve_ct_git, git_runner, nofollow, backups)
 
 KEEP_REF = "refs/pve-gpu-recover/detached/"
@@ -126,6 +126,21 @@ class Reset(backups.Backup):
             )
 
     # -- 1. re-check -------------------------------------------------------------------------------------------
+    def open_view(self, git, git_dir, common, owner):
+        """The repository's :class:`pve_ct_git.View`, its writes as ``owner``; ActError when its config cannot be
+        read."""
+        try:
+            return pve_ct_git.View(git, self.top, git_dir, common, owner=owner, deadline=self.deadline)
+        except pve_ct_git.Unfinished as error:
+            raise pve_ct_act.ActError(
+                "timeout" if error.timed_out else "no_git",
+                f"reading the repository's config in {common}: {error} (reset_timeout {self.budget:g} s)",
+            ) from None
+        except (OSError, pve_ct_git.ViewError) as error:
+            raise pve_ct_act.ActError(
+                "no_repository", f"cannot read the repository's config in {common}: {error}"
+            ) from None
+
     def check(self):
         git = pve_ct_git.find_git(self.git_name)
         if git is None:
@@ -146,14 +161,7 @@ class Reset(backups.Backup):
             raise pve_ct_act.ActError("untrusted", f"{error}; nothing was done") from None
         if git_dir is None:
             raise pve_ct_act.ActError("no_repository", f"{self.path} is not a git work tree (no .git)")
-        try:
-            self.view = pve_ct_git.View(
-                git, self.top, git_dir, common, owner=(info.st_uid, info.st_gid), deadline=self.deadline
-            )
-        except (OSError, pve_ct_git.ViewError) as error:
-            raise pve_ct_act.ActError(
-                "no_repository", f"cannot read the repository's config in {common}: {error}"
-            ) from None
+        self.view = self.open_view(git, git_dir, common, (info.st_uid, info.st_gid))
         self.git.env = self.view.env
         self.git.owner, self.git.owner_env = self.view.owner, self.view.owner_env
         worktree = self.view.value("core.worktree")

@@ -47,10 +47,9 @@ def parse_torch_version_py(text):
 
 def site_packages(venv):
     """The venv's site-packages directory (pve_ct_venv.site_packages: the one of the minor its pyvenv.cfg names,
-    else its only one), or None."""
+    or the only lib/pythonX.Y's when it names none), or None."""
     config = pve_ct_venv.read_config(pve_ct_venv.read_small_text(os.path.join(venv, "pyvenv.cfg")) or "")
-    found = pve_ct_venv.site_packages(venv, pve_ct_venv.config_minor(config))[0]
-    return found if found is not None and os.path.isdir(found) else None
+    return pve_ct_venv.site_packages(venv, pve_ct_venv.config_minor(config))[0]
 
 
 def probe(payload):
