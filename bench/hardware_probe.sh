@@ -1,8 +1,10 @@
 #!/bin/bash
-# 2.4.1's hardware run (docs/hardware.md): the fact pass's probe program, which no longer imports json, subprocess,
-# glob or re in the CT, against a real GPU machine's nvidia-smi, device nodes and NVML libraries; what each piece of
-# a CT's read costs there (bench/per_ct_cost.py: the real nvidia-smi's CPU); then converged recover.yml runs in bare
-# mode, where the same probe parts run in the module's threads.
+# The probe parts' hardware run (docs/hardware.md; 2.4.1, 2.4.2): the fact pass's probe program, which imports no
+# json, subprocess, glob or re in the CT, against a real GPU machine's nvidia-smi, device nodes and NVML libraries;
+# what each piece of a CT's read costs there (bench/per_ct_cost.py: the real nvidia-smi's CPU); the one reading of a
+# venv's layout (pve_ct_venv.site_packages, 2.4.2) by verify's, compile_cache's and the venv step's probes on the
+# machine's real training venv; then converged recover.yml runs in bare mode, where the same probe parts run in
+# the module's threads.
 #   OUT=/some/dir bench/hardware_probe.sh        # with .whl/ (ansible-core and its needs, cp312) carried along
 # Changes nothing on the machine: the real runs happen only when --check found nothing to change.
 set -u -o pipefail
@@ -52,6 +54,26 @@ print(f"== the probe program imported of re, enum, json, subprocess, glob, fnmat
 json.dump(json.loads(done.stdout), open(sys.argv[1], "w"), indent=1)
 PY
     echo "== checks: exit $?"
+    # One reading of the real venv's layout and torch's version by the three probes (2.4.2).
+    python3 - <<'PY'
+import sys, time
+sys.path.insert(0, "tests")
+import conftest  # noqa: F401  (the collection importable)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
+venv = sys.prefix
+started = time.monotonic()
+read = venv_probe.probe({"path": venv, "timeout": 60, "uv": "uv", "python": None})
+took = time.monotonic() - started
+verify = verify_probe.probe({"venv": venv})
+cache = cache_probe.read_venv(venv)
+print(f"== venv {venv}: python {read['python']}, lib {read['lib_pythons']}, {len(read['distributions'])} "
+      f"distributions, broken {read['broken']}, errors {read['errors']}, read in {took:.2f} s")
+for name, answer in (("training_venv", read), ("verify", verify), ("compile_cache", cache)):
+    print(f"== {name}: site_packages {answer['site_packages']}, torch {(answer['torch_version_py'] or {}).get('version')}")
+PY
+    echo "== venv layout: exit $?"
     # A real run only where --check found nothing to change: this script must change nothing on the machine.
     if recover --check --diff && grep -q 'changed=0' "$OUT/run.txt"; then
         for _ in 1 2 3; do recover; recover --check --diff; done

@@ -134,9 +134,8 @@ def venv_unsafe(path):
 
 
 # -- what builds a venv: the build script runs it, the probe says beforehand whether it can ------------------------
-# The regular expressions below are used by the venv step's part and its build only; ``re`` is imported where they
-# are, so that the verify part, which ships this module to every CT, never imports it.
-_PYTHON_NAME = r"^python(\d+\.\d+)$"
+# The regular expression below is used by the venv step's build only; ``re`` is imported where it is, so that the
+# verify part, which ships this module to every CT, never imports it.
 _UV_MANAGED = r"^cpython-(\d+\.\d+)\."  # uv python install: cpython-3.11.9-linux-x86_64-gnu
 
 
@@ -184,12 +183,10 @@ def interpreter_minor(executable):
     """The python minor of an interpreter, told from its files alone (it is never run): the name it resolves to
     (``/usr/bin/python3`` -> ``python3.11`` -> ``"3.11"``), or this very interpreter's own; None when unknown (a
     pyenv shim, a binary named ``python3``)."""
-    import re  # noqa: PLC0415 (see _PYTHON_NAME)
-
     real = os.path.realpath(executable)
-    named = re.match(_PYTHON_NAME, os.path.basename(real))
+    named = python_name_minor(os.path.basename(real))
     if named:
-        return named.group(1)
+        return named
     if sys.executable and real == os.path.realpath(sys.executable):
         return own_minor()
     return None
@@ -236,7 +233,7 @@ def uv_python(minor, path, environ=None):
     ``UV_PYTHON_DOWNLOADS=never``), told from files alone: ``python<minor>`` on ``path``, a ``python3`` or ``python``
     there of that minor (:func:`interpreter_minor`), or one uv installed itself; None when there is none. Without a
     minor the build asks for ``python3``: the one on ``path``."""
-    import re  # noqa: PLC0415 (see _PYTHON_NAME)
+    import re  # noqa: PLC0415 (see _UV_MANAGED)
 
     if not minor:
         return find_command("python3", path)
@@ -345,11 +342,18 @@ def read_version_py(text, keys, value=version_py_value):
 
 
 def canonical_name(name):
-    """PEP 503 normalization: ``Typing_Extensions`` -> ``typing-extensions``, ``zope.interface`` ->
-    ``zope-interface``."""
-    import re  # noqa: PLC0415 (see _PYTHON_NAME)
-
-    return re.sub(r"[-_.]+", "-", name).lower()
+    """PEP 503 normalization (``re.sub(r"[-_.]+", "-", name).lower()``, without ``re``): ``Typing_Extensions`` ->
+    ``typing-extensions``, ``zope.interface`` -> ``zope-interface``."""
+    parts, separated = [], False
+    for char in name:
+        if char in "-_.":
+            if not separated:
+                parts.append("-")
+            separated = True
+        else:
+            parts.append(char)
+            separated = False
+    return "".join(parts).lower()
 
 
 def installed_versions(records, torch_build, pins=None):
@@ -401,13 +405,19 @@ def read_config(text):
     return config
 
 
+def python_name_minor(name):
+    """``python3.11`` -> ``3.11`` (a ``lib/pythonX.Y`` directory, an interpreter's name); anything else -> None."""
+    minor = name[6:] if name.startswith("python") else ""
+    return minor if minor and minor_of(minor) == minor else None
+
+
 def lib_minors(venv):
     """The ``X.Y`` of each ``lib/pythonX.Y`` entry of ``venv``, sorted; [] when there is no ``lib`` to list."""
     try:
         names = os.listdir(os.path.join(venv, "lib"))
     except OSError:
         return []
-    return sorted(name[6:] for name in names if name.startswith("python") and minor_of(name[6:]) == name[6:])
+    return sorted(filter(None, map(python_name_minor, names)))
 
 
 def site_packages(venv, minor):

@@ -12,6 +12,7 @@ import glob
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -87,6 +88,35 @@ ABSENT = dict(answer_of([], None), exists=False, directory=False, python=None, p
 )
 def test_names_are_compared_in_pep_503_form(name, canonical):
     assert venv_lock.canonical_name(name) == canonical
+
+
+def test_pep_503_form_without_re_is_the_regular_expressions_form():
+    """PEP 503's own rule is ``re.sub(r"[-_.]+", "-", name).lower()``; the CT's parts read names without ``re``."""
+    randomness = random.Random(503)  # noqa: S311 (a fixed sample of names, not a secret)
+    names = ["", "-", "._-", "a--b", "A.B_C-d", "torch", "nvidia_cublas__cu12", "zope.interface.", "_x_", "É.é"]
+    names += ["".join(randomness.choice("aZ9-_.é ") for _ in range(randomness.randint(0, 12))) for _ in range(2000)]
+    for name in names:
+        assert pve_ct_venv.canonical_name(name) == re.sub(r"[-_.]+", "-", name).lower(), name
+
+
+@pytest.mark.parametrize(
+    ("name", "minor"),
+    [
+        ("python3.11", "3.11"),
+        ("python3.9", "3.9"),
+        ("python10.2", "10.2"),
+        ("python3.11.bak", None),
+        ("python3", None),
+        ("pythonX.Y", None),
+        ("python", None),
+        ("ython3.11", None),
+        ("python3.11\n", None),
+        ("python3.\u0661\u0661", None),  # digits, but not ASCII ones
+    ],
+)
+def test_a_python_directory_or_interpreter_names_its_minor(name, minor):
+    """``^python(\\d+\\.\\d+)$``, with ASCII digits only, for lib/pythonX.Y and an interpreter's file name."""
+    assert pve_ct_venv.python_name_minor(name) == minor
 
 
 def test_freeze_lines_are_sorted_with_one_line_per_record():

@@ -23,7 +23,6 @@ import errno
 import json
 import os
 import pwd
-import re
 import stat
 import time
 
@@ -32,7 +31,6 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs, 
 SHARED = (pve_ct_fs, pve_ct_lean, pve_ct_venv)  # container-side modules Target.run_probes ships with this part
 # torch/version.py assigns plain literals (`cuda: Optional[str] = '12.8'`); an annotation may sit before `=`.
 TORCH_VERSION_KEYS = {"__version__": "version", "cuda": "cuda", "git_version": "git_version", "hip": "hip"}
-_NAME_SEPARATORS = re.compile(r"[-_.]+")
 # Distributions that provide the `triton` package torch compiles with, in the order they are preferred.
 TRITON_NAMES = ("triton", "pytorch-triton")
 STAMP_LIMIT = 65536  # a stamp is a small JSON object; anything larger is not ours
@@ -70,7 +68,7 @@ def read_venv(path):
         records = []
     found = {}
     for record in records:
-        name = _NAME_SEPARATORS.sub("-", record[: -len(".dist-info")].rsplit("-", 1)[0]).lower()
+        name = pve_ct_venv.canonical_name(record[: -len(".dist-info")].rsplit("-", 1)[0])
         if name in TRITON_NAMES and name not in found:
             header = pve_ct_venv.metadata_header(os.path.join(site_packages, record, "METADATA")) or {}
             if header.get("version"):
