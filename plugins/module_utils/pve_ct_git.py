@@ -47,6 +47,9 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_lean
 
 SHARED = (pve_ct_lean,)  # container-side modules Target.run_probes ships with this module
 
+# Bytes of each stream a git read keeps: its listing of a large tree is MBs (a million paths about 60 MB); more
+# than this is no repository the probe can judge, and must not grow the CT's python without end.
+READ_CAP = 256 * 1024 * 1024
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What an unfinished operation leaves in the git dir, first match wins (rebase-apply/applying is `git am`).
 OPERATIONS = (
@@ -151,17 +154,18 @@ def read(argv, env, deadline):
     within ``deadline`` (``time.monotonic()``): past it, git and whatever it started are killed (its own session,
     :func:`pve_ct_lean.run`) and :class:`Unfinished` says so; so it does when git cannot be started.
 
-    Its output is kept whole, as ``subprocess.run`` kept it: it is the repository's own listing, MBs for a large
-    tree, as large as the tree it lists. The reset's writes run as the repository's owner, which ``posix_spawn``
-    cannot do: they go through ``git_runner.Git`` (``subprocess``, a session of its own, its group killed too). git
-    starts in this process's directory: ``-C`` (every argv here has one) is where it works.
+    Its output is kept whole up to :data:`READ_CAP` a stream (a listing of a large tree is MBs); a git that prints
+    more is an :class:`Unfinished` too, never a cut listing read as whole. The reset's writes run as the
+    repository's owner, which ``posix_spawn`` cannot do: they go through ``git_runner.Git`` (``subprocess``, a
+    session of its own, its group killed too). git starts in this process's directory: ``-C`` (every argv here has
+    one) is where it works.
     """
     shown = " ".join(["git", *argv[argv.index("-C") + 2 :]]) if "-C" in argv else " ".join(argv)
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise Unfinished(f"the time was up before `{shown}`", timed_out=True)
     try:
-        done = pve_ct_lean.run(argv, remaining, env=env, cap=None, text=False)
+        done = pve_ct_lean.run(argv, remaining, env=env, cap=READ_CAP, text=False)
     except OSError as error:
         raise Unfinished(f"cannot run `{argv[0]}`: {error.strerror or error}", timed_out=False) from None
     if done.get("missing"):
@@ -171,6 +175,11 @@ def read(argv, env, deadline):
         if done.get("abandoned"):
             said += "; it did not exit after SIGKILL (stuck in the kernel) and was left behind"
         raise Unfinished(said, timed_out=True)
+    if done.get("truncated"):
+        raise Unfinished(
+            f"`{shown}` printed more than {READ_CAP >> 20} MiB: more than a repository read here may be",
+            timed_out=False,
+        )
     return done["rc"], done["stdout"], done["stderr"].decode(errors="replace")
 
 

@@ -119,6 +119,13 @@ def test_a_git_that_cannot_be_started_is_named(tmp_path):
         pve_ct_git.read([str(not_executable), "status"], {}, time.monotonic() + 10)
 
 
+def test_a_git_that_prints_without_end_is_cut_off_and_named_never_read_as_a_whole_listing(monkeypatch):
+    monkeypatch.setattr(pve_ct_git, "READ_CAP", 1 << 20)
+    with pytest.raises(pve_ct_git.Unfinished, match=r"`git ls-files -z` printed more than 1 MiB") as raised:
+        pve_ct_git.read(["sh", "-c", "yes | head -c 3000000", "-C", "/", "ls-files", "-z"], {}, time.monotonic() + 30)
+    assert raised.value.timed_out is False
+
+
 def test_a_large_listing_is_kept_whole_as_bytes():
     """A tree of 100,000 files lists in MBs: past pve_ct_lean's 4 MiB cap for untrusted tools' output."""
     size = pve_ct_lean.OUTPUT_CAP + 100_000
