@@ -1,7 +1,12 @@
-# pve-gpu-recover. Quick start on a fresh Debian 12/13 (or Proxmox VE 8/9) machine, as root:
+# pve-gpu-recover.
+#   make setup  the runtime only (.venv: ansible-core 2.19, ansible-runner, prometheus-client, uv): what running the
+#               playbooks and the drift runner needs; safe on a Proxmox VE node, which may be its own controller
+# Quick start on a fresh Debian 12/13 machine that is NOT a Proxmox VE node (a VM or CT of its own), as root:
 #   make lab    set up everything, build the lab, run recover.yml against it
-#   make test   set up everything and pass the whole test suite
+#   make test   set up everything (the test tooling too) and pass the whole test suite
 #   make sanity ansible-test sanity on the built collection, both ends (apart from make test: minutes; CI runs it)
+# The lab installs Debian's lxc (it conflicts with PVE's lxc-pve) and runs its own sshd and LXC cgroups: on a PVE
+# node every target that would install or build it refuses before it starts (scripts/pve-guard).
 # Supported: ansible-core 2.19 to 2.21. The low end (ansible-core 2.19, the system's Python 3.11+) is .venv, what
 # every target uses; the high end (ansible-core 2.21, Python 3.12+) is .venv-latest, tested by `make test-latest`
 # where a Python 3.12+ exists (skipped loudly where none does; a failure under CI=true).
@@ -9,14 +14,29 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 VENV := .venv
 BIN := $(VENV)/bin
-LOCK := requirements/dev.lock
-STAMP := $(VENV)/.installed-$(shell sha256sum $(LOCK) | cut -c1-12)
+# $(call stamp,DIR,KIND,LOCK): the file that says DIR holds exactly LOCK's packages.
+stamp = $(1)/.installed-$(2)-$(shell sha256sum $(3) | cut -c1-12)
+# The runtime (make setup) and, on top of it in the same venv, the test tooling (make setup-dev): both locks agree
+# on every package they share (make lock compiles dev.lock constrained by runtime.lock).
+RUNTIME_LOCK := requirements/runtime.lock
+RUNTIME_STAMP := $(call stamp,$(VENV),runtime,$(RUNTIME_LOCK))
+DEV_LOCK := requirements/dev.lock
+DEV_STAMP := $(call stamp,$(VENV),dev,$(DEV_LOCK))
 LATEST := .venv-latest
 LATEST_BIN := $(LATEST)/bin
 LATEST_LOCK := requirements/dev-latest.lock
-LATEST_STAMP := $(LATEST)/.installed-$(shell sha256sum $(LATEST_LOCK) | cut -c1-12)
+LATEST_STAMP := $(call stamp,$(LATEST),dev,$(LATEST_LOCK))
 LABCTL := /usr/bin/python3 tests/lab/labctl.py
-SYSTEM_PACKAGES := lxc debootstrap openssh-server psmisc iproute2 python3 python3-venv git coreutils systemd prometheus
+# What the lab and the tests need from Debian, installed without recommends. No service is installed for the tests'
+# sake: promtool is taken out of Debian's prometheus package into .cache (make promtool), never the server.
+SYSTEM_PACKAGES := lxc debootstrap openssh-server psmisc iproute2 python3 python3-venv git coreutils systemd
+# tests/unit/test_monitoring.py runs this promtool (PROMTOOL=/path/to/promtool: one of your own instead).
+PROMTOOL ?= $(CURDIR)/.cache/promtool/promtool
+export PROMTOOL
+# `make lock` compiles against PyPI itself, whatever index or find-links this machine's pip or uv settings name.
+UV_COMPILE := env -u UV_INDEX -u UV_INDEX_URL -u UV_DEFAULT_INDEX -u UV_EXTRA_INDEX_URL -u UV_FIND_LINKS \
+	-u UV_CONSTRAINT $(BIN)/uv pip compile --quiet --no-config --universal --generate-hashes \
+	--default-index https://pypi.org/simple
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 # .venv's tools first (once: a sub-make inherits the exported PATH).
 ifeq (,$(findstring $(CURDIR)/$(BIN):,$(PATH)))
@@ -25,48 +45,61 @@ endif
 # The high end's tools first: its ansible-playbook is what molecule and the unit tests' subprocesses run.
 LATEST_ENV := PATH=$(CURDIR)/$(LATEST_BIN):$(PATH)
 
-.PHONY: setup setup-latest lock uv-wheel system-deps lab lab-up lab-down lab-status lint sanity sanity-latest unit molecule \
-	test test-latest unit-latest molecule-latest clean
+.PHONY: setup setup-dev setup-latest lock uv-wheel pve-guard system-deps promtool lab lab-up lab-down lab-status lint \
+	sanity sanity-latest unit molecule test test-latest unit-latest molecule-latest clean
 
-# $(call venv,DIR,LOCK,MINOR): DIR made (or remade, when its Python is not the one find-python picks) on a Python
-# 3.MINOR+ and given exactly LOCK's packages; DIR/.installed-<the lock's hash> says it is done.
+# $(call venv,DIR,LOCK,MINOR,KIND): DIR made (or remade, when its Python is not the one find-python picks) on a
+# Python 3.MINOR+ and given LOCK's packages; $(call stamp,DIR,KIND,LOCK) says it is done.
 define venv
-@python=$$(scripts/find-python $(3)) && echo "setup: $(1) on $$python" && \
+@python=$$(scripts/find-python $(3)) && echo "setup: $(1) on $$python ($(2))" && \
   want=$$("$$python" -c 'import sys; print(sys.prefix, *sys.version_info[:3])') && \
   have=$$($(1)/bin/python -c 'import sys; print(sys.base_prefix, *sys.version_info[:3])' 2>/dev/null || true) && \
   { [ "$$want" = "$$have" ] || { rm -rf $(1) && "$$python" -m venv $(1); }; }
 $(1)/bin/python -m pip install --quiet --disable-pip-version-check --require-hashes -r $(2)
-rm -f $(1)/.installed-* && touch $(1)/.installed-$$(sha256sum $(2) | cut -c1-12)
+rm -f $(1)/.installed-$(4)-* && touch $@
 endef
 
-setup: $(STAMP)  ## Controller venv .venv: ansible-core 2.19 and the tooling on the system's Python 3.11+
+setup: $(RUNTIME_STAMP)  ## The runtime only, in .venv: ansible-core 2.19, ansible-runner, prometheus-client, uv
 
-$(STAMP): $(LOCK)
-	$(call venv,$(VENV),$(LOCK),11)
+$(RUNTIME_STAMP): $(RUNTIME_LOCK)
+	$(call venv,$(VENV),$(RUNTIME_LOCK),11,runtime)
+
+setup-dev: $(DEV_STAMP)  ## The runtime and the test tooling in .venv (molecule, ansible-lint, pytest, ruff): make test's
+
+$(DEV_STAMP): $(DEV_LOCK)
+	$(call venv,$(VENV),$(DEV_LOCK),11,dev)
 
 setup-latest: $(LATEST_STAMP)  ## Second venv .venv-latest: ansible-core 2.21 on a Python 3.12+ (the high end)
 
 $(LATEST_STAMP): $(LATEST_LOCK)
-	$(call venv,$(LATEST),$(LATEST_LOCK),12)
+	$(call venv,$(LATEST),$(LATEST_LOCK),12,dev)
 
-lock: setup  ## Recompile both hashed locks from requirements/*.in with uv
-	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 --generate-hashes requirements/dev.in \
-	  -o requirements/dev.lock
-	$(BIN)/uv pip compile --quiet --universal --python-version 3.12 --generate-hashes requirements/dev-latest.in \
-	  -o requirements/dev-latest.lock
+lock: setup  ## Recompile the hashed locks from requirements/*.in with uv, against PyPI
+	$(UV_COMPILE) --python-version 3.11 requirements/runtime.in -o requirements/runtime.lock
+	$(UV_COMPILE) --python-version 3.11 -c requirements/runtime.lock requirements/dev.in -o requirements/dev.lock
+	$(UV_COMPILE) --python-version 3.12 requirements/dev-latest.in -o requirements/dev-latest.lock
 
-uv-wheel: setup  ## PyPI's uv wheel (requirements/dev.lock's version, hash-checked) in .whl/, for CTs without uv
-	@req=$$(mktemp) && trap 'rm -f "$$req"' EXIT && sed -n '/^uv==/,/^ *# via/p' $(LOCK) | grep -v '# via' > "$$req" && \
+uv-wheel: setup  ## PyPI's uv wheel (requirements/runtime.lock's version, hash-checked) in .whl/, for CTs without uv
+	@req=$$(mktemp) && trap 'rm -f "$$req"' EXIT && sed -n '/^uv==/,/^ *# via/p' $(RUNTIME_LOCK) | grep -v '# via' > "$$req" && \
 	  $(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
 	    --platform manylinux_2_17_x86_64 --require-hashes -r "$$req" -d .whl && ls .whl/uv-*.whl
 
-system-deps:  ## Debian packages the lab and the tests need (LXC, debootstrap, sshd; promtool from prometheus)
+# First in every target that installs system packages or builds the lab, so that it refuses before anything is done.
+pve-guard:
+	@scripts/pve-guard "make $(or $(MAKECMDGOALS),setup)"
+
+system-deps: pve-guard  ## Debian packages the lab and the tests need (LXC, debootstrap, sshd), without recommends
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  [ "$$(id -u)" = 0 ] || { echo "system-deps: run as root to install: $$missing" >&2; exit 1; }; \
 	  echo "system-deps: installing $$missing"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
+
+promtool: $(PROMTOOL)  ## promtool alone, out of Debian's prometheus package, in .cache/promtool (no server installed)
+
+$(PROMTOOL):
+	scripts/fetch-promtool $(@D)
 
 lab-up: system-deps  ## Build (or repair) the lab: CT 200 with 8 GPUs, CT 201, the node's sshd
 	$(LABCTL) create
@@ -77,10 +110,10 @@ lab-down:  ## Remove the lab (the rootfs cache stays)
 lab-status:
 	$(LABCTL) status
 
-lab: setup lab-up  ## Quick start: set up, build the lab, run recover.yml against CT 200
+lab: pve-guard setup lab-up  ## Quick start: set up, build the lab, run recover.yml against CT 200
 	$(BIN)/ansible-playbook -i inventory/lab recover.yml
 
-lint: setup  ## ruff and ansible-lint (production profile)
+lint: setup-dev  ## ruff and ansible-lint (production profile)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@# ansible.cfg's inventory stops any run without -i; a syntax check needs no inventory (ansible-lint turns the
@@ -103,10 +136,10 @@ sanity: setup  ## ansible-test sanity on the collection as built: ansible-core 2
 sanity-latest: setup-latest  ## ansible-test sanity on the high end alone, ansible-core 2.21 (tests/sanity/ignore-2.21.txt)
 	scripts/sanity $(LATEST)
 
-unit: setup system-deps  ## pytest unit tests of library/, module_utils/ and the lab stand-ins (seconds, no lab)
+unit: pve-guard setup-dev system-deps promtool  ## pytest unit tests of library/, module_utils/ and the lab stand-ins (seconds, no lab)
 	$(BIN)/python -m pytest tests/unit -q
 
-molecule: setup system-deps  ## molecule scenarios against the lab (molecule builds and removes it)
+molecule: pve-guard setup-dev system-deps  ## molecule scenarios against the lab (molecule builds and removes it)
 	$(BIN)/molecule test --all
 
 # The high end where a Python 3.12+ exists. A fresh Debian 12 has none: skipped, loudly; under CI=true (CI has
@@ -126,13 +159,13 @@ test-latest:  ## The high end: unit tests and molecule's default scenario on ans
 	  echo "##############################################################################################" >&2; \
 	fi
 
-unit-latest: setup-latest system-deps  ## The unit tests on the high end
+unit-latest: pve-guard setup-latest system-deps promtool  ## The unit tests on the high end
 	$(LATEST_ENV) $(LATEST_BIN)/python -m pytest tests/unit -q -p no:cacheprovider
 
-molecule-latest: setup-latest system-deps  ## Molecule's default scenario on the high end
+molecule-latest: pve-guard setup-latest system-deps  ## Molecule's default scenario on the high end
 	$(LATEST_ENV) $(LATEST_BIN)/molecule test -s default
 
-test: lint unit molecule test-latest  ## Everything CI runs: both ends of the supported ansible-core range
+test: pve-guard lint unit molecule test-latest  ## Everything CI runs: both ends of the supported ansible-core range
 
 clean: lab-down
-	rm -rf $(VENV) $(LATEST) .pytest_cache .ruff_cache reports
+	rm -rf $(VENV) $(LATEST) .pytest_cache .ruff_cache reports .cache/promtool

@@ -16,8 +16,6 @@ warm-up run of each that is not counted):
 * ``drift``: ``drift/runner.py --forks F``, recover.yml ``--check --diff`` through ansible-runner, as the timer runs it.
 * ``recover-per-ct``: ``recover`` with ``-e preflight_per_node=false``: each CT read in a module execution of its
   own, as before 2.1.0.
-* ``recover-linear``: ``recover`` with ``-e recover_strategy=linear``: a forked worker per CT on the controller (the
-  fact pass's strategy before 2.3.0), each node's CTs still read in one execution.
 
 ``--kinds`` runs some of them only. ``--baseline PATH`` names another checkout of this repository (``git worktree add
 /tmp/base v2.4.0``): each kind also runs from there, interleaved with this checkout's in the same loop, as
@@ -59,14 +57,11 @@ FLEET_DIR = Path(os.environ.get("PVE_GPU_FLEET_DIR", "/var/lib/pve-gpu-recover-f
 BIN = Path(sys.executable).parent
 # recover-per-ct: recover.yml with each CT read in an execution of its own (preflight_per_node=false), the way
 # every run read them before 2.1.0, measured in the same loop so the ratio between the two is this run's.
-# recover-linear: recover.yml with Ansible's linear strategy (recover_strategy=linear): a forked worker per CT, as
-# every run before 2.3.0.
-KINDS = ("recover", "drift", "recover-per-ct", "recover-linear")
+KINDS = ("recover", "drift", "recover-per-ct")
 # Each recover kind's extra options.
 RECOVER_KINDS = {
     "recover": [],
     "recover-per-ct": ["-e", "preflight_per_node=false"],
-    "recover-linear": ["-e", "recover_strategy=linear"],
 }
 METRICS = (
     "seconds",

@@ -2,7 +2,7 @@
 # The probe parts' hardware run (docs/hardware.md; 2.4.1, 2.4.2): the fact pass's probe program, which imports no
 # json, subprocess, glob or re in the CT, against a real GPU machine's nvidia-smi, device nodes and NVML libraries;
 # what each piece of a CT's read costs there (bench/per_ct_cost.py: the real nvidia-smi's CPU); the one reading of a
-# venv's layout (pve_ct_venv.site_packages, 2.4.2) by verify's, compile_cache's and the venv step's probes on the
+# venv's layout (ct_venv.site_packages, 2.4.2) by verify's, compile_cache's and the venv step's probes on the
 # machine's real training venv; then converged recover.yml runs in bare mode, where the same probe parts run in
 # the module's threads.
 #   OUT=/some/dir bench/hardware_probe.sh        # with .whl/ (ansible-core and its needs, cp312) carried along
@@ -27,27 +27,28 @@ recover() {  # recover [--check --diff]: one run; its exit code, wall time, chan
     date -u; uname -r; nvidia-smi -L; python3 -V; ansible-playbook --version | head -1
     python3 bench/per_ct_cost.py --runs 30 --venv "$(python3 -c 'import sys; print(sys.prefix)')" \
         --out "$OUT/per_ct_cost.json"
-    # pve_ct_lean against the standard library on the real device nodes, libraries and nvidia-smi, and what the
+    # ct_run against the standard library on the real device nodes, libraries and nvidia-smi, and what the
     # probe program imports and answers here.
     python3 - "$OUT/probe_answer.json" <<'PY'
 import glob, json, os, subprocess, sys
 sys.path.insert(0, "tests")
 import conftest  # noqa: F401  (the collection importable)
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_lean, pve_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import run as ct_run
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import target as node_target
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts as verify
 payload = preflight.probe_payload(dict(preflight.SPEC_DEFAULTS))
 for pattern in (*payload["device_globs"], *payload["library_globs"]):
-    mine, theirs = sorted(pve_ct_lean.glob(pattern)), sorted(glob.glob(pattern))
+    mine, theirs = sorted(ct_run.glob(pattern)), sorted(glob.glob(pattern))
     print(f"== glob {pattern}: {'same' if mine == theirs else 'DIFFERENT'} {mine}" + ("" if mine == theirs else f" != {theirs}"))
 env = dict(os.environ, LC_ALL="C", LANG="C")
-lean = pve_ct_lean.run(payload["nvidia_smi_argv"], 60, env=env)
+lean = ct_run.run(payload["nvidia_smi_argv"], 60, env=env)
 real = subprocess.run(payload["nvidia_smi_argv"], capture_output=True, text=True, env=env, check=False)
 same = (lean["rc"], lean["stdout"].splitlines()[:1], lean["stderr"]) == (real.returncode, real.stdout.splitlines()[:1], real.stderr)
-print(f"== nvidia-smi through pve_ct_lean.run: {'same' if same else 'DIFFERENT'} exit {lean['rc']}, {lean['stdout'].count(chr(10))} lines")
+print(f"== nvidia-smi through ct_run.run: {'same' if same else 'DIFFERENT'} exit {lean['rc']}, {lean['stdout'].count(chr(10))} lines")
 parts = {"preflight": (preflight.PROBE, payload), "verify": (verify.PROBE, verify.probe_payload({"venv": sys.prefix}))}
-program = pve_target.PROBES_MAIN + "\nsys.stderr.write(' '.join(sorted(sys.modules)))\n"
-done = subprocess.run([*pve_target.probes_argv("python3")[:-1], program], input=pve_target.probes_input(parts),
+program = node_target.PROBES_MAIN + "\nsys.stderr.write(' '.join(sorted(sys.modules)))\n"
+done = subprocess.run([*node_target.probes_argv("python3")[:-1], program], input=node_target.probes_input(parts),
                       capture_output=True, text=True, check=True)
 heavy = sorted(set(done.stderr.split()) & {"re", "enum", "json", "subprocess", "glob", "fnmatch", "signal", "locale"})
 print(f"== the probe program imported of re, enum, json, subprocess, glob, fnmatch, signal, locale: {heavy}")

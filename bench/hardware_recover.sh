@@ -1,9 +1,11 @@
 #!/bin/bash
-# Issue 11's hardware run (docs/hardware.md): the whole recover.yml in bare mode on a real NVIDIA GPU machine, every
-# step on, against drift of each kind at once: a stray CUDA holder, a training repo moved off its pinned commit with
+# The whole recover.yml in bare mode on a real NVIDIA GPU machine (docs/hardware.md: issue 11's run, again for 3.0.0),
+# every step on, against drift of each kind at once: a stray CUDA holder, a training repo moved off its pinned commit with
 # local edits, a compile cache stamped for another torch build. The venv step checks the machine's own torch venv
 # (the python3 there) against a lock made from its own freeze (in spec, so it is only ever read); verify asserts
-# that machine's known-good facts (N x NVIDIA H200, torch 2.11.0+cu130, CUDA 13.0).
+# that machine's known-good facts (N x its GPU model, torch 2.11.0+cu130, CUDA 13.0). Then the drift runner's check of
+# the converged host writes its textfile from the real GPUs' health (issue 44), and the log says whether any run
+# printed a warning.
 #   OUT=/some/dir bench/hardware_recover.sh        # with .whl/ (ansible-core and its needs, cp312) carried along
 # Safety: the real run happens only when --check exited 0, planned to end exactly the holder this script started, changed
 # nothing it snapshots (holder alive, repo HEAD and diff, cache listing and stamp, venv freeze), and found the
@@ -30,6 +32,7 @@ for pth in sorted(glob.glob(os.path.join(site, "*.pth"))):
         print(f"the copy drops {os.path.basename(pth)} (no RECORD lists it)")
 PY
 GPUS=$(nvidia-smi -L | wc -l)
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)  # an H200 or an H100, whichever came
 REPO=/tmp/pgr-train CACHE=/tmp/pgr-inductor
 log="$OUT/recover-runs.log"
 : > "$log"
@@ -55,15 +58,15 @@ for _ in $(seq 600); do grep -q held /tmp/stray.out 2>/dev/null && break; sleep 
 HOLDER=$(awk '/held/ {print $2}' /tmp/stray.out)
 [ -n "$HOLDER" ] || { echo "the stray CUDA holder did not start: $(cat /tmp/stray.out)" >&2; exit 1; }
 
-SETTINGS=$(python3 -c 'import json, sys; venv, repo, pinned, cache, warmup, lock, gpus = sys.argv[1:]; print(json.dumps({
+SETTINGS=$(python3 -c 'import json, sys; venv, repo, pinned, cache, warmup, lock, gpus, gpu_name = sys.argv[1:]; print(json.dumps({
     "preflight_min_free_gib": 1, "preflight_space_path": "/tmp", "preflight_expected_gpu_count": int(gpus),
     "training_code_path": repo, "training_code_commit": pinned,
     "training_venv_path": venv, "training_venv_lock_file": lock,
     "compile_cache_enabled": True, "compile_cache_venv": venv, "compile_cache_roots": [cache],
     "compile_cache_warmup": ["python3", warmup], "compile_cache_warmup_timeout": 600,
     "verify_venv": venv, "verify_torch_version": "2.11.0+cu130", "verify_cuda_version": "13.0",
-    "verify_gpu_count": int(gpus), "verify_gpu_name": "NVIDIA H200"}))' \
-    "$VENV" "$REPO" "$PINNED" "$CACHE" "$PWD/bench/flex_step.py" "$OUT/own.lock" "$GPUS")
+    "verify_gpu_count": int(gpus), "verify_gpu_name": gpu_name}))' \
+    "$VENV" "$REPO" "$PINNED" "$CACHE" "$PWD/bench/flex_step.py" "$OUT/own.lock" "$GPUS" "$GPU_NAME")
 echo "== settings: $SETTINGS" >> "$log"
 
 snapshot() {  # what --check must not change
@@ -112,6 +115,13 @@ if [ "$check_rc" = 0 ] && [ "$before" = "$after" ] && [ "$planned" = "$HOLDER" ]
         -e verify_torch_version=2.11.0+cu128 -e verify_cuda_version=12.8
     must_fail "13 playbooks/verify.yml expecting 8 GPUs (must fail)" playbooks/verify.yml -e verify_gpu_count=8
     { echo "== after verify.yml:"; snapshot; } >> "$log" 2>&1
+    # The drift check as the timer runs it: the textfile from the real GPUs (issue 44), the summary, exit 0.
+    echo "$SETTINGS" > "$OUT/settings.json"
+    start=$(date +%s.%N)
+    python3 drift/runner.py --inventory inventory/localhost --extra-vars "@$OUT/settings.json" \
+        --reports-dir "$OUT/drift" --textfile "$OUT/pve_gpu_recover.prom" --summary "$OUT/summary.json" >> "$log" 2>&1
+    echo "== 14 drift/runner.py (the timer's check): exit $?, wall $(python3 -c "print(round($(date +%s.%N) - $start, 2))") s" >> "$log"
+    rm -rf "$OUT/drift"
 else
     echo "== --check failed, changed something or planned more than the holder: no real run" >> "$log"
 fi
@@ -123,5 +133,6 @@ reports = [json.load(open(p)) for p in sorted(glob.glob(out + "/reports/localhos
 json.dump(reports, open(out + "/recover-reports.json", "w"), indent=1)
 PY
 rm -rf "$OUT/reports"
-grep -E "^== .*(exit|wall|UNEXPECTED)|PLAY RECAP|changed=" "$log" | tail -60
+echo "== warnings printed by the runs: $(grep -c '\[WARNING\]\|DEPRECATION' "$log")" >> "$log"
+grep -E "^== .*(exit|wall|UNEXPECTED|warnings)|PLAY RECAP|changed=" "$log" | tail -60
 echo done

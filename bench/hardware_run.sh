@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 RECOVER=(ansible-playbook -i inventory/localhost recover.yml -e preflight_min_free_gib=1
          -e "preflight_expected_gpu_count=$(nvidia-smi -L | wc -l)")
-FIELDS=$(python3 -c 'import sys; sys.path.insert(0, "tests"); import conftest; from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import GPU_FIELDS; print(",".join(f[0] for f in GPU_FIELDS))')
+FIELDS=$(python3 -c 'import sys; sys.path.insert(0, "tests"); import conftest; from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import GPU_FIELDS; print(",".join(f[0] for f in GPU_FIELDS))')
 
 step() { echo; echo "== $* ($(date -u +%H:%M:%S.%N | cut -c1-12))"; }
 {
@@ -19,7 +19,7 @@ step() { echo; echo "== $* ($(date -u +%H:%M:%S.%N | cut -c1-12))"; }
     step /proc/driver/nvidia/version; cat /proc/driver/nvidia/version
     step nvidia majors in /proc/devices; grep -i nvidia /proc/devices
     step device nodes; ls -l /dev/nvidia*
-    step "project GPU query (plugins/module_utils/nvidia_smi.py GPU_FIELDS)"
+    step "project GPU query (plugins/module_utils/node/nvidia_smi.py GPU_FIELDS)"
     nvidia-smi "--query-gpu=$FIELDS" --format=csv; echo "rc=$?"
     step memory query; nvidia-smi --query-gpu=index,uuid,memory.used --format=csv; echo "rc=$?"
 } > "$OUT/captures.txt" 2>&1

@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "collections"))
 
 # pylint: disable=wrong-import-position
-from ansible_collections.pve_gpu.recover.plugins.module_utils import nvidia_smi, pve_target  # noqa: E402
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import nvidia_smi  # noqa: E402
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import target as node_target  # noqa: E402
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import (  # noqa: E402
     facts as preflight_facts,
 )
@@ -58,10 +59,10 @@ def probe_input(venv):
     """The stdin a converged CT's probe program gets: the preflight and verify parts with their default settings."""
     preflight = preflight_facts.probe_payload(dict(preflight_facts.SPEC_DEFAULTS))
     verify = verify_facts.probe_payload({"venv": venv})
-    return pve_target.probes_input(
+    return node_target.probes_input(
         {
-            pve_target.probe_name(preflight_facts.PROBE): (preflight_facts.PROBE, preflight),
-            pve_target.probe_name(verify_facts.PROBE): (verify_facts.PROBE, verify),
+            node_target.probe_name(preflight_facts.PROBE): (preflight_facts.PROBE, preflight),
+            node_target.probe_name(verify_facts.PROBE): (verify_facts.PROBE, verify),
         }
     ).encode()
 
@@ -76,8 +77,8 @@ def pieces(python, venv):
         "nvidia_smi_query_gpu": (nvidia_smi.query_gpu_argv(), None),
         "nvidia_smi_list": ([nvidia_smi.EXECUTABLE, "-L"], None),
         "nvidia_smi_query_apps": (nvidia_smi.query_apps_argv(), None),
-        "probe": (pve_target.probes_argv(python), probe_input(venv)),
-        "probe_with_site": ([python, "-I", "-c", pve_target.PROBES_MAIN], probe_input(venv)),
+        "probe": (node_target.probes_argv(python), probe_input(venv)),
+        "probe_with_site": ([python, "-I", "-c", node_target.PROBES_MAIN], probe_input(venv)),
     }
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import conftest  # noqa: E402,F401  (the collection importable as ansible_collections.pve_gpu.recover)
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import probes_argv, probes_input  # noqa: E402
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.target import probes_argv, probes_input  # noqa: E402
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import (  # noqa: E402
     compare as venv_compare,
 )

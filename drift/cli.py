@@ -41,7 +41,10 @@ def parse_args(argv):
         "--inventory", "-i", action="append", required=True, help="inventory file or directory (repeatable)"
     )
     parser.add_argument(
-        "--project", type=Path, default=root, help="the pve-gpu-recover checkout (default: %(default)s)"
+        "--project",
+        type=Path,
+        default=root,
+        help="the collection whose recover.yml runs: a checkout or an installed copy (default: %(default)s)",
     )
     parser.add_argument(
         "--textfile", type=Path, help="Prometheus textfile to write atomically (e.g. .../pve_gpu_recover.prom)"
@@ -84,8 +87,8 @@ def check_options(args):
     playbook = args.project / PLAYBOOK
     if not playbook.is_file():
         raise DriftError(
-            f"{playbook} not found: --project must be the pve-gpu-recover checkout that holds {PLAYBOOK} "
-            f"(got {args.project})"
+            f"{playbook} not found: --project must be the pve_gpu.recover collection (a checkout or an installed "
+            f"copy) that holds {PLAYBOOK} (got {args.project})"
         )
     inventories = []
     for inventory in args.inventory:

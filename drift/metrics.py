@@ -6,12 +6,16 @@ Prometheus' conventions for batch jobs decide its shape:
 
 * every series a run wrote once stays present while its target is in the inventory: a target that fails, is busy or
   unreachable keeps the drift and needs_window values of its last successful check (the steps this run did read are
-  overlaid), so a drift alert never resolves because the target got worse; ``target_status`` says why and
-  ``last_success_timestamp_seconds`` how old those values are;
+  overlaid), and its GPUs' last readings (those this run read overlaid), so an alert never resolves because the
+  target got worse; ``target_status`` says why and ``last_success_timestamp_seconds`` how old those values are;
 * ``last_success_timestamp_seconds`` is only moved by a run that checked the target (in spec or drift); it survives
   between runs in a state file (``STATE_FILE`` in the reports directory), so a failing target keeps its old value;
 * ``target_status`` tells in_spec, drift, failed, busy and unreachable apart (one series per status, 1 for the
-  target's own), ``target_info`` carries the node, vmid and run id;
+  target's own); ``target_failed``'s ``kind`` says why, from a fixed set (drift/failures.py);
+* labels stay bounded: every series of a target carries its ``node`` and ``vmid`` (the report's, else the
+  inventory's, else the last known), ``target_info`` adds ``id`` (``lxc/<vmid>``, as prometheus-pve-exporter names
+  the CT), a GPU's series its ``index``, ``uuid`` and model ``name``; no label changes from one run to the next
+  (the run id is the summary's alone);
 * a run that failed before it named a target (a broken inventory, the timeout) still writes every target the state
   knows, as failed: the file never goes silent.
 
@@ -29,10 +33,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-from pathlib import Path
 
-from drift.errors import DriftError
+from drift.errors import DriftError, missing_package
+from drift.failures import label as kind_label
 
 try:
     from prometheus_client import CollectorRegistry, Gauge, Info, generate_latest
@@ -49,50 +52,58 @@ STATE_TTL = 14 * 86400
 STATUSES = ("in_spec", "drift", "failed", "busy", "unreachable")
 CHECKED = ("in_spec", "drift")  # a run that got these checked the target: its values are current
 FAILURES = ("failed", "busy", "unreachable")
+TARGET = ("target", "node", "vmid")  # the labels of every series of a target
+GPU = (*TARGET, "index", "uuid", "name")  # ... and of every series of one of its GPUs
+MIB = 1024 * 1024
 # Every family the runner writes: name (without the prefix) -> (type, labels, help). The dashboard's and the alert
-# rules' tests check every query against this list.
+# rules' tests check every query against the textfile rendered from these.
 FAMILIES = {
     "drift": (
         "gauge",
-        ("target", "step"),
+        (*TARGET, "step"),
         "1 when the step of the target is out of spec (check: a run would change it; after --correct: it still is). "
         "A target not checked this run keeps the value of its last successful check.",
     ),
     "needs_window": (
         "gauge",
-        ("target", "step"),
+        (*TARGET, "step"),
         "Things the step of the target leaves to a maintenance window (unsafe unattended); kept like drift.",
     ),
-    "corrected": ("gauge", ("target", "step"), "1 when this run's --correct changed the step of the target."),
+    "corrected": ("gauge", (*TARGET, "step"), "1 when this run's --correct changed the step of the target."),
     "target_status": (
         "gauge",
-        ("target", "status"),
+        (*TARGET, "status"),
         "1 for the target's status in the last run (in_spec, drift, failed, busy, unreachable), 0 for the others.",
     ),
     "target_up": (
         "gauge",
-        ("target",),
+        TARGET,
         "1 when the last run reached the target and got its report; 0 when unreachable, cut off or not reached.",
     ),
     "target_failed": (
         "gauge",
-        ("target",),
-        "1 when the last run failed on the target, another run held it, or it could not be reached.",
+        (*TARGET, "kind"),
+        "1 when the last run failed on the target, another run held it, or it could not be reached; kind says why "
+        "(none when it did not fail).",
     ),
-    "target_info": ("info", ("target", "node", "vmid", "run_id"), "The target's node, vmid and last run id."),
+    "target_info": (
+        "info",
+        (*TARGET, "id"),
+        "The target's node and vmid, and its id as prometheus-pve-exporter names the CT (lxc/<vmid>).",
+    ),
     "last_run_timestamp_seconds": (
         "gauge",
-        ("target",),
+        TARGET,
         "Unix time the last drift run meant to check the target finished, whatever its outcome.",
     ),
     "last_success_timestamp_seconds": (
         "gauge",
-        ("target",),
+        TARGET,
         "Unix time of the last drift run that checked the target (in spec or drift); 0 when none did yet.",
     ),
     "run_duration_seconds": (
         "gauge",
-        ("target",),
+        TARGET,
         "Seconds the ansible-playbook runs that checked (and corrected) the target took in the last run.",
     ),
     "runner_last_run_timestamp_seconds": ("gauge", (), "Unix time the drift runner last finished (any outcome)."),
@@ -104,18 +115,71 @@ FAMILIES = {
     "runner_exit_code": ("gauge", (), "Exit code of the drift runner's last run: 0 in spec, 2 drift, 1 failure."),
     "runner_duration_seconds": ("gauge", (), "Seconds the drift runner's last run took, check and correction."),
     "targets": ("gauge", ("status",), "Targets of the drift runner's last run by status."),
+    "gpu_info": (
+        "gauge",
+        GPU,
+        "1 for each GPU of the target: joins other exporters' series of the same GPU (dcgm-exporter's by UUID).",
+    ),
+    "gpu_read_timestamp_seconds": (
+        "gauge",
+        GPU,
+        "Unix time of the run whose fact pass read the GPU's values below (older than the last run when it failed).",
+    ),
+    "gpu_memory_used_bytes": ("gauge", GPU, "GPU memory in use (nvidia-smi memory.used), after the run."),
+    "gpu_memory_total_bytes": ("gauge", GPU, "GPU memory in all (nvidia-smi memory.total)."),
+    "gpu_ecc_uncorrected_volatile_errors": (
+        "gauge",
+        GPU,
+        "Uncorrected ECC errors since the driver loaded (ecc.errors.uncorrected.volatile.total); a reset clears it.",
+    ),
+    "gpu_remapped_rows_pending": (
+        "gauge",
+        GPU,
+        "1 when a row remapping waits for a GPU reset to take effect (remapped_rows.pending).",
+    ),
+    "gpu_remapped_rows_failure": (
+        "gauge",
+        GPU,
+        "1 when a row remapping has failed in the GPU's life (remapped_rows.failure): no spare rows left.",
+    ),
+    "gpu_retired_pages_pending": (
+        "gauge",
+        GPU,
+        "1 when memory pages wait for retirement at the next reset or reboot (retired_pages.pending; pre-Ampere).",
+    ),
+    "gpu_recovery_action": (
+        "gauge",
+        GPU,
+        "The recovery the driver asks for (gpu_recovery_action as NVML's code): 0 none, 1 GPU reset, 2 node "
+        "reboot, 3 drain peer-to-peer, 4 drain and reset, -1 another action.",
+    ),
+    "gpu_pcie_link_generation": ("gauge", GPU, "Current PCIe link generation (lower when idle, by design)."),
+    "gpu_pcie_link_generation_max": ("gauge", GPU, "Highest PCIe link generation of the GPU in its slot."),
+    "gpu_pcie_link_width": ("gauge", GPU, "Current PCIe link width (lanes)."),
+    "gpu_pcie_link_width_max": ("gauge", GPU, "Widest PCIe link of the GPU in its slot (lanes)."),
+    "gpu_persistence_mode": ("gauge", GPU, "1 when persistence mode is on (the driver stays loaded between jobs)."),
+}
+# A GPU family -> (the summary's key, how its value becomes the sample's).
+GPU_VALUES = {
+    "gpu_memory_used_bytes": ("memory_used_mib", MIB),
+    "gpu_memory_total_bytes": ("memory_total_mib", MIB),
+    "gpu_ecc_uncorrected_volatile_errors": ("ecc_uncorrected_volatile", 1),
+    "gpu_remapped_rows_pending": ("remapped_rows_pending", 1),
+    "gpu_remapped_rows_failure": ("remapped_rows_failure", 1),
+    "gpu_retired_pages_pending": ("retired_pages_pending", 1),
+    "gpu_recovery_action": ("recovery_action", 1),
+    "gpu_pcie_link_generation": ("pcie_link_gen", 1),
+    "gpu_pcie_link_generation_max": ("pcie_link_gen_max", 1),
+    "gpu_pcie_link_width": ("pcie_link_width", 1),
+    "gpu_pcie_link_width_max": ("pcie_link_width_max", 1),
+    "gpu_persistence_mode": ("persistence_mode", 1),
 }
 
 
 def require():
-    """Raise DriftError with the fix when prometheus_client cannot be imported (a venv older than the lock)."""
+    """Raise DriftError with the fix when prometheus_client cannot be imported."""
     if MISSING:
-        lock = Path(__file__).resolve().parent.parent / "requirements" / "dev.lock"
-        raise DriftError(
-            f"prometheus_client is not importable by {sys.executable} ({MISSING}); run the runner with the project's "
-            "venv (.venv/bin/python drift/runner.py ...; `make setup` updates it) or install the pinned one: "
-            f"{sys.executable} -m pip install --require-hashes -r {lock}"
-        )
+        raise DriftError(missing_package("prometheus_client", MISSING))
 
 
 def metric_name(family):
@@ -126,6 +190,11 @@ def metric_name(family):
 def names():
     """Every metric name the runner writes, as queries name them."""
     return sorted(metric_name(family) for family in FAMILIES)
+
+
+def target_id(vmid):
+    """``200`` -> ``lxc/200``: the CT as prometheus-pve-exporter's ``id`` label names it; ``""`` for a bare host."""
+    return f"lxc/{vmid}" if vmid not in (None, "") else ""
 
 
 # -- pure: the state of the runs before this one ---------------------------------------------------------------
@@ -141,22 +210,41 @@ def step_values(steps):
     }
 
 
+def gpu_values(gpus, before, read, *, checked):
+    """A target's GPUs as shown, each with the time its values were ``read``: this run's (all of them when the run
+    checked the target); when it did not, the GPUs it knew before (their values and read times) with whatever this
+    run did read over them, by UUID, so a GPU the failing run could not read keeps its last values."""
+    current = {gpu["uuid"]: dict(gpu, read=read) for gpu in gpus or [] if isinstance(gpu, dict) and gpu.get("uuid")}
+    known = (
+        {}
+        if checked
+        else {g["uuid"]: g for g in before or [] if isinstance(g, dict) and isinstance(g.get("uuid"), str)}
+    )
+    return sorted({**known, **current}.values(), key=by_index)
+
+
+def by_index(gpu):
+    """A GPU's place in the file: its index, then its UUID (a state file edited by hand sorts all the same)."""
+    index = gpu.get("index")
+    return (index if isinstance(index, int) else -1, str(gpu.get("uuid")))
+
+
 def metric_targets(summary, state):
     """``(targets, new_state)``: each target as the textfile shows it, and the state the next run starts from.
 
     A target of the summary that was checked (in spec or drift) shows this run's values and moves its last success;
     a failed, busy or unreachable one shows its last successful check's step values with this run's own readings
-    over them, and keeps its last success. When the run has run-level errors, a target the state knows and the run
-    never named is shown too, as failed, so its series stay. ``targets``: ``{name: {"status", "up", "node",
-    "vmid", "run_id", "seconds", "last_success", "steps": {step: {"drift", "needs_window", "corrected"}}}}``.
+    over them (its GPUs likewise), and keeps its last success. When the run has run-level errors, a target the
+    state knows and the run never named is shown too, as failed, so its series stay. ``targets``: ``{name:
+    {"status", "kind", "up", "node", "vmid", "seconds", "last_success", "steps": {step: {"drift", "needs_window",
+    "corrected"}}, "gpus": [...]}}``.
     """
     state = state if isinstance(state, dict) and state.get("version") == STATE_VERSION else empty_state()
     known = state.get("targets") or {}
     finished = summary["finished_timestamp"]
-    run_id = summary["run_ids"][-1] if summary.get("run_ids") else ""
     shown, kept = {}, {}
     for name, target in summary["targets"].items():
-        before = known.get(name) or {}
+        before = known.get(name) if isinstance(known.get(name), dict) else {}
         current = {
             step: dict(values, corrected=int(bool(target["steps"][step].get("corrected"))))
             for step, values in step_values(target["steps"]).items()
@@ -166,15 +254,17 @@ def metric_targets(summary, state):
         last_success = finished if checked else before.get("last_success")
         node = target.get("node") if target.get("node") is not None else before.get("node")
         vmid = target.get("vmid") if target.get("vmid") is not None else before.get("vmid")
+        gpus = gpu_values(target.get("gpus"), before.get("gpus"), finished, checked=checked)
         shown[name] = {
             "status": target["status"],
+            "kind": kind_label(target.get("kind") or ("none" if checked else "other")),
             "up": target["status"] != "unreachable" and target.get("report") is not None,
             "node": node,
             "vmid": vmid,
-            "run_id": target.get("run_id") or run_id,
             "seconds": target.get("seconds", summary["duration_seconds"]),
             "last_success": last_success,
             "steps": {**carried, **current},
+            "gpus": gpus,
         }
         kept[name] = {
             "node": node,
@@ -182,6 +272,7 @@ def metric_targets(summary, state):
             "seen": finished,
             "last_success": last_success,
             "steps": step_values(target["steps"]) if checked else before.get("steps") or {},
+            "gpus": gpus,
         }
     for name, before in known.items():
         if name in kept or not isinstance(before, dict):
@@ -190,13 +281,14 @@ def metric_targets(summary, state):
             # The run failed before it named this target: shown failed with what was last known, never dropped.
             shown[name] = {
                 "status": "failed",
+                "kind": "no_report",
                 "up": False,
                 "node": before.get("node"),
                 "vmid": before.get("vmid"),
-                "run_id": run_id,
                 "seconds": summary["duration_seconds"],
                 "last_success": before.get("last_success"),
                 "steps": {s: dict(v, corrected=0) for s, v in (before.get("steps") or {}).items()},
+                "gpus": before.get("gpus") or [],
             }
         if finished - float(before.get("seen") or 0) < STATE_TTL:
             kept[name] = before  # not named (--limit, or left the inventory): remembered a while, not shown
@@ -205,6 +297,10 @@ def metric_targets(summary, state):
 
 
 # -- pure: the families ------------------------------------------------------------------------------------------
+def text(value):
+    return "" if value is None else str(value)
+
+
 def registry_of(summary, targets):
     """A prometheus_client registry holding every family of FAMILIES for ``summary`` and its ``targets``."""
     registry = CollectorRegistry(auto_describe=True)
@@ -212,23 +308,31 @@ def registry_of(summary, targets):
     for family, (kind, labels, help_text) in FAMILIES.items():
         if kind == "info":
             metrics[family] = Info(
-                metric_name(family).removesuffix("_info"), help_text, labelnames=("target",), registry=registry
+                metric_name(family).removesuffix("_info"), help_text, labelnames=TARGET, registry=registry
             )
         else:
             metrics[family] = Gauge(metric_name(family), help_text, labelnames=labels, registry=registry)
     for name, target in sorted(targets.items()):
+        where = {"target": name, "node": text(target["node"]), "vmid": text(target["vmid"])}
         for step, values in sorted(target["steps"].items()):
             for family in ("drift", "needs_window", "corrected"):
-                metrics[family].labels(target=name, step=step).set(values[family])
+                metrics[family].labels(**where, step=step).set(values[family])
         for status in STATUSES:
-            metrics["target_status"].labels(target=name, status=status).set(int(target["status"] == status))
-        metrics["target_up"].labels(target=name).set(int(target["up"]))
-        metrics["target_failed"].labels(target=name).set(int(target["status"] in FAILURES))
-        info = {key: "" if target[key] is None else str(target[key]) for key in ("node", "vmid", "run_id")}
-        metrics["target_info"].labels(target=name).info(info)
-        metrics["last_run_timestamp_seconds"].labels(target=name).set(summary["finished_timestamp"])
-        metrics["last_success_timestamp_seconds"].labels(target=name).set(number(target["last_success"]))
-        metrics["run_duration_seconds"].labels(target=name).set(number(target["seconds"]))
+            metrics["target_status"].labels(**where, status=status).set(int(target["status"] == status))
+        metrics["target_up"].labels(**where).set(int(target["up"]))
+        metrics["target_failed"].labels(**where, kind=target["kind"]).set(int(target["status"] in FAILURES))
+        metrics["target_info"].labels(**where).info({"id": target_id(target["vmid"])})
+        metrics["last_run_timestamp_seconds"].labels(**where).set(summary["finished_timestamp"])
+        metrics["last_success_timestamp_seconds"].labels(**where).set(number(target["last_success"]))
+        metrics["run_duration_seconds"].labels(**where).set(number(target["seconds"]))
+        for gpu in target["gpus"]:
+            labels = dict(where, index=text(gpu.get("index")), uuid=gpu["uuid"], name=text(gpu.get("name")))
+            metrics["gpu_info"].labels(**labels).set(1)
+            metrics["gpu_read_timestamp_seconds"].labels(**labels).set(number(gpu.get("read")))
+            for family, (key, scale) in GPU_VALUES.items():
+                value = gpu.get(key)
+                if isinstance(value, (int, float)) and math.isfinite(value):  # no value: no sample, never 0
+                    metrics[family].labels(**labels).set(int(value) * scale)
     metrics["runner_last_run_timestamp_seconds"].set(summary["finished_timestamp"])
     metrics["runner_exit_code"].set(summary["exit_code"])
     metrics["runner_duration_seconds"].set(number(summary.get("duration_seconds")))

@@ -3,9 +3,11 @@
 """The drift runner's side of ansible-runner: one ansible-playbook run of recover.yml, its events, its reports.
 
 Three things ansible-runner would change are set back (its environment replaces ansible.cfg's callbacks, it turns
-host key checking off, it finds ansible-playbook on PATH), and a long step's progress, which Ansible hands to the
-callbacks at each poll of its async job (plugins/module_utils/pve_progress.py), is written to the journal as it
-comes. docs/design.md, "Scheduled drift correction", says why.
+host key checking off, it finds ansible-playbook on PATH), and a long step's progress is written to the journal as
+it comes: the line the step's action prints at each status call of its job (plugins/plugin_utils/long_step.py),
+which ansible-runner hands over as a ``verbose`` event of the step's task, or the progress in a ``runner_on_async_poll``
+event where a playbook has Ansible poll the module (plugins/module_utils/node/progress.py). docs/design.md,
+"Scheduled drift correction", says why.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_progress import KEY as PROGRESS_KEY
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_progress import describe
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.progress import KEY as PROGRESS_KEY
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.progress import describe
 
 from drift import COLLECTIONS, collections_path
-from drift.errors import DriftError
+from drift.errors import DriftError, missing_package
 from drift.files import load_reports, new_dir
 from drift.text import one_line
 from drift.unattended import UNATTENDED
@@ -38,9 +40,20 @@ KEPT_EVENTS = ("runner_on_start", "runner_on_failed", "runner_on_unreachable", "
 
 def progress_line(event):
     """``"train200: training_venv: installing the lock with `uv pip sync` (4m12s): Downloading torch (846.0MiB)"``
-    from a ``runner_on_async_poll`` event whose status carries a step's progress, else ``""``; text the target
-    chose is escaped (pve_progress.describe)."""
+    from an event that carries a long step's progress, else ``""``; text the target chose is escaped.
+
+    Two kinds: the ``verbose`` event of the line a step's action printed (its task's action is the collection's
+    module of that step, and the line names that step after the host), and a ``runner_on_async_poll`` event whose
+    status holds the progress (node_progress.describe)."""
     data = event.get("event_data") or {}
+    if event.get("event") == "verbose":
+        action = str(data.get("resolved_action") or data.get("task_action") or "")
+        text = str(event.get("stdout") or "")
+        step = action.removeprefix("pve_gpu.recover.")
+        ours = action.startswith("pve_gpu.recover.") and text.split(": ", 2)[1:2] == [step]
+        return one_line(text, 700) if ours else ""
+    if event.get("event") != "runner_on_async_poll":
+        return ""
     res = data.get("res") if isinstance(data.get("res"), dict) else {}
     text = describe(res.get(PROGRESS_KEY))
     return f"{one_line(data.get('host') or '?', 200)}: {text}" if text else ""
@@ -50,12 +63,7 @@ def import_ansible_runner():
     try:
         import ansible_runner  # noqa: PLC0415 (optional until a run: the pure functions above work without it)
     except ImportError as error:
-        lock = Path(__file__).resolve().parent.parent / "requirements" / "dev.lock"
-        raise DriftError(
-            f"ansible-runner is not importable by {sys.executable} ({error}); run the runner with the project's "
-            "venv (.venv/bin/python drift/runner.py ...; `make setup` creates it) or install the pinned one: "
-            f"{sys.executable} -m pip install --require-hashes -r {lock}"
-        ) from None
+        raise DriftError(missing_package("ansible-runner", error)) from None
     return ansible_runner
 
 
@@ -108,8 +116,8 @@ def run_playbook(
 ):
     """One ansible-playbook run of recover.yml through ansible-runner: ``phase`` is ``check`` or ``correct``.
 
-    A long step's progress (a venv build or a warm-up polled as an async job) goes to ``log_line`` as it comes: the
-    journal, under systemd. Returns ``{phase, status, rc, seconds, timeout, run_ids, report_dir, log, error,
+    A long step's progress (a venv build or a warm-up followed as an async job) goes to ``log_line`` as it comes:
+    the journal, under systemd. Returns ``{phase, status, rc, seconds, timeout, run_ids, report_dir, log, error,
     reports, events}``.
     """
     report_dir = new_dir(run_dir / phase)
@@ -136,7 +144,7 @@ def run_playbook(
     def on_event(event):
         if event.get("event") in KEPT_EVENTS:
             events.append(event)
-        elif event.get("event") == "runner_on_async_poll":
+        elif event.get("event") in ("verbose", "runner_on_async_poll"):
             line = progress_line(event)
             if line:
                 log_line(line)

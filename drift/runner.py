@@ -40,11 +40,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import drift  # noqa: F401  # pylint: disable=unused-import
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.registry import STEP_NAMES
 
 from drift import metrics
 from drift.cli import check_options, check_unattended, parse_args
 from drift.errors import DriftError, LockHeld
+from drift.failures import failure_kind
 from drift.files import (
     RUN_DIR,
     acquire_lock,
@@ -55,6 +56,8 @@ from drift.files import (
     prune_runs,
     write_atomic,
 )
+from drift.gpus import report_gpus
+from drift.inventory import locate
 from drift.playbook import host_key_checking, import_ansible_runner, public_run, run_playbook
 from drift.text import one_line, shown
 
@@ -78,7 +81,7 @@ EXIT_IN_SPEC, EXIT_FAILED, EXIT_DRIFT = 0, 1, 2
 STATUSES = ("in_spec", "drift", "failed", "busy", "unreachable")
 # Statuses that fail the run: busy is a failure too (the target was not checked), only its cause differs.
 FAILURES = ("failed", "busy", "unreachable")
-# The fact pass's error kinds (plugins/module_utils/pve_lock.py) that mean another run holds the target: ``locked``
+# The fact pass's error kinds (plugins/module_utils/node/lock.py) that mean another run holds the target: ``locked``
 # (its run
 # lock) and ``busy`` (that run has been changing the node's lock directory for seconds).
 BUSY_KINDS = ("locked", "busy")
@@ -88,6 +91,9 @@ DIFF_LINES = 50
 LOCK_ACTIONS = ("target_facts", "target_lock")
 # The order the steps run (the registry's); a step not listed comes last, by name.
 STEP_ORDER = STEP_NAMES
+# Seconds the inventory may take to name the nodes of targets the run never reached, after a run that used its
+# whole --timeout (the timer's unit stops the runner 60 s after it).
+LOCATE = 20
 # A run-level cause that leaves every target of the run without a report, in the words the summary uses.
 RUN_ENDED = {
     "timeout": "the run timed out after {timeout:g} s",
@@ -293,9 +299,19 @@ def summarize_target(name, found, events, *, corrected_run=False, run_status="su
         reason = ("corrected " + ", ".join(corrected)) if corrected else None
     if status == "drift" and any(entry["needs_window"] for entry in steps.values()):
         reason += "; needs a window: " + ", ".join(s for s, e in steps.items() if e["needs_window"])
+    kind = failure_kind(
+        status,
+        steps=STEP_ORDER,
+        report=report if report is not None and report.get("status") == "failed" else None,
+        event=failed or None,
+        run_status=run_status,
+        schema_error="schema_version" in (found or {}),
+    )
+    gpus = report_gpus(report)
     report = report or {}
     return {
         "status": status,
+        "kind": kind,
         "reason": reason,
         "report": (found or {}).get("path"),
         "run_id": report.get("run_id"),
@@ -304,6 +320,8 @@ def summarize_target(name, found, events, *, corrected_run=False, run_status="su
         # The run that holds the target, when the event carried its lock (a report has only the sentence).
         "held_by": failed.get("held_by") if status == "busy" else None,
         "steps": steps,
+        # Each GPU's health as the fact pass read it (drift/gpus.py); [] when it read none.
+        "gpus": gpus,
         "corrected": {step: entry["changes"] for step, entry in steps.items() if entry["corrected"]},
         "needs_window": {step: entry["needs_window"] for step, entry in steps.items() if entry["needs_window"]},
     }
@@ -321,6 +339,7 @@ def readable_report(found):
     return dict(
         found,
         report=None,
+        schema_version=version,
         error=f"the report {found['path']} has schema_version {version!r} and this runner reads {REPORT_SCHEMA}: "
         "update the checkout the runner runs from (drift/) to the one the report callback comes from",
     )
@@ -356,7 +375,13 @@ def merge_correction(checked, corrected):
             continue
         after = corrected.get(name)
         if after is None:
-            after = dict(before, status="failed", reason="the correction run did not reach it", corrected={})
+            after = dict(
+                before, status="failed", kind="no_report", reason="the correction run did not reach it", corrected={}
+            )
+        # What the correction read, else the check's (a correction cut off before its fact pass).
+        after = dict(after, gpus=after.get("gpus") or before.get("gpus") or [])
+        for key in ("node", "vmid"):
+            after[key] = before.get(key) if after.get(key) is None else after[key]
         merged[name] = dict(
             after,
             check={key: before[key] for key in ("status", "reason", "report", "run_id")}
@@ -532,8 +557,6 @@ def main(argv=None, *, ansible_runner=None, clock=time.time, monotonic=time.mono
     previous = {
         sig: signal.signal(sig, lambda number, _frame: stop.append(number)) for sig in (signal.SIGTERM, signal.SIGINT)
     }
-    # The callback sets it to ansible-playbook's own pid; one inherited from a caller would name the wrong process.
-    os.environ.pop("PVE_GPU_RECOVER_CONTROLLER_PID", None)
     deadline = monotonic() + args.timeout
     try:
         if args.correct:
@@ -542,6 +565,12 @@ def main(argv=None, *, ansible_runner=None, clock=time.time, monotonic=time.mono
         summary, run_dir = run_and_summarize(
             args, ansible_runner, cancel=lambda: bool(stop), clock=clock, monotonic=monotonic, deadline=deadline
         )
+        # A target the run never reached is named with its inventory's node and vmid (its series need them):
+        # after a run that used its whole --timeout too, within systemd's margin (not when stopped: it waits).
+        if not stop:
+            unplaced = locate(summary["targets"], ansible_runner, args, timeout=max(deadline - monotonic(), LOCATE))
+            if unplaced:
+                print(unplaced, file=sys.stderr)
         publish(args, summary, run_dir)
         prune_runs(args.reports_dir, args.keep_runs)
         return summary["exit_code"]

@@ -2,13 +2,13 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Text a container chose, made one safe line before the runner shows it (the journal, the summary's reasons).
 
-The escaper is the project's one, ``plugins/module_utils/pve_text.py`` ``printable`` (drift/__init__.py puts the
+The escaper is the project's one, ``plugins/module_utils/node/text.py`` ``printable`` (drift/__init__.py puts the
 collection on the path).
 """
 
 from __future__ import annotations
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
 
 
 def shown(text):

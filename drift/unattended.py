@@ -8,9 +8,10 @@ variable proves nothing (a role can default it and never pass it on), so the run
 recover.yml, in check mode with ``recover_unattended=true``, against a synthetic target on localhost with every
 step on and pending, and looks at what each module was called with:
 
-* a copy of the checkout without its modules (``plugins/modules/``, a role's ``library/``): each module is a stand-in of
-  the same name that does nothing but return the options it got (the fact pass's returns every step pending), so
-  the playbook, roles, templates and action plugins are the checkout's own and nothing real runs;
+* a copy of the checkout without its modules (``library/`` and its links in ``plugins/modules/``, a role's
+  ``library/``): each module is a stand-in of the same name that does nothing but return the options it got (the
+  fact pass's returns every step pending), so the playbook, roles, templates and action plugins are the checkout's
+  own and nothing real runs;
 * the fact pass (``target_facts``) must get ``unattended`` true in the settings of every step in UNATTENDED_STEPS,
   and each of those steps' modules must have run with option ``unattended`` true (Ansible's boolean, as the
   module's spec reads it).
@@ -27,19 +28,24 @@ import sys
 import tempfile
 from pathlib import Path
 
-from drift import collections_path
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps import registry as step_registry
+
+from drift import collections_path  # also puts the collection on sys.path
 
 PLAYBOOK = "recover.yml"
 UNATTENDED = "recover_unattended"
 # The steps that touch what a live job needs (docs/design.md, "Unattended mode"): their modules must honour it.
-UNATTENDED_STEPS = ("gpu_processes", "training_code", "training_venv", "compile_cache")
+# The steps that honour the unattended mode: those whose settings have `unattended` (the registry's, in its order).
+UNATTENDED_STEPS = tuple(
+    name for name in step_registry.STEP_NAMES if "unattended" in step_registry.load_step(name).SPEC
+)
 FACT_PASS = "target_facts"  # noqa: S105 (a module name)
 PROBE_HOST = "unattended-probe"
 PROBE_NODE = "unattended-probe-node"
 # The key the stand-ins return what they got under.
 PROBE_KEY = "pve_gpu_recover_probe"
 # Not copied: nothing Ansible reads for recover.yml (nor hidden top-level directories but .ansible; every module,
-# plugins/modules/ and a role's library/, is replaced by stand-ins).
+# library/, its links in plugins/modules/ and a role's library/, is replaced by stand-ins).
 SKIP_TOP = {"reports", "tests", "docs", "bench", "molecule", "__pycache__"}
 SKIP_ANY = {"library", "__pycache__", ".git", ".venv", ".venv-latest"}
 
@@ -148,10 +154,10 @@ def contract_problems(calls, failures=(), steps=UNATTENDED_STEPS):
 
 # -- the probe run ----------------------------------------------------------------------------------------------------
 def module_names(project):
-    """The modules the checkout ships: ``plugins/modules/*.py`` and every role's ``library/*.py``."""
+    """The modules the checkout ships: ``library/*.py`` (``plugins/modules`` links to them) and every role's
+    ``library/*.py``."""
     project = Path(project)
     found = [
-        *project.glob("plugins/modules/*.py"),
         *project.glob("library/*.py"),
         *project.glob("roles/*/library/*.py"),
     ]
@@ -160,14 +166,13 @@ def module_names(project):
 
 def copy_checkout(project, into):
     """The checkout's files Ansible reads for recover.yml, links kept as links (collections/ then finds the copy),
-    every module a stand-in: plugins/modules/ holds only those, and no role keeps a ``library`` directory."""
-    modules = Path(project) / "plugins" / "modules"
+    every module a stand-in: library/ holds only those (plugins/modules links to it), and no role keeps a
+    ``library`` directory."""
 
     def skip(directory, names):
         top = Path(directory) == Path(project)
         hidden = {n for n in names if top and n.startswith(".") and n != ".ansible"}
-        stand_ins = set(names) if Path(directory) == modules else set()
-        return [n for n in names if n in SKIP_ANY or n in hidden or n in stand_ins or (top and n in SKIP_TOP)]
+        return [n for n in names if n in SKIP_ANY or n in hidden or (top and n in SKIP_TOP)]
 
     shutil.copytree(project, into, symlinks=True, ignore=skip)
     # An installed collection has no collections/ link to itself: the copy gets one, so recover.yml's
@@ -176,9 +181,14 @@ def copy_checkout(project, into):
     if not os.path.lexists(link):
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.join("..", "..", ".."))
-    # Where a collection finds its modules (plugins/modules, by FQCN) and where a plain project does (library/).
-    for stubs in (Path(into) / "plugins" / "modules", Path(into) / "library"):
+    # Where the collection finds its modules (plugins/modules, by FQCN: in a checkout a link to library/) and where
+    # a plain project does (library/).
+    for stubs in (Path(into) / "library", Path(into) / "plugins" / "modules"):
+        if stubs.is_symlink():
+            continue
         stubs.mkdir(parents=True, exist_ok=True)
+        for real in stubs.glob("*.py"):
+            real.unlink()
         for name in [*module_names(project), *UNATTENDED_STEPS, FACT_PASS]:
             (stubs / f"{name}.py").write_text(stub_module(name), encoding="utf-8")
 

@@ -1,5 +1,5 @@
 """Make the collection importable as ansible_collections.pve_gpu.recover (collections/ holds a link to this
-checkout) and its modules (plugins/modules) importable by name."""
+checkout) and its modules (library/) importable by name."""
 
 import sys
 from pathlib import Path
@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 
 sys.path.insert(0, str(ROOT / "collections"))
-sys.path.insert(0, str(ROOT / "plugins" / "modules"))
+sys.path.insert(0, str(ROOT / "library"))
 
 
 def unavailable(reason):

@@ -13,8 +13,9 @@ from ansible.module_utils import _internal as ansible_internal
 from ansible.module_utils.common import warnings as ansible_warnings
 from ansible.module_utils.testing import patch_module_args
 from ansible.release import __version__ as ansible_core_version
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_target
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import CommandResult
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import probes as node_probes
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import target as node_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.command import CommandResult
 
 # The ansible-core that runs the tests, (major, minor): some behaviour differs between the ends of the range.
 ANSIBLE_CORE = tuple(int(part) for part in ansible_core_version.split(".")[:2])
@@ -69,8 +70,8 @@ class FakeRunner:
 def as_pinned(argv, stdin):
     """The argv a test pins for a call: a probes call (``python -I -S -c PROBES_MAIN``, its parts as JSON on stdin) is
     pinned as ``[..., python, "-I", "-", json.dumps(payloads)]``, so each test still asserts every payload exactly
-    (tests/unit/module_utils/test_pve_target.py asserts the real argv and stdin)."""
-    if len(argv) < 4 or argv[-4:] != ["-I", "-S", "-c", pve_target.PROBES_MAIN]:
+    (tests/unit/plugins/module_utils/node/test_target.py asserts the real argv and stdin)."""
+    if len(argv) < 4 or argv[-4:] != ["-I", "-S", "-c", node_target.PROBES_MAIN]:
         return argv
     payloads = json.loads(stdin)["payloads"]
     return [*argv[:-4], "-I", "-", json.dumps(payloads)]
@@ -81,8 +82,8 @@ def run_probes_program(python, parts, prefix=()):
     PROBES_MAIN]`` run for real with Target.run_probes' own stdin (probes_input: the shared modules, then the
     parts), the way a ``pct exec`` runs it. ``prefix`` puts a wrapper in front (``unshare ...``)."""
     done = subprocess.run(
-        [*prefix, *pve_target.probes_argv(str(python))],
-        input=pve_target.probes_input(parts),
+        [*prefix, *node_target.probes_argv(str(python))],
+        input=node_target.probes_input(parts),
         capture_output=True,
         text=True,
         check=False,
@@ -95,7 +96,7 @@ def not_shippable(module):
     """What the part ``module``, or a container-side module it ships, imports that a CT's python lacks: neither the
     standard library nor a container-side module it ships (``SHARED``, at any depth); empty for a part that runs in
     any CT."""
-    shipped = pve_target.shared_modules([module])
+    shipped = node_probes.shared_modules([module])
     imported = set()
     for each in (module, *shipped):
         tree = ast.parse(inspect.getsource(each))
@@ -107,7 +108,7 @@ def not_shippable(module):
 
 def run_module(module, args, runner, monkeypatch, capsys, *, check_mode=False):
     """Run ``module.main()`` with ``args`` and the fake runner; return the JSON it exited with."""
-    monkeypatch.setattr(pve_target, "run_local", runner)
+    monkeypatch.setattr(node_target, "run_local", runner)
     # module.warn() collects process-wide and keeps each text once, as if every module run so far were one: a run
     # in a test is its own, or a warning an earlier test's run gave would be missing from this one's result.
     monkeypatch.setattr(ansible_warnings, "_global_warnings", {})

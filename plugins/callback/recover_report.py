@@ -13,21 +13,24 @@ description:
     changed, ended, saved, swapped, purged), the GPUs and holders after the run, and every task's timing.
   - Exports C(PVE_GPU_RECOVER_CONTROLLER_PID), the pid of ansible-playbook, which the fact pass records in the run
     lock. The run id is the one the fact pass (target_facts) names the run by.
-  - Prints the path of each report at the end of the run, and says so when a step changed something before the
-    run failed (Ansible drops C(changed) from failed tasks, so the recap alone would hide it). Text a target chose
-    (a process name, a file name) is printed as one line, its control characters escaped
-    (plugins/module_utils/pve_text.py).
+  - Prints the path of each report at the end of the run, and says so when a step changed something before a
+    real run failed (Ansible drops C(changed) from failed tasks, so the recap alone would hide it; a check changes
+    nothing, so it never says so). Text a target chose (a process name, a file name) is printed as one line, its
+    control characters escaped (plugins/module_utils/node/text.py).
   - Writes each report through a new temporary file (never an existing file or link) renamed over its path, into
     directories that are neither links nor another user's nor writable by every user; otherwise it warns and
     writes nothing there.
-  - Only targets that ran a task of a recovery step (a role named like a step of plugins/module_utils/pve_steps.py, or
-    the M(pve_gpu.recover.target_facts) fact pass) get a report; other playbooks are left alone.
+  - Only targets that ran a task of a recovery step (a role named like a step of the registry,
+    plugins/module_utils/steps/registry.py, or the M(pve_gpu.recover.target_facts) fact pass) get a report; other
+    playbooks are left alone.
   - Each report carries C(schema_version) (docs/reports.md documents every field). After writing a target's report,
     the oldest reports in its directory beyond O(keep_reports) are removed (regular C(*.json) files only, never a
     link), so the reports of manual runs do not pile up.
-  - A long step run as an async job (the training venv's rebuild, the compile cache's warm-up) is followed while it
-    runs - at each of Ansible's polls the progress its module put in the job's status (the phase, the latest line
-    of the installer or the warm-up, the elapsed time) is printed as one line.
+  - A long step run as an async job (the training venv's rebuild, the compile cache's warm-up) shows its progress
+    while it runs (the phase, the latest line of the installer or the warm-up, the elapsed time), one line per
+    target at each status call - printed by the step's action, which follows the job itself
+    (plugins/plugin_utils/long_step.py). Where a playbook has Ansible poll such a module (C(poll) above 0), this
+    callback prints the same line at each of Ansible's polls.
 version_added: "0.2.0"
 author: pve-gpu-recover contributors (@pve-gpu-recover)
 requirements:
@@ -71,10 +74,10 @@ import time
 
 from ansible import context
 from ansible.plugins.callback import CallbackBase
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_progress import KEY as PROGRESS_KEY
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_progress import describe as describe_progress
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_steps import STEP_NAMES
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.progress import KEY as PROGRESS_KEY
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.progress import describe as describe_progress
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.registry import STEP_NAMES
 
 # The report's shape (docs/reports.md). Bump it when a field changes meaning or goes; a new field needs no bump.
 SCHEMA_VERSION = 1
@@ -270,8 +273,9 @@ class CallbackModule(CallbackBase):
             self.basedir = os.getcwd()
         self.started = time.time()
         # The pid of ansible-playbook itself, for the run lock (the target_facts action reads it): forks inherit
-        # it, and it lives exactly as long as the run.
-        os.environ.setdefault("PVE_GPU_RECOVER_CONTROLLER_PID", str(os.getpid()))
+        # it, and it lives exactly as long as the run. Set, never kept: a run started from another run's task
+        # inherits that run's value, which names the wrong process.
+        os.environ["PVE_GPU_RECOVER_CONTROLLER_PID"] = str(os.getpid())
 
     def v2_playbook_on_task_start(self, task, is_conditional):
         self.task_started[task._uuid] = time.monotonic()
@@ -292,7 +296,8 @@ class CallbackModule(CallbackBase):
         self._record(result, "unreachable")
 
     def v2_runner_on_async_poll(self, result):
-        """A long step's progress at one of Ansible's polls of its async job (plugins/module_utils/pve_progress.py)."""
+        """A long step's progress at one of Ansible's polls of its async job, where a playbook polls the module
+        itself (plugins/module_utils/node/progress.py); the roles' followed jobs print theirs from the action."""
         line = describe_progress(result._result.get(PROGRESS_KEY))
         if line:
             self._display.display(f"{result._host.get_name()}: {line}")
@@ -323,7 +328,7 @@ class CallbackModule(CallbackBase):
         if status in ("failed", "unreachable") and host["error"] is None:
             host["error"] = {"step": role, "task": task.get_name(), "action": action, "msg": data.get("msg")}
             if isinstance(data.get("error"), str):
-                # The module's error kind (pve_errors), e.g. "locked": the drift runner tells another run's lock
+                # The module's error kind (node/errors.py), e.g. "locked": the drift runner tells another run's lock
                 # from a broken target by it.
                 host["error"]["kind"] = data["error"]
         if action == "target_facts" and isinstance(data.get("run_id"), str):
@@ -393,7 +398,8 @@ class CallbackModule(CallbackBase):
             except OSError as error:
                 self._display.warning(f"recover_report: cannot prune {name}'s old reports: {error}")
             changed = [s for s, v in report["steps"].items() if v["changed"] or v.get("killed")]
-            if report["status"] == "failed" and changed:
+            # A check changes nothing: its steps' changed is what they would change (summary_lines says so).
+            if report["status"] == "failed" and changed and not check_mode:
                 self._display.warning(
                     f"{name}: the run failed after {', '.join(changed)} changed the target; see the report"
                 )

@@ -1,6 +1,6 @@
 # Copyright: pve-gpu-recover contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Options every module that reaches a target through plugins/module_utils/pve_target.py shares."""
+"""Options every module that reaches a target through plugins/module_utils/node/target.py shares."""
 
 
 class ModuleDocFragment:
@@ -41,6 +41,22 @@ options:
       - Ignored for a bare host, where the parts and scripts run in this module's own process.
     type: str
     default: python3
+"""
+
+    # The option of the acting modules (plugins/module_utils/node/run_lock.py): one meaning everywhere.
+    RUN_LOCK = r"""
+options:
+  run_lock:
+    description:
+      - The run lock this module works under - the fact pass's C(ansible_facts.pve_gpu_recover.lock) with the run's
+        C(run_id); each step's role passes it when the fact pass ran.
+      - Before it changes the target, the module adds its own process (pid and start time) to that lock's record on
+        the node, and, run as an async job, the async_wrapper processes of its job; it takes them off when it ends.
+        While one of them lives, no other run takes the lock over, whatever its ttl (an async build outlives its
+        controller). A lock that is no longer this run's (taken over after the controller went, or released) fails
+        the module before it changes anything (C(error=locked)).
+      - Unset, or a lock the fact pass did not keep (C(held) false), nothing is recorded (the module run alone).
+    type: dict
 """
 
     # Attributes of the read-only *_info modules.

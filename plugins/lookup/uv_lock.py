@@ -12,6 +12,11 @@ description:
     C(uv --version) of I(uv), so a run compiles (and reaches the indexes) only when one of them changed (another uv
     may resolve differently); every later run reads the cached file. The network options (I(environment),
     I(system_certs), I(index_credentials)) only say how the indexes are reached and are not part of the key.
+  - A cached lock is used only when nobody else could have written it - I(cache_dir) reached from C(/) through no
+    symbolic link, each directory above it root's or this user's and writable by nobody else (or sticky), the
+    directory itself this user's with mode 0700, the file this user's regular file writable by nobody else - and
+    when its first line names its key and the sha256 of the rest, which must match. Anything else is compiled
+    again, with a warning naming what was found; a directory that cannot be trusted is not written to either.
   - Behind a proxy or a private CA, I(environment) gives C(uv pip compile) its variables (C(HTTPS_PROXY),
     C(SSL_CERT_FILE), ...), I(system_certs) makes uv trust the system's certificate store, and I(index_credentials)
     go into a netrc file (mode 0600, in a private temporary directory, removed after the run) that C(NETRC)
@@ -57,7 +62,10 @@ options:
         key: lock_cache_dir
         version_added: "1.1.0"
   uv:
-    description: uv on the controller.
+    description:
+      - uv on the controller. A name without C(/) is looked for first beside the Python that runs Ansible (a
+        venv's C(bin), so C(.venv/bin/ansible-playbook) finds C(.venv/bin/uv) without an activated venv), then
+        on C(PATH).
     type: str
     default: uv
   environment:
@@ -91,15 +99,21 @@ _raw:
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 
 from ansible.errors import AnsibleError
 from ansible.plugins.lookup import LookupBase
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_ct_act import redact
+from ansible.utils.display import Display
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct.act import redact
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import commands as venv_commands
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import network
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import script as venv_script
+from ansible_collections.pve_gpu.recover.plugins.plugin_utils import private_dir
+
+display = Display()
 
 TLS_HINT = (
     "the controller does not trust the TLS certificate of the index or of a proxy on the way: give its CA as "
@@ -107,6 +121,8 @@ TLS_HINT = (
     "controller's system store trusts it"
 )
 _UV_VERSIONS = {}  # (uv's path, mtime, size) -> its `uv --version`: asked once per controller process
+# A cached lock's first line: its key and the sha256 of the rest (the lock as uv wrote it).
+ENTRY_HEADER = re.compile(r"# pve-gpu-recover uv_lock ([0-9a-f]{24}) sha256:([0-9a-f]{64})\n")
 
 
 def compile_argv(uv, options, output):
@@ -142,14 +158,35 @@ def cache_key(requirements, options):
     return hashlib.sha256(data.encode()).hexdigest()[:24] + ".lock"
 
 
+def find_uv(uv, python=None, path=None):
+    """The uv to run for the option ``uv``: a path as given; a name beside ``python`` (the Python that runs Ansible,
+    ``sys.executable``: ``.venv/bin/ansible-playbook`` run without an activated venv finds ``.venv/bin/uv``), else
+    on ``path`` (``$PATH``). AnsibleError naming both places when it is in neither."""
+    if "/" in uv:
+        if os.path.isfile(uv) and os.access(uv, os.X_OK):
+            return uv
+        raise AnsibleError(f"uv_lock: cannot run {uv}: no such executable on the controller; install uv there")
+    here = os.path.dirname(python or sys.executable)
+    beside = os.path.join(here, uv)
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(uv, path=path)
+    if found:
+        return found
+    raise AnsibleError(
+        f"uv_lock: cannot run {uv}: it is not found on the controller, neither beside the Python that runs Ansible "
+        f"({here}) nor on PATH; install uv there (`make setup` puts it in .venv/bin) or set its path"
+    )
+
+
 def uv_version(uv, env=None):
-    """``uv --version`` of ``uv`` (``uv 0.13.9 (x86_64-unknown-linux-gnu)``), asked once per process and file."""
-    found = shutil.which(uv) if "/" not in uv else uv
+    """``uv --version`` of ``uv`` (a path: find_uv) (``uv 0.13.9 (x86_64-unknown-linux-gnu)``), asked once per
+    process and file."""
     try:
-        info = os.stat(found or uv)
+        info = os.stat(uv)
     except OSError:
         raise AnsibleError(f"uv_lock: cannot run {uv}: it is not found on the controller; install uv there") from None
-    key = (os.path.realpath(found or uv), info.st_mtime_ns, info.st_size)
+    key = (os.path.realpath(uv), info.st_mtime_ns, info.st_size)
     if key not in _UV_VERSIONS:
         try:
             done = subprocess.run([uv, "--version"], capture_output=True, text=True, timeout=60, check=False, env=env)
@@ -165,10 +202,69 @@ def compile_env(settings, netrc_path=None):
     """The environment of ``uv pip compile``: the controller's, plus the network settings (``environment``,
     ``system_certs``) and ``NETRC`` when credentials were written to ``netrc_path``."""
     env = dict(os.environ)
-    env.update(venv_script.network_env(settings))
+    env.update(venv_commands.network_env(settings))
     if netrc_path:
         env["NETRC"] = netrc_path
     return env
+
+
+def entry_text(key, lock):
+    """A cache file's text: ENTRY_HEADER (``key``, the sha256 of ``lock``), then ``lock`` as uv wrote it (pure)."""
+    return f"# pve-gpu-recover uv_lock {key} sha256:{hashlib.sha256(lock.encode()).hexdigest()}\n{lock}"
+
+
+def entry_lock(key, raw):
+    """The lock a cache file's bytes ``raw`` hold for ``key``; private_dir.Untrusted when they are not what
+    entry_text wrote for that key (another key's lock, a changed lock, no header: never used) (pure)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise private_dir.Untrusted("it is not UTF-8 text") from None
+    header = ENTRY_HEADER.match(text)
+    if header is None:
+        raise private_dir.Untrusted("its first line does not name its key and the sha256 of the lock")
+    lock = text[header.end() :]
+    if header[1] != key:
+        raise private_dir.Untrusted(f"it names the key {header[1]}, not its own ({key})")
+    if hashlib.sha256(lock.encode()).hexdigest() != header[2]:
+        raise private_dir.Untrusted("its lock does not match the sha256 its first line names (changed since)")
+    return lock
+
+
+def open_cache(cache_dir):
+    """The cache directory's descriptor, or None (with a warning) when someone else could write there."""
+    try:
+        return private_dir.open_private_dir(cache_dir)
+    except (private_dir.Untrusted, OSError) as why:
+        display.warning(
+            f"uv_lock: the lock cache {cache_dir} is not used ({why}): the lock is compiled and not kept; make it a "
+            "directory of your own with mode 0700 reached through no symbolic link, or set "
+            "training_venv_lock_cache_dir (PVE_GPU_RECOVER_LOCK_CACHE_DIR) to one"
+        )
+        return None
+
+
+def cached_lock(dir_fd, cache_dir, name):
+    """The lock kept as ``name``, or None (none kept, or one that cannot be trusted: with a warning)."""
+    try:
+        raw = private_dir.read_private(dir_fd, name)
+        return None if raw is None else entry_lock(name.removesuffix(".lock"), raw)
+    except (private_dir.Untrusted, OSError) as why:
+        display.warning(f"uv_lock: the cached lock {os.path.join(cache_dir, name)} is ignored ({why}); compiling again")
+        return None
+
+
+def failure_message(requirements, rc, stderr, secrets):
+    """What a failed ``uv pip compile`` says: the cause and the fix on the first line (a TLS failure names the
+    certificate and the settings that fix it), then uv's own last lines; the secrets masked (pure)."""
+    line = redact(venv_commands.failure_line(stderr), secrets)
+    tls = venv_commands.TLS_FAILURE.search(stderr or "")
+    if tls:
+        said = line if tls.group(0) in line else f"{line} ({tls.group(0)})"
+        first = f"uv_lock: {TLS_HINT} (uv pip compile for {requirements}: {said})"
+    else:
+        first = f"uv_lock: uv pip compile failed for {requirements} (exit {rc}): {line}"
+    return f"{first}\n{redact(stderr.strip()[-1500:], secrets)}"
 
 
 class LookupModule(LookupBase):
@@ -188,23 +284,26 @@ class LookupModule(LookupBase):
         wrong = network.network_problem(settings)
         if wrong:
             raise AnsibleError(f"uv_lock: {wrong} (training_venv_compile_environment, training_venv_index_credentials)")
-        uv = self.get_option("uv")
+        uv = find_uv(self.get_option("uv"))
         options["uv_version"] = uv_version(uv, compile_env(settings))
-        cache_dir = os.path.expanduser(self.get_option("cache_dir"))
-        path = os.path.join(cache_dir, cache_key(requirements, options))
-        if not os.path.exists(path):
-            self.compile(uv, requirements, options, settings, path)
-        with open(path, encoding="utf-8") as handle:
-            return [handle.read()]
+        cache_dir = os.path.abspath(os.path.expanduser(self.get_option("cache_dir")))
+        name = cache_key(requirements, options)
+        dir_fd = open_cache(cache_dir)
+        try:
+            lock = None if dir_fd is None else cached_lock(dir_fd, cache_dir, name)
+            if lock is None:
+                lock = self.compile(uv, requirements, options, settings)
+                if dir_fd is not None:
+                    private_dir.write_private(dir_fd, name, entry_text(name.removesuffix(".lock"), lock).encode())
+        finally:
+            if dir_fd is not None:
+                os.close(dir_fd)
+        return [lock]
 
     @staticmethod
-    def compile(uv, requirements, options, settings, path):
-        """Compile into ``path`` through a temporary file (a reader never sees half a lock); the credentials go to a
-        netrc file in a private temporary directory, removed after."""
-        cache_dir = os.path.dirname(path)
-        os.makedirs(cache_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=cache_dir, suffix=".partial", delete=False) as handle:
-            partial = handle.name
+    def compile(uv, requirements, options, settings):
+        """The lock's text, compiled in a private temporary directory (mode 0700, removed after) that also holds
+        the credentials' netrc file."""
         secrets = network.secrets_of(settings)
         private = tempfile.mkdtemp(prefix="pve-gpu-recover-uv-lock-")  # mode 0700
         try:
@@ -213,25 +312,22 @@ class LookupModule(LookupBase):
                 netrc_path = os.path.join(private, "netrc")
                 with open(os.open(netrc_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as netrc:
                     netrc.write(network.netrc_text(settings["index_credentials"]))
-            done = subprocess.run(
-                compile_argv(uv, options, partial),
-                input="\n".join(requirements) + "\n",
-                capture_output=True,
-                text=True,
-                timeout=600,
-                check=False,
-                env=compile_env(settings, netrc_path),
-            )
-        except (OSError, subprocess.TimeoutExpired) as error:
-            os.unlink(partial)
-            raise AnsibleError(f"uv_lock: cannot run uv pip compile: {redact(str(error), secrets)}") from None
+            output = os.path.join(private, "lock.txt")
+            try:
+                done = subprocess.run(
+                    compile_argv(uv, options, output),
+                    input="\n".join(requirements) + "\n",
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                    check=False,
+                    env=compile_env(settings, netrc_path),
+                )
+            except (OSError, subprocess.TimeoutExpired) as error:
+                raise AnsibleError(f"uv_lock: cannot run uv pip compile: {redact(str(error), secrets)}") from None
+            if done.returncode != 0:
+                raise AnsibleError(failure_message(requirements, done.returncode, done.stderr, secrets))
+            with open(output, encoding="utf-8") as handle:
+                return handle.read()
         finally:
             shutil.rmtree(private, ignore_errors=True)
-        if done.returncode != 0:
-            os.unlink(partial)
-            said = redact(done.stderr.strip()[-1500:], secrets)
-            hint = f"; {TLS_HINT}" if venv_script.TLS_FAILURE.search(done.stderr) else ""
-            raise AnsibleError(
-                f"uv_lock: uv pip compile failed for {requirements} (exit {done.returncode}): {said}{hint}"
-            )
-        os.replace(partial, path)

@@ -103,8 +103,9 @@ NODE_NAME = NODE["node"]
 DRIVER_VERSION = "580.159.04"
 MISMATCHED_LIBRARY = "580.95.05"
 SUITE = "bookworm"
-# What the CT rootfs needs now: python3 for probes and venvs, git for the training code, procps/psmisc for people.
-PACKAGES = ("python3", "python3-venv", "git", "psmisc", "procps", "ca-certificates", "coreutils")
+# What the CT rootfs needs now: python3 for probes and venvs, git (and Debian's git-lfs: a training repository on
+# LFS, molecule/training_code) for the training code, procps/psmisc for people. The cache is keyed by this list.
+PACKAGES = ("python3", "python3-venv", "git", "git-lfs", "psmisc", "procps", "ca-certificates", "coreutils")
 RECIPE_VERSION = "1"  # bump when the rootfs recipe changes so the cache is rebuilt
 # CTs of the lab: CT 200 is the training container with eight GPUs; CT 201 is a neighbour with two GPUs of its
 # own (the node has ten), whose processes recovery of CT 200 must never touch. CT 201 gets them in reverse order

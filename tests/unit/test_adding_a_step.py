@@ -1,8 +1,10 @@
-"""docs/design.md's "Adding a step", followed to the letter for a trivial demo step in a copy of this checkout: the
-step's package, one line in the registry, its module, its role and its two lines in the recover playbook. Nothing
-else is edited, and the copy then works: the registry runs the step in the fact pass (shipped by Ansible's own
-AnsiballZ from the collection), the step list is consistent everywhere (the copy's own tests/unit/test_step_list.py
-passes), the module and the role are found by their FQCN, and the playbook imports them. The demo is never shipped.
+"""docs/design.md's "Adding a step", followed to the letter for a trivial demo step in a copy of this checkout: its
+package, one line in the registry, its module, its role and one import in the recover playbook, and a row of the
+README's table: ten files (three of them the package's, one of those the empty __init__.py Ansible's module finder
+needs). Nothing else is edited, and the copy then works: every generic test of the steps passes in the copy (the step
+list, one truth per setting, the unattended probe's list), the registry runs the step in the fact pass (shipped by
+Ansible's own AnsiballZ from the collection), the module and the role are found by their FQCN, the playbook imports
+them, and the role acts, then is converged. The demo is never shipped.
 """
 
 import json
@@ -32,6 +34,10 @@ SPEC = {"marker": {"type": "path", "default": "/etc/pve-gpu-recover-demo"}}
 NODE_READ_NEEDS_ANSWER = False
 
 
+def check_spec(spec):
+    return ""
+
+
 def probe_payload(spec, timeout):
     return {"marker": spec["marker"]}
 
@@ -46,26 +52,33 @@ def evaluate_step(spec, answer, node, context):
     return {"changes": changes, "problems": [], "diff": {"before": "", "after": ""}, "pending": missing}
 '''
 PROBE = '''\
-"""The demo step's probe: standard library only, read only."""
+"""The demo step's probe and acting script (one file for a demo): standard library only."""
 
 import os
 
 
 def probe(payload):
+    if "create" in payload:
+        with open(payload["create"], "w", encoding="utf-8"):
+            return {"created": payload["create"]}
     return {"exists": os.path.exists(payload["marker"])}
 '''
 # 3. Its module and role.
 MODULE = '''\
+#!/usr/bin/python
 DOCUMENTATION = r"""
 module: demo
 short_description: The demo step (a test's)
-description: [Creates the marker file.]
+description: [Creates the marker file in the target.]
 author: pve-gpu-recover contributors
+extends_documentation_fragment:
+  - pve_gpu.recover.pve_target
+  - pve_gpu.recover.pve_target.python
 options:
   marker:
     description: The file.
     type: path
-    required: true
+    default: /etc/pve-gpu-recover-demo
 """
 EXAMPLES = r"""
 - name: Demo
@@ -73,23 +86,34 @@ EXAMPLES = r"""
     marker: /tmp/x
 """
 RETURN = r"""
-created:
-  description: Whether it created the file.
+changes:
+  description: What it created.
   returned: always
-  type: bool
+  type: list
+  elements: str
 """
-import os
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.act_runner import ActingStep, run_step_module
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.target import (
+    PYTHON_ARGUMENT_SPEC,
+    TARGET_ARGUMENT_SPEC,
+)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.demo import facts as demo_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.demo import probe as demo_probe
 
-from ansible.module_utils.basic import AnsibleModule
+ARGUMENT_SPEC = {**TARGET_ARGUMENT_SPEC, **demo_facts.SPEC, **PYTHON_ARGUMENT_SPEC}
+
+
+class Demo(ActingStep):
+    facts = demo_facts
+    argument_spec = ARGUMENT_SPEC
+    script = demo_probe
+
+    def act_payload(self, run, before):
+        return {"create": run.spec["marker"]}, run.params["timeout"]
 
 
 def main():
-    module = AnsibleModule({"marker": {"type": "path", "required": True}}, supports_check_mode=True)
-    marker = module.params["marker"]
-    created = not os.path.exists(marker)
-    if created and not module.check_mode:
-        open(marker, "w").close()
-    module.exit_json(changed=created, created=created)
+    run_step_module(Demo())
 
 
 if __name__ == "__main__":
@@ -97,12 +121,15 @@ if __name__ == "__main__":
 '''
 ROLE = {
     "defaults/main.yml": "---\ndemo_enabled: false\ndemo_marker: /etc/pve-gpu-recover-demo\n",
-    "tasks/settings.yml": "---\n[]\n",
     "tasks/main.yml": textwrap.dedent("""\
         ---
         - name: Create the marker
           pve_gpu.recover.demo:
+            vmid: "{{ pve_vmid | default(omit) }}"
+            node_name: "{{ pve_node | default(inventory_hostname) }}"
             marker: "{{ demo_marker }}"
+            python: "{{ preflight_python | default('python3') }}"
+          delegate_to: "{{ pve_node | default(inventory_hostname) }}"
           when:
             - demo_enabled | bool
             - ansible_facts.pve_gpu_recover.demo.pending | default(true)
@@ -113,22 +140,30 @@ ROLE = {
           main:
             short_description: The demo step
             options:
-              demo_enabled: {type: bool, description: Whether the step runs.}
-              demo_marker: {type: path, description: The marker file.}
+              demo_enabled: {type: bool, default: false, description: Whether the step runs.}
+              demo_marker: {type: path, default: /etc/pve-gpu-recover-demo, description: The marker file.}
         """),
 }
 
 
 def add_demo_step(copy):
-    """Exactly docs/design.md's list, and nothing else."""
-    package = copy / "plugins" / "module_utils" / "steps" / "demo"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "facts.py").write_text(FACTS)
-    (package / "probe.py").write_text(PROBE)
+    """Exactly docs/design.md's list, and nothing else; returns the files it wrote, relative to the copy."""
+    written = []
+
+    def write(name, text):
+        path = copy / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        written.append(name)
+
+    # 1. The step's package.
+    package = "plugins/module_utils/steps/demo"
+    write(f"{package}/__init__.py", "")
+    write(f"{package}/facts.py", FACTS)
+    write(f"{package}/probe.py", PROBE)
     # 2. The registry: one loader and its line in LOADERS, after the last step.
-    registry = copy / "plugins" / "module_utils" / "pve_steps.py"
-    text = registry.read_text()
+    registry = "plugins/module_utils/steps/registry.py"
+    text = (copy / registry).read_text()
     loader = (
         "def _demo():\n"
         "    from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.demo import facts  # noqa: PLC0415\n\n"
@@ -136,61 +171,47 @@ def add_demo_step(copy):
     )
     text = text.replace("# In the order the steps run;", loader + "# In the order the steps run;", 1)
     text = re.sub(r'(\n    "verify": _verify,\n)', r'\1    "demo": _demo,\n', text, count=1)
-    registry.write_text(text)
-    (copy / "plugins" / "modules" / "demo.py").write_text(MODULE)
+    write(registry, text)
+    # 3. Its module.
+    write("library/demo.py", MODULE)
+    # 4. Its role.
     for name, content in ROLE.items():
-        path = copy / "roles" / "demo" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
-    # 4. The recover playbook: its settings, its name for the fact pass, its acting role.
-    playbook = copy / "playbooks" / "recover.yml"
-    text = playbook.read_text()
-    settings = (
-        "    - name: Load the demo settings\n      ansible.builtin.import_role:\n"
-        "        name: pve_gpu.recover.demo\n        tasks_from: settings\n"
-    )
-    text = text.replace(
-        "\n    # The fact pass module checks", "\n" + settings + "\n    # The fact pass module checks", 1
-    )
-    text = text.replace("compile_cache, verify]", "compile_cache, verify, demo]", 1)
-    playbook.write_text(text)
-    steps = copy / "playbooks" / "tasks" / "steps.yml"
-    text = steps.read_text()
+        write(f"roles/demo/{name}", content)
+    # 5. The recover playbook: its acting role, after the last step.
+    playbook = "playbooks/recover.yml"
+    text = (copy / playbook).read_text()
     acting = (
-        "    - name: Demo\n      ansible.builtin.import_role:\n        name: pve_gpu.recover.demo\n"
-        "        rolespec_validate: false\n      tags: [demo]\n\n  always:"
+        "        - name: Demo\n          ansible.builtin.import_role:\n            name: pve_gpu.recover.demo\n"
+        "            rolespec_validate: false\n          tags: [demo]\n\n      always:"
     )
-    steps.write_text(text.replace("\n  always:", "\n" + acting, 1))
-    # The docs the step-list test reads: a row of the README's table and an entry of design.md's steps.
-    readme = copy / "README.md"
-    (verify_row,) = [line for line in readme.read_text().splitlines() if re.match(r"\| \d\. verify", line)]
-    readme.write_text(readme.read_text().replace(verify_row, verify_row + "\n| 9. demo | `demo` | a demo |", 1))
-    design = copy / "docs" / "design.md"
-    text = design.read_text()
-    design.write_text(
-        text.replace(
-            "\n## Scheduled drift correction", "\n9. **Demo** (role `demo`)\n\n## Scheduled drift correction", 1
-        )
-    )
-    target_facts = copy / "plugins" / "modules" / "target_facts.py"
-    text = target_facts.read_text()
-    target_facts.write_text(re.sub(r"(Known steps, in their order[\s\S]*?C\(verify\))", r"\1, C(demo)", text, count=1))
+    write(playbook, text.replace("\n      always:", "\n" + acting, 1))
+    # 6. The README's table of steps.
+    readme = (copy / "README.md").read_text()
+    (verify_row,) = [line for line in readme.splitlines() if re.match(r"\| \d\. verify", line)]
+    write("README.md", readme.replace(verify_row, verify_row + "\n| 9. demo | `demo` | a demo |", 1))
+    return written
 
 
 @pytest.fixture(scope="module")
-def copy(tmp_path_factory):
-    """This checkout's tracked files (collections/ is a relative link: in the copy it finds the copy)."""
+def added(tmp_path_factory):
+    """This checkout's files (tracked and new; collections/ and plugins/modules are relative links: in the copy they
+    find the copy), the demo step added: ``(copy, the files the list wrote)``."""
     copy = tmp_path_factory.mktemp("added") / "checkout"
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    for name in filter(None, files.decode().split("\0")):
+    listed = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    files = subprocess.run(listed, cwd=ROOT, capture_output=True, check=True).stdout
+    for name in sorted(set(filter(None, files.decode().split("\0")))):
         source, target = ROOT / name, copy / name
         target.parent.mkdir(parents=True, exist_ok=True)
         if source.is_symlink():
             target.symlink_to(os.readlink(source))
         elif source.is_file():
             shutil.copy2(source, target)
-    add_demo_step(copy)
-    return copy
+    return copy, add_demo_step(copy)
+
+
+@pytest.fixture(scope="module")
+def copy(added):
+    return added[0]
 
 
 def env_for(copy, tmp_path):
@@ -205,18 +226,20 @@ def env_for(copy, tmp_path):
     return env
 
 
-def test_the_list_is_what_design_md_says(copy):
+def test_the_list_is_what_design_md_says_and_ten_files(added):
+    copy, written = added
     text = (ROOT / "docs" / "design.md").read_text()
     section = text[text.index("\n## Adding a step") : text.index("\n## The lab")]
     for place in (
         "plugins/module_utils/steps/<step>/",
         "LOADERS",
-        "plugins/modules/<step>.py",
+        "library/<step>.py",
         "roles/<step>/",
         "playbooks/recover.yml",
-        "playbooks/tasks/steps.yml",
+        "README.md",
     ):
         assert place in section, place
+    assert len(written) == len(set(written)) == 10, written
     changed = subprocess.run(
         ["git", "diff", "--no-index", "--stat", str(ROOT / "roles" / "verify"), str(copy / "roles" / "verify")],
         capture_output=True,
@@ -226,17 +249,26 @@ def test_the_list_is_what_design_md_says(copy):
     assert changed.stdout == ""  # no other step's files were touched
 
 
-def test_the_copys_step_list_is_consistent_everywhere(copy):
+# The tests that hold every step to the same rules, whatever the step.
+GENERIC = [
+    "tests/unit/test_step_list.py",
+    "tests/unit/test_step_settings.py",
+    "tests/unit/drift/test_unattended.py::test_this_checkout_runs_every_acting_step_unattended",
+]
+
+
+def test_the_copy_passes_every_generic_test_of_the_steps(copy):
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_step_list.py"],
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *GENERIC],
         cwd=copy,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         check=False,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    # The demo itself was among what they checked (a test that skipped it would prove nothing).
+    assert "test_each_setting_is_declared_once_and_agrees_everywhere[demo] PASSED" in done.stdout, done.stdout[-4000:]
 
 
 def test_the_real_fact_pass_ships_and_registers_the_new_step(copy, tmp_path):
@@ -277,14 +309,14 @@ def test_the_registry_reads_and_evaluates_the_new_step_in_the_one_probe_run(copy
     one probe run, its facts evaluated (pending while the marker is missing, converged once it exists)."""
     program = textwrap.dedent("""\
         import json, sys
-        from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
-        from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target
-        specs = pve_steps.validate_specs({"demo": {"marker": sys.argv[1]}})
-        parts = pve_steps.probe_parts(specs, 30)
+        from ansible_collections.pve_gpu.recover.plugins.module_utils.steps import registry as step_registry
+        from ansible_collections.pve_gpu.recover.plugins.module_utils.node.target import Target
+        specs = step_registry.validate_specs({"demo": {"marker": sys.argv[1]}})
+        parts = step_registry.probe_parts(specs, 30)
         answers = Target().run_probes(parts)
-        demo = pve_steps.load_step("demo")
+        demo = step_registry.load_step("demo")
         facts = demo.evaluate_step(specs["demo"], answers["demo"]["answer"], {}, {"steps": {}})
-        print(json.dumps({"names": list(pve_steps.STEP_NAMES), "parts": list(parts), "facts": facts}))
+        print(json.dumps({"names": list(step_registry.STEP_NAMES), "parts": list(parts), "facts": facts}))
         """)
     marker = tmp_path / "marker"
     env = dict(env_for(copy, tmp_path), PYTHONPATH=str(copy / "collections"))

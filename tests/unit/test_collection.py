@@ -1,7 +1,7 @@
 """The collection as someone else gets it (docs/collection.md): `ansible-galaxy collection build` of this checkout,
 installed with `ansible-galaxy collection install` into a temporary collections path, then used from a directory
 that has no ansible.cfg of ours, with nothing on the collections path but that install. Its modules, action,
-callback, lookup, strategy, roles and playbooks must resolve by their FQCN from the installed copy, and the
+callback, lookup, roles and playbooks must resolve by their FQCN from the installed copy, and the
 artifact must hold nothing a checkout keeps for itself (the link to itself, the venvs, caches, the measurements)."""
 
 import json
@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from packaging.specifiers import SpecifierSet
 
 from tests.conftest import ROOT
 
@@ -30,6 +31,13 @@ FORBIDDEN = re.compile(
     r"^(collections|\.venv|\.venv-latest|\.cache|\.ansible|\.pytest_cache|\.ruff_cache|\.whl|\.device|dist|reports"
     r"|bench|docs/benchmarks|docs/hardware|tests/output)(/|$)|(^|/)__pycache__(/|$)|\.pyc$|rootfs"
 )
+# What only development uses: the test tooling, its locks and settings, the lab (its code, inventories and
+# playbook), molecule, every test but the sanity ignores `ansible-test sanity` on the artifact reads.
+DEV_ONLY = re.compile(
+    r"^(Makefile|scripts|molecule|\.config|\.ci|\.ansible-lint|\.gitignore|ruff\.toml|pytest\.ini|bench"
+    r"|inventory/lab[^/]*|playbooks/lab\.yml|requirements/(dev[^/]*|tools\.in)|tests/(?!sanity(/|$))[^/]+)(/|$)"
+)
+RUNTIME = yaml.safe_load((ROOT / "meta" / "runtime.yml").read_text())
 
 
 def run(*argv, cwd, env, check=True):
@@ -78,7 +86,9 @@ def test_the_artifact_holds_the_collection_and_nothing_a_checkout_keeps_for_itse
         members = tar.getmembers()
     names = {m.name for m in members}
     assert [m.name for m in members if FORBIDDEN.search(m.name)] == []
-    assert [m.name for m in members if m.issym() or m.islnk()] == []  # the self-link above all
+    # The only link: plugins/modules -> library/, the design card's place for the module files (the collection maps
+    # onto the same files); never the checkout's link to itself.
+    assert {m.name: m.linkname for m in members if m.issym() or m.islnk()} == {"plugins/modules": "../library"}
     for needed in (
         "LICENSE",
         "CHANGELOG.md",
@@ -94,6 +104,49 @@ def test_the_artifact_holds_the_collection_and_nothing_a_checkout_keeps_for_itse
         assert needed in names, needed
 
 
+def test_the_artifact_holds_no_file_only_development_uses(installed):
+    with tarfile.open(installed.artifact) as tar:
+        names = tar.getnames()
+    assert [name for name in names if DEV_ONLY.search(name)] == []
+    # ... and what its consumers read: the EE's requirements, the example inventories, the sanity ignores.
+    collection_ee = yaml.safe_load((ROOT / "meta" / "execution-environment.yml").read_text())["dependencies"]
+    for needed in (
+        collection_ee["python"],
+        collection_ee["system"],
+        "inventory/proxmox-minimal/hosts.yml",
+        "inventory/proxmox/hosts.yml",
+        *(f"tests/sanity/ignore-{version}.txt" for version in admitted_ansible_core()),
+    ):
+        assert needed in names, needed
+
+
+def admitted_ansible_core():
+    """The ansible-core minors (``2.19``) meta/runtime.yml's requires_ansible admits."""
+    spec = SpecifierSet(RUNTIME["requires_ansible"])
+    return [f"2.{minor}" for minor in range(10, 40) if any(f"2.{minor}.{patch}" in spec for patch in range(100))]
+
+
+def test_every_ansible_core_the_collection_admits_has_its_sanity_ignores():
+    """ansible-test X.Y reads tests/sanity/ignore-X.Y.txt: a version requires_ansible admits without one fails its
+    sanity run. The files say the same: one set of reasons, whatever the version."""
+    versions = admitted_ansible_core()
+    assert versions[0] == "2.19" and len(versions) >= 2
+    ignores = {version: (ROOT / "tests" / "sanity" / f"ignore-{version}.txt") for version in versions}
+    assert [version for version, path in ignores.items() if not path.is_file()] == []
+    assert len({path.read_text() for path in ignores.values()}) == 1
+    shipped = sorted(path.name for path in (ROOT / "tests" / "sanity").glob("ignore-*.txt"))
+    assert shipped == sorted(path.name for path in ignores.values()), "an ignore file for a version not admitted"
+
+
+def test_every_sanity_ignore_names_a_file_the_artifact_ships(installed):
+    """ansible-test fails on an ignore whose file is not there: the artifact's own, not the checkout's."""
+    with tarfile.open(installed.artifact) as tar:
+        files = {m.name for m in tar.getmembers() if m.isfile() or m.issym()}
+    for path in sorted((ROOT / "tests" / "sanity").glob("ignore-*.txt")):
+        named = [line.split()[0] for line in path.read_text().splitlines() if line.strip()]
+        assert [name for name in named if name not in files] == [], path.name
+
+
 def test_modules_and_their_docs_resolve_from_the_installed_copy(installed):
     consumer, env = installed.consumer, installed.env
     where = installed.collections / "ansible_collections" / "pve_gpu" / "recover"
@@ -101,7 +154,7 @@ def test_modules_and_their_docs_resolve_from_the_installed_copy(installed):
     assert sorted(docs) == [f"{NAME}.{m}" for m in MODULES]
     for name, doc in docs.items():
         assert Path(doc["doc"]["filename"]).is_relative_to(where), name
-    for kind, plugin in (("callback", "recover_report"), ("lookup", "uv_lock"), ("strategy", "per_node")):
+    for kind, plugin in (("callback", "recover_report"), ("lookup", "uv_lock")):
         doc = json.loads(run("ansible-doc", "-t", kind, "--json", f"{NAME}.{plugin}", cwd=consumer, env=env).stdout)
         assert Path(doc[f"{NAME}.{plugin}"]["doc"]["filename"]).is_relative_to(where), plugin
     roles = run("ansible-doc", "-t", "role", "--list", "--json", NAME, cwd=consumer, env=env).stdout
@@ -131,7 +184,7 @@ def test_the_playbooks_and_roles_resolve_by_fqcn_from_a_consumers_playbook(insta
 
 
 def test_the_action_callback_and_lookup_run_from_the_installed_copy(installed, tmp_path):
-    """The fact pass's action, run by the per_node strategy, refuses a bad pve_vmid before any connection, the
+    """The fact pass's action refuses a bad pve_vmid before any connection, the
     report callback writes that run's report, and the uv_lock lookup compiles into the cache
     PVE_GPU_RECOVER_LOCK_CACHE_DIR names (docs/awx.md)."""
     consumer, env = installed.consumer, installed.env
@@ -147,7 +200,6 @@ def test_the_action_callback_and_lookup_run_from_the_installed_copy(installed, t
         - name: A target whose inventory is wrong
           hosts: all
           gather_facts: false
-          strategy: {NAME}.per_node
           tasks:
             - name: Compile a lock on the controller
               ansible.builtin.debug:
@@ -165,13 +217,12 @@ def test_the_action_callback_and_lookup_run_from_the_installed_copy(installed, t
         PVE_GPU_RECOVER_REPORT_DIR=str(tmp_path / "reports"),
         PVE_GPU_RECOVER_LOCK_CACHE_DIR=str(tmp_path / "locks"),
     )
-    # Two targets of one node: the strategy runs both in one worker (a lone host has one worker slot: linear).
     argv = ["-i", "ct,ct2,", "-c", "local", "-e", "pve_vmid=oops", "-e", "pve_node=pve1", "-vvv", str(playbook)]
     done = run("ansible-playbook", *argv, cwd=consumer, env=env, check=False)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "per_node: 2 host(s) of pve1 in one worker" in done.stdout  # the installed strategy ran the pass
     assert "six==1.17.0" in done.stdout
-    assert [p.read_text() for p in (tmp_path / "locks").glob("*.lock")] == ["six==1.17.0\n"]
+    # The cached lock: its key and the sha256 of the lock on its first line, then the lock as uv wrote it.
+    assert [p.read_text().split("\n", 1)[1] for p in (tmp_path / "locks").glob("*.lock")] == ["six==1.17.0\n"]
     assert "ct: pve_vmid must be a Proxmox CT id" in done.stdout
     (report,) = (tmp_path / "reports" / "ct").glob("*.json")
     assert json.loads(report.read_text())["error"]["msg"].startswith("ct: pve_vmid must be a Proxmox CT id")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from packaging.requirements import Requirement
 
 from tests.conftest import ROOT, unavailable
 
@@ -42,7 +43,7 @@ def documented_env(path, option):
 
 
 def test_the_ee_installs_what_make_setup_tests():
-    tested = pins(ROOT / "requirements" / "dev.in")
+    tested = pins(ROOT / "requirements" / "runtime.in")
     deps = EE["dependencies"]
     assert EE["version"] == 3
     assert deps["ansible_core"]["package_pip"] == f"ansible-core=={tested['ansible-core']}"
@@ -57,11 +58,25 @@ def test_the_ee_installs_what_make_setup_tests():
 
 def test_the_collection_tells_ansible_builder_what_it_needs():
     assert COLLECTION_EE["version"] == 1
-    assert COLLECTION_EE["dependencies"] == {
-        "python": EE["dependencies"]["python"],
-        "system": EE["dependencies"]["system"],
-    }
+    assert COLLECTION_EE["dependencies"] == {"python": "requirements/ee.txt", "system": EE["dependencies"]["system"]}
     assert "openssh-clients [platform:rpm]" in (ROOT / "bindep.txt").read_text()
+
+
+def requirements(path):
+    """The requirement lines of a requirements file, comments and blank lines left out."""
+    return [Requirement(line.split("#")[0]) for line in path.read_text().splitlines() if line.split("#")[0].strip()]
+
+
+def test_what_consumers_inherit_are_lower_bounds_the_tested_versions_meet():
+    """Every EE that installs the collection adds these lines to its own: an exact pin would force its version on
+    every consumer (and clash with theirs). The same packages as this repository's EE, each at least the version
+    `make test` tests, no upper bound."""
+    inherited = requirements(ROOT / COLLECTION_EE["dependencies"]["python"])
+    tested = pins(ROOT / EE["dependencies"]["python"])
+    assert sorted(r.name for r in inherited) == sorted(tested)
+    for requirement in inherited:
+        assert [s.operator for s in requirement.specifier] == [">="], str(requirement)
+        assert requirement.specifier.contains(tested[requirement.name]), str(requirement)
 
 
 def test_the_ee_points_reports_and_lock_cache_where_the_plugins_read_them():

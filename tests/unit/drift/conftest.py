@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from ansible.module_utils import _internal as module_internal
+from jsonschema import Draft202012Validator
 
 from tests.conftest import ROOT
 
@@ -23,10 +24,54 @@ module_internal.is_controller = controller
 
 RUN_ID = "20261203T080000Z-abc123"
 GPU0 = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
+# A real H200's GPU as the fact pass read it and the report callback wrote it (docs/hardware: check mode, two
+# processes of 8.8 GiB on it): every health field nvidia-smi gives, as the reports carry them.
+H200_REPORTS = ROOT / "docs" / "hardware" / "2026-12-05" / "recover-reports.json"
+H200_GPU = json.loads(H200_REPORTS.read_text())[0]["gpus"][0]
+# The JSON Schemas users validate reports and summaries with (docs/schema): every report and summary these tests
+# make or the runner writes is checked against them (make_report, and the autouse fixture below).
+SCHEMAS = {
+    name: Draft202012Validator(json.loads((ROOT / "docs" / "schema" / f"{name}.schema.json").read_text()))
+    for name in ("report", "summary")
+}
+
+
+def schema_errors(name, document):
+    """``["steps.gpu_processes.status: 'done' is not one of [...]", ...]``: where ``document`` breaks its schema."""
+    found = sorted(SCHEMAS[name].iter_errors(document), key=lambda error: list(error.absolute_path))
+    return [f"{'.'.join(map(str, error.absolute_path)) or '(top)'}: {error.message[:300]}" for error in found]
+
+
+def schema_of(document):
+    """Which schema a JSON file the tests left follows: a report of version 1, a summary of version 1, or None
+    (another version on purpose, a state file, an inventory...)."""
+    if not isinstance(document, dict):
+        return None
+    if {"target", "run_id", "tasks"} <= set(document) and document.get("schema_version") == 1:
+        return "report"  # (one without the field is from before it: docs/hardware keeps such reports)
+    if {"mode", "targets", "runs"} <= set(document) and document.get("version") == 1:
+        return "summary"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def documents_follow_their_schemas(tmp_path):
+    """After each test, every report and summary it left under its tmp_path follows docs/schema."""
+    yield
+    for path in sorted(tmp_path.rglob("*.json")):
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # a test's deliberately broken file
+        name = schema_of(document)
+        if name:
+            assert not schema_errors(name, document), f"{path} breaks docs/schema/{name}.schema.json: " + "; ".join(
+                schema_errors(name, document)
+            )
 
 
 def step_facts(changes=(), problems=(), pending=None, **extra):
-    """One step's facts as evaluate_step returns them (plugins/module_utils/pve_steps.py)."""
+    """One step's facts as evaluate_step returns them (plugins/module_utils/steps/registry.py)."""
     return {
         "changes": list(changes),
         "problems": list(problems),
@@ -63,13 +108,18 @@ def task(step, status="ok", changed=False, action=None, remote=True):
     }
 
 
-def make_report(name, before, *, check_mode=True, results=None, error=None, failed_step=None):
+def make_report(name, before, *, check_mode=True, results=None, error=None, failed_step=None, valid=True):
     """The report recover_report writes for ``name``: the fact pass, then each step's acting task.
 
     A step with work ran its module (changed in check mode too, as the modules report truthfully); one without
-    was skipped; ``results`` are the acting modules' results; ``failed_step`` is where ``error`` happened.
+    was skipped; ``results`` are the acting modules' results; ``failed_step`` is where ``error`` happened, whose
+    ``action`` is, unless it says, the failed task's (the fact pass's, its assert's, the step's module). The report
+    must follow docs/schema/report.schema.json unless ``valid`` is False (what a lying CT could make of one).
     """
     results = results or {}
+    if error is not None and "action" not in error:
+        failed = "target_facts" if not before else "assert" if failed_step == "preflight" else failed_step
+        error = dict(error, action=failed)
     tasks = [task("preflight", action="validate_argument_spec", remote=False)]
     if before:
         tasks.append(task("preflight", action="target_facts"))
@@ -92,7 +142,9 @@ def make_report(name, before, *, check_mode=True, results=None, error=None, fail
     callback.started = time.time() - 3
     host = {"tasks": tasks, "results": dict(results), "before": before, "error": error, "first": time.time()}
     # Round-trip through JSON as the callback writes it.
-    return json.loads(json.dumps(callback.report_of(name, host, check_mode), default=str))
+    report = json.loads(json.dumps(callback.report_of(name, host, check_mode), default=str))
+    assert not valid or not schema_errors("report", report), schema_errors("report", report)
+    return report
 
 
 def write_report(directory, report):
@@ -129,6 +181,13 @@ class FakeAnsibleRunner:
         # answers as a checkout that runs its steps unattended unless told otherwise.
         self.phases = {"unattended": ([], probe_events(), "successful", 0), **phases}
         self.calls = []
+
+    def get_inventory(self, **kwargs):
+        """ansible-runner's own (a real ansible-inventory of the test's inventory): where a target lives."""
+        import ansible_runner  # noqa: PLC0415 (only the tests that need it pay for the import)
+
+        self.calls.append(dict(kwargs, ident="inventory"))
+        return ansible_runner.get_inventory(**kwargs)
 
     def run(self, **kwargs):
         self.calls.append(kwargs)

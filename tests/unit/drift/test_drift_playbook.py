@@ -29,6 +29,16 @@ INVENTORY = textwrap.dedent("""\
     """)
 
 
+def sorted_labels(text):
+    """The textfile with each sample's labels in name order: what a line says, whatever order the client wrote."""
+    lines = []
+    for line in text.splitlines():
+        found = re.match(r"^(\w+)\{(.*)\} (.*)$", line)
+        labels = ",".join(sorted(re.findall(r'\w+="(?:[^"\\]|\\.)*"', found.group(2)))) if found else ""
+        lines.append(f"{found.group(1)}{{{labels}}} {found.group(3)}" if found else line)
+    return "\n".join(lines)
+
+
 def run_drift(tmp_path, *extra):
     (tmp_path / "hosts.yml").write_text(INVENTORY)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "PVE_GPU_"))}
@@ -53,11 +63,18 @@ def test_an_unreachable_target_fails_the_run_after_its_summary_became_the_artifa
     assert summary["targets"]["ct300"]["status"] == "unreachable"
     # The same outputs as the timer's service: the run directory with its reports, the textfile.
     assert Path(summary["run_dir"]).parent == tmp_path / "state" / "reports"
-    assert 'pve_gpu_recover_target_up{target="ct300"} 0' in (tmp_path / "pve_gpu_recover.prom").read_text()
+    # Never reached, yet named where it lives (the inventory's pve_node and pve_vmid) and why it failed.
+    assert (summary["targets"]["ct300"]["node"], summary["targets"]["ct300"]["vmid"]) == ("pve-x", 300)
+    textfile = (tmp_path / "pve_gpu_recover.prom").read_text()
+    assert 'pve_gpu_recover_target_up{node="pve-x",target="ct300",vmid="300"} 0' in sorted_labels(textfile)
+    assert 'pve_gpu_recover_target_failed{kind="unreachable",node="pve-x",target="ct300",vmid="300"} 1' in (
+        sorted_labels(textfile)
+    )
     # The artifacts (CUSTOM STATS): what AWX keeps with the job.
     stats = done.stdout[done.stdout.index("CUSTOM STATS") :]
     artifacts = json.loads(re.search(r"RUN: (\{.*\})", stats, re.DOTALL).group(1))["pve_gpu_recover_drift"]
     assert artifacts["targets"] == {"ct300": "unreachable"}
+    assert artifacts["kinds"] == {"ct300": "unreachable"}  # why, in a word of the fixed set
     assert (artifacts["exit_code"], artifacts["counts"]["unreachable"]) == (1, 1)
     assert artifacts["summary"] == str(tmp_path / "state" / "summary.json")
     assert "drift check failed (exit 1)" in done.stdout

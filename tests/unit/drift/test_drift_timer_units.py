@@ -32,7 +32,15 @@ def role_vars(**overrides):
     loader = DataLoader()
     defaults = loader.load_from_file(str(ROLE / "defaults" / "main.yml"))
     internal = loader.load_from_file(str(ROLE / "vars" / "main.yml"))
-    return loader, trusted({**defaults, **internal, **overrides})
+    # What Ansible gives every role: its own path (from which the role finds its collection).
+    magic = {"role_path": str(ROLE), "ansible_playbook_python": sys.executable}
+    return loader, trusted({**defaults, **internal, **magic, **overrides})
+
+
+def templated(expression, **overrides):
+    """A variable of the role as Ansible templates it."""
+    loader, variables = role_vars(**overrides)
+    return Templar(loader=loader, variables=variables).template(trust_as_template(expression))
 
 
 def render(unit, **overrides):
@@ -155,12 +163,70 @@ def test_the_timer_is_persistent_and_randomized():
 
 
 def test_every_default_is_in_the_argument_specs_with_its_value():
-    """The entry points (main: the timer; run: once, as an AWX schedule) document every default they read."""
+    """The entry points (main: the timer; run: once, as an AWX schedule; rules: the alert rules) document every
+    default they read."""
     defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
     specs = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())["argument_specs"]
-    assert sorted(specs) == ["main", "run"]
+    assert sorted(specs) == ["main", "rules", "run"]
     assert sorted({name for spec in specs.values() for name in spec["options"]}) == sorted(defaults)
     for spec in specs.values():
         for name, option in spec["options"].items():
-            assert option["default"] == defaults[name], name
+            if not option.get("required"):
+                assert option["default"] == defaults[name], name
             assert option["description"], name
+
+
+# -- from an installed collection: where the timer expects things --------------------------------------------------
+def test_by_default_the_timer_runs_the_collection_the_role_belongs_to_with_the_python_found():
+    """No checkout at /opt/pve-gpu-recover assumed: the role's own collection (its roles/ holds the role), and the
+    Python tasks/python.yml found (else the venv it makes)."""
+    assert templated("{{ _drift_timer_project }}") == str(ROOT)
+    service = render("service", __drift_timer_found_python="/usr/local/drift/bin/python")
+    assert f'ExecStart="/usr/local/drift/bin/python" "{ROOT}/drift/runner.py" \\' in service
+    assert f'    --project "{ROOT}" \\' in service
+    assert f"WorkingDirectory={ROOT}\n" in service
+    # Nothing found yet (check mode on a first install): the venv the role makes.
+    assert 'ExecStart="/var/lib/pve-gpu-drift/venv/bin/python" ' in render("service")
+    assert templated("{{ _drift_timer_python_candidates }}", ansible_playbook_python="/usr/bin/python3") == [
+        f"{ROOT}/.venv/bin/python",
+        "/usr/bin/python3",
+        "/var/lib/pve-gpu-drift/venv/bin/python",
+    ]
+    assert templated("{{ _drift_timer_python_candidates }}", drift_timer_python="/usr/bin/python3") == [
+        "/usr/bin/python3"
+    ]
+
+
+def test_the_venv_gets_ansible_cores_range_and_what_the_execution_environment_lists():
+    """One truth: the role's packages are meta/runtime.yml's ansible-core range and requirements/ee.txt's lines."""
+    defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    requires = yaml.safe_load((ROOT / "meta" / "runtime.yml").read_text())["requires_ansible"]
+    ee = [
+        line.split("#")[0].strip()
+        for line in (ROOT / "requirements" / "ee.txt").read_text().splitlines()
+        if line.split("#")[0].strip()
+    ]
+    assert defaults["drift_timer_venv_packages"] == [f"ansible-core{requires}", *ee]
+
+
+@pytest.mark.parametrize(
+    ("calendar", "period"),
+    [
+        ("hourly", "1h"),
+        ("*:00", "1h"),
+        ("*-*-* *:30:00", "1h"),
+        ("*:0/15", "15m"),
+        ("*-*-* *:00/15:00", "15m"),
+        ("daily", "1d"),
+        ("minutely", "1m"),
+        ("Mon..Fri 06:00", ""),
+    ],
+)
+def test_the_rules_period_comes_from_the_timers_calendar_where_it_says_one(calendar, period):
+    assert templated("{{ _drift_timer_calendar_period }}", drift_timer_on_calendar=calendar) == period
+    settings = templated("{{ _drift_timer_rules_settings }}", drift_timer_on_calendar=calendar)
+    assert settings == {"period": period}
+    given = {"period": "2h", "selector": 'job="node"'}
+    assert templated(
+        "{{ _drift_timer_rules_settings }}", drift_timer_on_calendar=calendar, drift_timer_rules=given
+    ) == (given)

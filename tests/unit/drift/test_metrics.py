@@ -9,13 +9,14 @@ import threading
 from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 from prometheus_client.parser import text_string_to_metric_families
 
-from drift import metrics
+from drift import failures, metrics
 from tests.unit.drift.conftest import (
-    RUN_ID,
+    H200_GPU,
     event,
     fact_pass,
     make_report,
     parse_exposition,
+    schema_errors,
     step_facts,
     summary_of,
     write_report,
@@ -85,24 +86,46 @@ def test_every_family_with_help_and_type_and_label_values_escaped(runner, tmp_pa
     )
 
 
-def test_busy_failed_and_unreachable_are_told_apart_and_the_info_metric_names_node_vmid_and_run(runner, tmp_path):
+def test_busy_failed_and_unreachable_are_told_apart_each_with_its_kind_and_where_it_lives(runner, tmp_path):
     targets = {
-        "ok200": {"status": "in_spec", "report": "r", "node": "pve1", "vmid": 200, "run_id": RUN_ID, "steps": {}},
-        "busy201": {"status": "busy", "report": "r", "node": "pve1", "vmid": 201, "run_id": RUN_ID, "steps": {}},
-        "bad202": {"status": "failed", "report": None, "node": None, "vmid": None, "run_id": None, "steps": {}},
-        "down203": {"status": "unreachable", "report": None, "node": None, "vmid": None, "run_id": None, "steps": {}},
+        "ok200": {"status": "in_spec", "kind": "none", "report": "r", "node": "pve1", "vmid": 200, "steps": {}},
+        "busy201": {"status": "busy", "kind": "busy", "report": "r", "node": "pve1", "vmid": 201, "steps": {}},
+        "bad202": {"status": "failed", "kind": "stopped", "report": "r", "node": "pve2", "vmid": 202, "steps": {}},
+        # Never reached: the runner named its node and vmid from the inventory (drift/inventory.py).
+        "down203": {"status": "unreachable", "kind": "unreachable", "report": None, "node": "pve3", "vmid": 203},
+        # A bare GPU host: its node is itself, it has no vmid.
+        "gpu1": {"status": "failed", "kind": "a-kind-from-the-future", "report": None, "node": "gpu1", "vmid": None},
     }
+    for target in targets.values():
+        target.setdefault("steps", {})
     families, _, _ = render(runner, targets)
     status = samples(families, "target_status", "target", "status")
-    assert len(status) == 4 * 5  # every status of every target: the series never come and go with it
+    assert len(status) == 5 * 5  # every status of every target: the series never come and go with it
     assert {t for (t, s), v in status.items() if v == 1 and s == "busy"} == {"busy201"}
-    assert {t for (t, s), v in status.items() if v == 1 and s == "failed"} == {"bad202"}
+    assert {t for (t, s), v in status.items() if v == 1 and s == "failed"} == {"bad202", "gpu1"}
     assert {t for (t, s), v in status.items() if v == 1 and s == "unreachable"} == {"down203"}
     assert {t for (t, s), v in status.items() if v == 1 and s == "in_spec"} == {"ok200"}
+    # Why, from the fixed set: one series per target, a kind this runner does not know is "other".
+    failed = samples(families, "target_failed", "target", "kind")
+    assert failed == {
+        ("ok200", "none"): 0,
+        ("busy201", "busy"): 1,
+        ("bad202", "stopped"): 1,
+        ("down203", "unreachable"): 1,
+        ("gpu1", "other"): 1,
+    }
+    assert {labels["kind"] for labels, _ in families[PREFIX + "target_failed"]["samples"]} <= set(failures.KINDS)
     info = {labels["target"]: labels for labels, value in families[PREFIX + "target_info"]["samples"] if value == 1}
-    assert info["ok200"] == {"target": "ok200", "node": "pve1", "vmid": "200", "run_id": RUN_ID}
-    # A target the run never reached has no node of its own yet: empty, and the run's id.
-    assert info["down203"] == {"target": "down203", "node": "", "vmid": "", "run_id": RUN_ID}
+    # The id joins prometheus-pve-exporter's series of the same CT (pve_up{id="lxc/200"}, pve_guest_info).
+    assert info["ok200"] == {"target": "ok200", "node": "pve1", "vmid": "200", "id": "lxc/200"}
+    assert info["down203"] == {"target": "down203", "node": "pve3", "vmid": "203", "id": "lxc/203"}
+    assert info["gpu1"] == {"target": "gpu1", "node": "gpu1", "vmid": "", "id": ""}
+    # Every series of a target names its node and vmid, the target's own family by family.
+    for family, (_, labels, _) in metrics.FAMILIES.items():
+        for found, _ in families[PREFIX + family]["samples"]:
+            if "target" in labels:
+                expected = targets[found["target"]]
+                assert (found["node"], found["vmid"]) == (expected["node"], str(expected["vmid"] or "")), family
 
 
 def test_a_target_that_fails_keeps_its_drift_series_and_its_last_success(runner, tmp_path):
@@ -237,3 +260,138 @@ def test_write_to_textfile_writes_through_a_link_planted_at_its_predictable_temp
     runner.write_atomic(path, "x 1\n")  # mkstemp (O_EXCL): a new file, whatever lies around; renamed over the link
     assert victim.read_text() == "precious\n"
     assert not path.is_symlink()
+
+
+# -- bounded labels ------------------------------------------------------------------------------------------------
+def series_of(families):
+    """Every series of the textfile: (name, its labels), values left out."""
+    return {
+        (name, tuple(sorted(labels.items()))) for name, family in families.items() for labels, _ in family["samples"]
+    }
+
+
+def test_no_label_changes_from_one_run_to_the_next(runner, tmp_path):
+    """A day of hourly runs must not make 24 new series per target: the run id is the summary's alone."""
+    before = fact_pass(**{"gpu_processes": step_facts(), "preflight": step_facts(gpus=[H200_GPU])})
+    shown = []
+    state = None
+    for hour, run_id in enumerate(("20261203T080000Z-abc123", "20261203T090000Z-def456")):
+        report = dict(make_report("train200", before), run_id=run_id)
+        targets = summarize(runner, tmp_path / run_id, [report])
+        assert targets["train200"]["run_id"] == run_id  # the summary keeps it
+        families, state, text = render(runner, targets, state, finished=FIRST + 3600 * hour)
+        assert run_id not in text
+        shown.append(series_of(families))
+    assert shown[0] == shown[1]
+    assert not any("run_id" in dict(labels) for _, labels in shown[0])
+
+
+# -- GPU health ----------------------------------------------------------------------------------------------------
+def gpu_samples(families, family):
+    return {labels["index"]: (labels, value) for labels, value in families[PREFIX + family]["samples"]}
+
+
+def test_each_gpu_of_a_target_is_exported_with_its_health_as_the_fact_pass_read_it(runner, tmp_path):
+    """The real H200's reading (docs/hardware) and a sick GPU beside it, through the report callback's report."""
+    sick = dict(
+        H200_GPU,
+        index=1,
+        uuid="GPU-11111111-2222-3333-4444-555555555555",
+        ecc_uncorrected_volatile=3,
+        remapped_rows_pending=True,
+        remapped_rows_failure=True,
+        recovery_action="Reboot",
+        pcie_link_width=8,
+        persistence_mode=False,
+        memory_used_mib=0,
+    )
+    before = fact_pass(preflight=step_facts(gpus=[H200_GPU, sick]))
+    targets = summarize(runner, tmp_path, [make_report("train200", before)])
+    families, _, _ = render(runner, targets)
+    uuid = H200_GPU["uuid"]
+    labels, value = gpu_samples(families, "gpu_memory_used_bytes")["0"]
+    assert labels == {
+        "target": "train200",
+        "node": "pve1",
+        "vmid": "200",
+        "index": "0",
+        "uuid": uuid,
+        "name": "NVIDIA H200",
+    }
+    assert value == H200_GPU["memory_used_mib"] * 1024 * 1024 == 8811 * 1024 * 1024
+    expected = {
+        # family: (the H200 as read, the sick GPU)
+        "gpu_memory_total_bytes": (143771 * 1024 * 1024, 143771 * 1024 * 1024),
+        "gpu_ecc_uncorrected_volatile_errors": (0, 3),
+        "gpu_remapped_rows_pending": (0, 1),
+        "gpu_remapped_rows_failure": (0, 1),
+        "gpu_recovery_action": (0, 2),  # nvidia-smi's "None" and "Reboot" as NVML's codes
+        "gpu_pcie_link_generation": (5, 5),
+        "gpu_pcie_link_generation_max": (5, 5),
+        "gpu_pcie_link_width": (16, 8),
+        "gpu_pcie_link_width_max": (16, 16),
+        "gpu_persistence_mode": (1, 0),
+        "gpu_read_timestamp_seconds": (FIRST, FIRST),
+    }
+    for family, (healthy, worn) in expected.items():
+        found = gpu_samples(families, family)
+        assert (found["0"][1], found["1"][1]) == (healthy, worn), family
+    # The H200 has no retired pages (Hopper remaps rows): no value, so no sample, never a 0 that means "fine".
+    assert H200_GPU["retired_pages_pending"] is None
+    assert families[PREFIX + "gpu_retired_pages_pending"]["samples"] == []
+
+
+def test_a_target_that_fails_keeps_its_gpus_last_readings_and_a_checked_one_shows_only_what_it_read(runner, tmp_path):
+    two = [H200_GPU, dict(H200_GPU, index=1, uuid="GPU-11111111-2222-3333-4444-555555555555", recovery_action="Reset")]
+    first = summarize(runner, tmp_path / "1", [make_report("train200", fact_pass(preflight=step_facts(gpus=two)))])
+    _, state, _ = render(runner, first)
+    state = json.loads(metrics.state_text(state))
+
+    # Unreachable: nothing read; both GPUs keep their values (the reset still asked for: its alert stays).
+    events = [event("runner_on_unreachable", "train200", task="Read", res={"msg": UNREACHABLE})]
+    families, state, _ = render(runner, summarize(runner, tmp_path / "2", [], events), state, finished=LATER)
+    action = gpu_samples(families, "gpu_recovery_action")
+    assert {index: value for index, (_, value) in action.items()} == {"0": 0, "1": 1}
+    read = gpu_samples(families, "gpu_read_timestamp_seconds")
+    assert {index: value for index, (_, value) in read.items()} == {"0": FIRST, "1": FIRST}  # how old they are
+
+    # Failed on a problem after reading GPU 0 only (GPU 1 fell off the bus): GPU 0 is this run's, GPU 1 its last.
+    stopped = fact_pass(
+        preflight=step_facts(problems=["GPU 1 fell off the bus"], gpus=[dict(H200_GPU, memory_used_mib=5)])
+    )
+    error = {"step": "preflight", "task": "preflight : Assert", "msg": "GPU 1 fell off the bus"}
+    third = summarize(runner, tmp_path / "3", [make_report("train200", stopped, error=error, failed_step="preflight")])
+    families, state, _ = render(runner, third, state, finished=LATER + 3600)
+    used = gpu_samples(families, "gpu_memory_used_bytes")
+    assert used["0"][1] == 5 * 1024 * 1024
+    read = gpu_samples(families, "gpu_read_timestamp_seconds")
+    assert {index: value for index, (_, value) in read.items()} == {"0": LATER + 3600, "1": FIRST}
+
+    # Checked again with one GPU passed through: exactly what it read.
+    fourth = summarize(
+        runner, tmp_path / "4", [make_report("train200", fact_pass(preflight=step_facts(gpus=[H200_GPU])))]
+    )
+    families, _, _ = render(runner, fourth, state, finished=LATER + 7200)
+    assert set(gpu_samples(families, "gpu_recovery_action")) == {"0"}
+
+
+def test_what_nvidia_smi_printed_in_the_ct_becomes_a_bounded_label_or_nothing(runner, tmp_path_factory):
+    hostile = [
+        dict(H200_GPU, index=0, name='H200"} 1\nfake_metric{a="b'),  # a model name that would forge a line
+        dict(H200_GPU, index=1, uuid="GPU-22222222-2222-3333-4444-555555555555", recovery_action="Please Reboot Me"),
+        dict(H200_GPU, index=True, uuid="GPU-33333333-2222-3333-4444-555555555555"),  # not an index
+        dict(H200_GPU, index=3, uuid="not-a-uuid"),
+        dict(H200_GPU, index=4, uuid="GPU-44444444-2222-3333-4444-555555555555", ecc_uncorrected_volatile=True),
+    ]
+    report = make_report("train200", fact_pass(preflight=step_facts(gpus=hostile)), valid=False)
+    # The node's parser never lets such a report through (docs/schema says what it promises); the runner does not
+    # rely on it.
+    assert len(schema_errors("report", report)) == 3
+    targets = summarize(runner, tmp_path_factory.mktemp("hostile"), [report])  # not a report the tests vouch for
+    assert [gpu["index"] for gpu in targets["train200"]["gpus"]] == [0, 1, 4]
+    families, _, text = render(runner, targets)
+    assert "fake_metric" not in text  # the name became "unknown": nothing of it reaches the file
+    names = {labels["name"] for labels, _ in families[PREFIX + "gpu_read_timestamp_seconds"]["samples"]}
+    assert names == {"unknown", "NVIDIA H200"}
+    assert gpu_samples(families, "gpu_recovery_action")["1"][1] == -1  # an action all the same: it alerts
+    assert "4" not in gpu_samples(families, "gpu_ecc_uncorrected_volatile_errors")  # a flag is not a count

@@ -4,6 +4,7 @@ test_metrics.py)."""
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -188,7 +189,7 @@ READ_TASK = "preflight : Read what every step needs, holding the run lock"
 
 
 def locked_result(kind="locked"):
-    """target_facts' failed result when another run holds the lock (pve_errors.to_result with the lock's details)."""
+    """target_facts' failed result when another run holds the lock (errors.to_result with the lock's details)."""
     holder = {"run_id": "20261203T075500Z-def456", "owner": "ops@ctl", "created": 1796367300.0, "ttl": 7200}
     return {
         "failed": True,
@@ -550,7 +551,7 @@ def test_a_project_without_recover_yml_is_refused(runner, tmp_path, capsys):
     (tmp_path / "hosts").write_text("")
     code, _, err = run_main(runner, ["-i", str(tmp_path / "hosts"), "--project", str(tmp_path)], capsys)
     assert code == 1
-    assert f"drift: {tmp_path / 'recover.yml'} not found: --project must be the pve-gpu-recover checkout" in err
+    assert f"drift: {tmp_path / 'recover.yml'} not found: --project must be the pve_gpu.recover collection" in err
 
 
 def test_without_ansible_runner_the_error_gives_the_fix(runner, tmp_path, capsys, monkeypatch):
@@ -559,7 +560,7 @@ def test_without_ansible_runner_the_error_gives_the_fix(runner, tmp_path, capsys
     code, _, err = run_main(runner, ["-i", str(tmp_path / "hosts"), "--lock-file", str(tmp_path / "l")], capsys)
     assert code == 1
     assert "ansible-runner is not importable by" in err
-    assert f"-m pip install --require-hashes -r {ROOT / 'requirements' / 'dev.lock'}" in err
+    assert_installs_the_floors(err)
 
 
 def test_a_usage_error_exits_1_never_2_which_means_drift(runner, capsys):
@@ -767,5 +768,20 @@ def test_without_prometheus_client_the_error_gives_the_fix_before_anything_runs(
     code, _, err = run_main(runner, argv, capsys, ansible_runner=fake)
     assert code == 1
     assert "prometheus_client is not importable by" in err
-    assert f"-m pip install --require-hashes -r {ROOT / 'requirements' / 'dev.lock'}" in err
+    assert_installs_the_floors(err)
     assert fake.calls == []
+
+
+def assert_installs_the_floors(err):
+    """What a collection user installs: the floors of requirements/ee.txt (never the checkout's hashed dev lock),
+    into the Python that lacks them or into a venv of the runner's own with ansible-core's range."""
+    floors = {
+        line.split(">=")[0]: line.strip()
+        for line in (ROOT / "requirements" / "ee.txt").read_text().splitlines()
+        if ">=" in line and not line.startswith("#")
+    }
+    wanted = f"'{floors['ansible-runner']}' '{floors['prometheus-client']}'"
+    assert f"{sys.executable} -m pip install {wanted}" in err
+    requires = re.search(r'requires_ansible: "([^"]+)"', (ROOT / "meta" / "runtime.yml").read_text()).group(1)
+    assert f"/opt/pve-gpu-drift/venv/bin/pip install 'ansible-core{requires}' {wanted}" in err
+    assert "dev.lock" not in err and "make setup" in err and "drift_timer_python" in err

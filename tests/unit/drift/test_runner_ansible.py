@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 from tests.conftest import ROOT
+from tests.unit.drift.conftest import parse_exposition
 
 RUNNER = ROOT / "drift" / "runner.py"
 WINDOW = "swap /opt/venvs/train: pid 4242 (python3 train.py) runs from it"
@@ -86,23 +87,24 @@ FILES = {
             unattended: "{{ recover_unattended | default(false) }}"
           when: ansible_facts.pve_gpu_recover.gpu_processes.pending
         """,
-    # The venv step's stand-in builds for real: the collection's progress chain (pve_progress.follow, a probe part
-    # telling pve_ct_progress lines on a bare host, the async job's status file) with Ansible's own async polls, as
+    # The venv step's stand-in builds for real: the collection's progress chain (node_progress.follow, a probe part
+    # telling ct_progress lines on a bare host, the async job's status file) with Ansible's own async polls, as
     # the real role runs a rebuild. It changes nothing but what it says.
     "library/training_venv.py": """\
         import time
         import types
 
         from ansible.module_utils.basic import AnsibleModule
-        from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_progress, pve_progress
-        from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target
+        from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import progress as ct_progress
+        from ansible_collections.pve_gpu.recover.plugins.module_utils.node import progress as node_progress
+        from ansible_collections.pve_gpu.recover.plugins.module_utils.node.target import Target
 
 
         def build(payload):
-            pve_ct_progress.start(payload.get("progress"))
-            pve_ct_progress.phase("installing the lock with `uv pip sync`")
+            ct_progress.start(payload.get("progress"))
+            ct_progress.phase("installing the lock with `uv pip sync`")
             for line in payload["lines"]:
-                pve_ct_progress.note(line)
+                ct_progress.note(line)
                 time.sleep(payload["seconds"] / len(payload["lines"]))
             return {"built": True}
 
@@ -118,7 +120,7 @@ FILES = {
                 module.exit_json(changed=False, needs_window=p["window"], changes=[])
             if not module.check_mode and p["build_seconds"]:
                 payload = {"seconds": p["build_seconds"], "lines": ["Downloading torch (846.0MiB)", "Downloaded torch"]}
-                on_output = pve_progress.follow("training_venv", "CT 201 on localhost", payload, "starting the build")
+                on_output = node_progress.follow("training_venv", "CT 201 on localhost", payload, "starting the build")
                 part = types.SimpleNamespace(probe=build)
                 Target(timeout=60).run_probes({"build": (part, payload)}, on_output=on_output)
             module.exit_json(changed=True, changes=p["changes"])
@@ -179,18 +181,26 @@ FILES = {
 
 
 def facts(gpu_changes=(), venv_changes=()):
+    """The fact pass's facts, shaped as the real one's (docs/schema/report.schema.json, ``before``)."""
+    diff = {"before": "", "after": ""}
     steps = {
-        "preflight": {"changes": [], "problems": [], "pending": False},
-        "gpu_processes": {"changes": list(gpu_changes), "problems": [], "pending": bool(gpu_changes)},
-        "training_venv": {"changes": list(venv_changes), "problems": [], "pending": bool(venv_changes)},
+        "preflight": {"changes": [], "problems": [], "pending": False, "diff": diff},
+        "gpu_processes": {"changes": list(gpu_changes), "problems": [], "pending": bool(gpu_changes), "diff": diff},
+        "training_venv": {"changes": list(venv_changes), "problems": [], "pending": bool(venv_changes), "diff": diff},
     }
     return {
         "run_id": "run-e2e",
         "target": {"label": "CT", "vmid": 200, "node": "localhost"},
+        "lock": {"path": "/run/lock/pve-gpu-recover/ct-200.lock", "held": False, "action": "taken"},
         "pending": [s for s, f in steps.items() if f["pending"]],
         "problems": [],
+        "seconds": 0.1,
         **steps,
     }
+
+
+def where(vmid):
+    return {"pve_node": "pve-gone", "pve_vmid": vmid}
 
 
 def make_project(tmp_path):
@@ -214,9 +224,9 @@ def make_project(tmp_path):
         "build205": dict(
             local, fake_facts=facts(venv_changes=["torch 2.11.0+cu130 -> 2.11.0+cu128"]), venv_build_seconds=4
         ),
-        # Nothing listens on port 9: refused at once.
-        "down202": {"ansible_host": "127.0.0.1", "ansible_port": 9, "fake_facts": facts()},
-        "broken203": dict(local, fail_early=True, fake_facts=facts()),
+        # Nothing listens on port 9: refused at once. Where it lives, only the inventory says.
+        "down202": {"ansible_host": "127.0.0.1", "ansible_port": 9, "fake_facts": facts(), **where(202)},
+        "broken203": dict(local, fail_early=True, fake_facts=facts(), **where(203)),
         "busy204": dict(local, locked_by="run-other", fake_facts=facts()),
     }
     inventory = tmp_path / "hosts.yml"
@@ -264,14 +274,34 @@ def test_check_then_correct_through_ansible_runner(tmp_path):
     assert [run["phase"] for run in summary["runs"]] == ["check", "correct"]
     correct_dir = summary["runs"][1]["report_dir"]
     assert [p.name for p in sorted((tmp_path / correct_dir).iterdir())] == ["build205", "drift201"]
-    metrics = textfile.read_text()
-    assert 'pve_gpu_recover_drift{step="training_venv",target="drift201"} 1.0' in metrics
-    assert 'pve_gpu_recover_needs_window{step="training_venv",target="drift201"} 1.0' in metrics
-    assert 'pve_gpu_recover_target_up{target="down202"} 0.0' in metrics
-    assert 'pve_gpu_recover_target_failed{target="broken203"} 1.0' in metrics
-    assert 'pve_gpu_recover_target_status{status="busy",target="busy204"} 1.0' in metrics
-    assert 'pve_gpu_recover_target_status{status="unreachable",target="down202"} 1.0' in metrics
-    assert 'pve_gpu_recover_targets{status="busy"} 1.0' in metrics
+    # Why each failed, in a word of the fixed set; where the ones never reached live, from the inventory.
+    assert {name: t["kind"] for name, t in targets.items()} == {
+        "ok200": "none",
+        "drift201": "none",
+        "down202": "unreachable",
+        "broken203": "other",  # a task of the playbook's own (ansible.builtin.fail), no module's kind
+        "busy204": "busy",
+        "build205": "none",
+    }
+    assert {name: (targets[name]["node"], targets[name]["vmid"]) for name in ("down202", "broken203")} == {
+        "down202": ("pve-gone", 202),
+        "broken203": ("pve-gone", 203),
+    }
+    families = parse_exposition(textfile.read_text())
+
+    def value(family, **labels):
+        (found,) = [v for got, v in families[f"pve_gpu_recover_{family}"]["samples"] if labels.items() <= got.items()]
+        return found
+
+    assert value("drift", step="training_venv", target="drift201", node="localhost", vmid="200") == 1
+    assert value("needs_window", step="training_venv", target="drift201") == 1
+    assert value("target_up", target="down202", node="pve-gone", vmid="202") == 0
+    assert value("target_failed", target="broken203", kind="other") == 1
+    assert value("target_failed", target="down202", kind="unreachable") == 1
+    assert value("target_status", status="busy", target="busy204") == 1
+    assert value("target_status", status="unreachable", target="down202") == 1
+    assert value("target_info", target="down202", node="pve-gone", vmid="202", id="lxc/202") == 1
+    assert value("targets", status="busy") == 1
     assert "PLAY RECAP" in (tmp_path / summary["runs"][0]["log"]).read_text()
     # The build's progress while it ran: in the journal (stderr) as Ansible polled it, and in the run's log (the
     # report callback's line at each poll); the check run (no async in check mode) showed none.

@@ -110,5 +110,9 @@ def test_a_fact_pass_that_gets_the_step_attended_is_refused(unattended, tmp_path
 
 def test_a_fact_pass_that_does_not_read_a_step_is_refused(unattended, tmp_path):
     copy = checkout_copy(tmp_path)
-    break_fact_pass(copy, "training_venv, compile_cache, verify]", "training_venv, verify]")
+    break_fact_pass(
+        copy,
+        "preflight_steps_from_variables: all",
+        "preflight_steps_from_variables: [gpu_processes, training_code, training_venv, verify]",
+    )
     assert unattended.probe(ansible_runner, copy) == ["the fact pass got no settings for compile_cache"]

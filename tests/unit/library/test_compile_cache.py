@@ -23,17 +23,17 @@ from pathlib import Path
 
 import compile_cache
 import pytest
-from ansible_collections.pve_gpu.recover.plugins.module_utils import (
-    pve_ct_act,
-    pve_ct_fs,
-    pve_ct_lean,
-    pve_ct_progress,
-    pve_ct_venv,
-)
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import act as ct_act
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import fs as ct_fs
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import proc as ct_proc
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import progress as ct_progress
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import run as ct_run
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import venv as ct_venv
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import facts as cache_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import script
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import verdicts as cache_verdicts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import warmup as cache_warmup
 
 from tests.conftest import ROOT, other_python, unavailable
 from tests.fakes import FakeRunner, run_module, run_probes_program
@@ -96,7 +96,7 @@ def ct_answer(inductor, triton, users=None):
         },
         "roots": [dict(inductor, template=CT_ROOTS[0]), dict(triton, template=CT_ROOTS[1])],
         "users": users or {},
-        "unreadable_processes": 0,
+        "unreadable_processes": [],
         "users_partial": False,
         "gpus": SMI,
         "pid": 77,
@@ -214,9 +214,8 @@ def test_ct_check_mode_reports_the_purge_and_the_real_run_does_it_in_one_more_pc
     # What travels on stdin: the shared module once, then the script's and the reader's sources, run in that order
     # in one process.
     given = json.loads(runner.stdin[1])
-    assert given["shared"] == {
-        m.__name__: inspect.getsource(m) for m in (pve_ct_act, pve_ct_fs, pve_ct_lean, pve_ct_progress, pve_ct_venv)
-    }
+    shipped = (ct_act, ct_fs, ct_proc, ct_run, ct_progress, ct_venv)
+    assert given["shared"] == {m.__name__: inspect.getsource(m) for m in shipped}
     assert given["sources"] == {
         "act": inspect.getsource(script),
         "compile_cache": inspect.getsource(cache_probe),
@@ -511,6 +510,28 @@ def test_an_unstamped_cache_is_purged_not_adopted_when_the_venv_is_rebuilt_in_th
     # Stamped for the venv as it is when the module runs (after the venv step rebuilt it).
     assert stamp_of(host.triton) == stamp_of(host.extra) == CU128
     assert host.run(capsys)["changed"] is False
+
+
+def test_check_mode_on_a_fresh_target_plans_what_the_real_run_does_after_the_venv_step_builds_the_venv(host, capsys):
+    # Issue 43, break 3: no venv yet (the venv step builds it first in a real run) and no cache. Check mode built
+    # nothing, so there is no venv to read: the module judges against the lock's torch the role passes (as the
+    # fact pass does) and plans the warm-up, instead of failing "... is no venv, so the caches cannot be judged".
+    shutil.rmtree(host.venv)
+    warmup = ["sh", "-c", 'mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && echo compiled > "$TORCHINDUCTOR_CACHE_DIR/warm"']
+    before = snapshot(host.tmp)
+    check = host.run(
+        capsys, check_mode=True, venv_pending=True, venv_pending_torch="2.11.0+cu128", warmup=warmup
+    )  # fmt: skip
+    assert snapshot(host.tmp) == before
+    assert (check.get("failed"), check.get("changed")) == (None, True), check.get("msg")
+    assert check["changes"] == [cache_warmup.warmup_line(dict(cache_facts.SPEC_DEFAULTS, warmup=warmup))]
+    assert check["expected"] == dict(CU128, triton=None)
+    # The real run: the venv step has built the venv by then; the warm-up fills the first root, stamped for it.
+    fake_venv(host.venv)
+    real = host.run(capsys, venv_pending=True, venv_pending_torch="2.11.0+cu128", warmup=warmup)
+    assert (real["changed"], real["changes"]) == (True, check["changes"])
+    assert stamp_of(host.inductor) == CU128
+    assert host.run(capsys, warmup=warmup)["changed"] is False
 
 
 def test_a_new_torch_build_makes_the_caches_stale(host, capsys):

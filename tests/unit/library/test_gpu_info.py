@@ -6,7 +6,7 @@ from pathlib import Path
 import gpu_info
 import pytest
 import yaml
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process import ProcessInfo
 
 from tests.fakes import FakeRunner, run_module
 

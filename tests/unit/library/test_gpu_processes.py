@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import gpu_processes
 import pytest
 import yaml
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_act_runner
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import act_runner
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process import ProcessInfo
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import acting as gpu_acting
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import ending as gpu_ending
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
@@ -88,7 +88,7 @@ class FakeProcesses:
         clock = FakeClock()
         monkeypatch.setattr(gpu_acting, "time", SimpleNamespace(monotonic=clock, sleep=clock.sleep))
         # The runner times the module (its `seconds`) on the same clock.
-        monkeypatch.setattr(pve_act_runner, "time", SimpleNamespace(monotonic=clock))
+        monkeypatch.setattr(act_runner, "time", SimpleNamespace(monotonic=clock))
 
 
 @pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
@@ -221,6 +221,21 @@ def test_a_run_says_what_it_changed_how_long_it_took_and_how_long_it_watched(mon
         "end pid 516 (python3, pid 41 inside) on GPU 0, 20000 MiB",
         "end pid 517 (python3, pid 42 inside) on GPU 1, 5000 MiB",
     ]
+    # No holder's parent is left running: nothing can restart what was ended, and the step ends when the memory is
+    # free, watching nothing.
+    assert result["watched"] == 0.0
+
+
+def test_a_parent_left_running_is_watched_for_the_whole_settle_window(monkeypatch, capsys):
+    case = next(
+        c for c in CASES if c["id"] == "a_supervisors_nvidia_smi_health_check_during_the_settle_watch_is_no_restart"
+    )
+    calls = case["calls"] + case["calls_run"]
+    runner = FakeRunner(*[(c["argv"], (c["rc"], c.get("stdout", ""), c.get("stderr", ""))) for c in calls])
+    FakeProcesses(case["procs"], case.get("units")).patch(monkeypatch)
+    monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
+    result = run_module(gpu_processes, case["params"], runner, monkeypatch, capsys)
+    assert [p["pid"] for p in result["parents"]] == [450]
     assert result["watched"] == pytest.approx(10.0, abs=0.05)  # the default settle window, on the fake clock
     assert result["seconds"] >= result["watched"]
 

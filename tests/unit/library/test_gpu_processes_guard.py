@@ -9,7 +9,7 @@ import socket
 import gpu_processes
 import pytest
 import target_facts
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps import registry as step_registry
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
 
@@ -111,7 +111,7 @@ def pid_file_call(answer, files=("/run/train.pid",), python="python3"):
 def test_unattended_the_guarded_worker_and_its_launchers_live_and_the_stray_run_is_ended(
     check_mode, monkeypatch, capsys
 ):
-    calls = [CT_MEMORY, NODE_APPS] + ([] if check_mode else [NODE_MEMORY, NODE_APPS_AFTER])
+    calls = [CT_MEMORY, NODE_APPS] + ([] if check_mode else [NODE_MEMORY])
     params = {"unattended": True, "guard": [{"match": r"train\.py"}]}
     result, signals = run(params, calls, job(), monkeypatch, capsys, check_mode=check_mode)
     assert result["changed"] is True
@@ -129,18 +129,21 @@ def test_unattended_the_guarded_worker_and_its_launchers_live_and_the_stray_run_
 
 def test_unattended_a_new_worker_of_the_guarded_job_during_the_settle_watch_is_no_new_holder(monkeypatch, capsys):
     procs = job()
-    # torchrun starts a new worker (elastic restart of its own, or a DataLoader) while the step watches.
+    # The stray run's parent is a supervisor the step leaves running, so it watches; meanwhile torchrun starts a new
+    # worker (elastic restart of its own, or a DataLoader).
+    procs[590] = proc(50, "python3", ["python3", "supervise.py"], 300, 20)
     procs[530] = proc(43, "python3", ["python3", "train.py"], 500, 30, devices=[(195, 0)], born_after=600)
     params = {"unattended": True, "guard": [{"match": "torchrun"}]}
     result, signals = run(params, [CT_MEMORY, NODE_APPS, NODE_MEMORY, NODE_APPS_AFTER], procs, monkeypatch, capsys)
     assert "failed" not in result
     assert signals == [[600, "SIGTERM"]]
     assert [g["pid"] for g in result["guarded"]] == [516]
+    assert [p["pid"] for p in result["parents"]] == [590] and result["watched"] > 0
 
 
 def test_unattended_the_module_walks_past_the_login_shell_to_the_tmux_session_the_guard_names(monkeypatch, capsys):
     params = {"unattended": True, "guard": [{"match": "^tmux new -s train$"}]}
-    calls = [CT_MEMORY, NODE_APPS, NODE_MEMORY, NODE_APPS_AFTER]
+    calls = [CT_MEMORY, NODE_APPS, NODE_MEMORY]
     result, signals = run(params, calls, job(), monkeypatch, capsys)
     assert result["guarded"][0]["reason"].startswith("its ancestor pid 470 (tmux: server, pid 5 inside")
     assert (result["launchers"], signals) == ([], [[600, "SIGTERM"]])
@@ -148,9 +151,8 @@ def test_unattended_the_module_walks_past_the_login_shell_to_the_tmux_session_th
 
 def test_attended_the_guard_is_reported_and_the_whole_job_is_ended(monkeypatch, capsys):
     memory_free = (NODE_MEMORY[0], (0, f"index, uuid, memory.used [MiB]\n0, {UUID_A}, 0 MiB\n1, {UUID_B}, 0 MiB\n", ""))
-    apps_none = (APPS, (0, "pid, process_name, used_gpu_memory [MiB], gpu_uuid\n", ""))
     params = {"guard": [{"match": r"train\.py"}]}
-    result, signals = run(params, [CT_MEMORY, NODE_APPS, memory_free, apps_none], job(), monkeypatch, capsys)
+    result, signals = run(params, [CT_MEMORY, NODE_APPS, memory_free], job(), monkeypatch, capsys)
     assert [g["pid"] for g in result["guarded"]] == [516]
     assert result["needs_window"] == []
     assert [p["pid"] for p in result["processes"]] == [516, 600]
@@ -160,7 +162,7 @@ def test_attended_the_guard_is_reported_and_the_whole_job_is_ended(monkeypatch, 
 @pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
 def test_unattended_a_pid_file_read_by_the_module_guards_the_job_through_its_launcher(check_mode, monkeypatch, capsys):
     read = pid_file_call({"/run/train.pid": {"state": "ok", "pid": 12, "reason": None}})  # torchrun, inside
-    calls = [CT_MEMORY, read, NODE_APPS] + ([] if check_mode else [NODE_MEMORY, NODE_APPS_AFTER])
+    calls = [CT_MEMORY, read, NODE_APPS] + ([] if check_mode else [NODE_MEMORY])
     params = {"unattended": True, "guard": [{"pid_file": "/run/train.pid"}]}
     result, signals = run(params, calls, job(), monkeypatch, capsys, check_mode=check_mode)
     assert result["guarded"][0]["reason"] == (
@@ -243,5 +245,5 @@ def test_the_fact_pass_reads_the_pid_files_in_its_one_pct_exec_and_keeps_no_lock
 
 
 def test_a_step_whose_facts_could_not_be_read_has_no_window_work():
-    assert pve_steps.failed_step(gpu_facts, "CT 200 on pve1", "boom")["needs_window"] == []
-    assert "needs_window" not in pve_steps.failed_step(preflight_facts, "CT 200 on pve1", "boom")
+    assert step_registry.failed_step(gpu_facts, "CT 200 on pve1", "boom")["needs_window"] == []
+    assert "needs_window" not in step_registry.failed_step(preflight_facts, "CT 200 on pve1", "boom")

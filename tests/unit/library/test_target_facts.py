@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import target_facts
 import yaml
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import lock as node_lock
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process import ProcessInfo
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
 
@@ -253,14 +253,14 @@ def test_a_failed_probe_waits_for_the_node_reads_before_it_releases_the_lock(tmp
         apps_waits_for_probe=True,  # still running when the probe has failed
     )
     released = []
-    release = pve_lock.change_lock
+    release = node_lock.change_lock
 
     def change_lock(state, **kwargs):
         if state == "absent":
             released.append(runner.apps_done.is_set())
         return release(state, **kwargs)
 
-    monkeypatch.setattr(pve_lock, "change_lock", change_lock)
+    monkeypatch.setattr(node_lock, "change_lock", change_lock)
     args = params(tmp_path, vmid=200, steps={"gpu_processes": {}})
     result = run_module(target_facts, args, runner, monkeypatch, capsys)
     assert (result["failed"], result["error"]) == (True, "probe")
@@ -281,7 +281,7 @@ def test_a_node_read_that_runs_a_command_nobody_expected_fails_the_test_harness(
 
 
 def test_another_runs_lock_fails_before_anything_is_read(tmp_path, monkeypatch, capsys):
-    pve_lock.change_lock("present", lock_dir=str(tmp_path), vmid=200, run_id="other", owner="bob@ctl")
+    node_lock.change_lock("present", lock_dir=str(tmp_path), vmid=200, run_id="other", owner="bob@ctl")
     result = run_module(target_facts, params(tmp_path, vmid=200), FakeRunner(), monkeypatch, capsys)
     assert result["failed"]
     assert result["error"] == "locked"
@@ -339,7 +339,7 @@ def test_the_lock_records_the_controller_so_a_later_run_can_tell_why_it_holds(tm
 
 
 def loaded_by(call):
-    """The module_utils that ``call`` (Python, on ``pve_steps``) imports, in a fresh interpreter."""
+    """The module_utils that ``call`` (Python, on ``step_registry``) imports, in a fresh interpreter."""
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
@@ -347,7 +347,7 @@ def loaded_by(call):
 
     script = (
         f"import sys; sys.path.insert(0, {str(ROOT / 'collections')!r});"
-        "from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps;"
+        "from ansible_collections.pve_gpu.recover.plugins.module_utils.steps import registry as step_registry;"
         f"{call};"
         "prefix = 'ansible_collections.pve_gpu.recover.plugins.module_utils.';"
         "print(' '.join(sorted(m[len(prefix):] for m in sys.modules if m.startswith(prefix))))"
@@ -357,7 +357,7 @@ def loaded_by(call):
 
 def test_the_pass_imports_only_the_steps_it_reads():
     # Every import is paid on the node on every run: steps that are off must not be imported at all.
-    loaded = loaded_by("pve_steps.validate_specs({'gpu_processes': {}})")
+    loaded = loaded_by("step_registry.validate_specs({'gpu_processes': {}})")
     gpu = [m for m in loaded if m.startswith("steps.gpu_processes.")]
     # The step's fact-pass modules; its acting half (acting, ending) is the gpu_processes module's alone.
     assert gpu == [f"steps.gpu_processes.{m}" for m in ("facts", "guard", "messages", "plan", "probe")], loaded
@@ -369,9 +369,9 @@ def test_the_pass_imports_only_the_steps_it_reads():
 def test_the_steps_after_the_gpu_step_import_only_its_handoff():
     # The venv, code and cache steps read the pids the GPU step ends: with the GPU step off, that costs one small
     # module, not the step.
-    loaded = loaded_by("pve_steps.steps_in(dict.fromkeys(['training_code', 'training_venv', 'compile_cache']))")
+    loaded = loaded_by("step_registry.steps_in(dict.fromkeys(['training_code', 'training_venv', 'compile_cache']))")
     assert [m for m in loaded if m.startswith("steps.gpu_processes.")] == ["steps.gpu_processes.handoff"], loaded
-    assert "pve_process_job" not in loaded, loaded  # the GPU step's rules for a holder's job
+    assert "node.process_job" not in loaded, loaded  # the GPU step's rules for a holder's job
 
 
 def test_fail_on_problems_false_returns_the_facts_without_failing(tmp_path, monkeypatch, capsys):
@@ -560,3 +560,20 @@ def test_a_batch_whose_one_node_query_fails_fails_the_step_of_every_target_alike
         assert each["failed"] is True
         assert each["msg"].startswith(f"CT {vmid} on pve1: the gpu_processes facts could not be read"), each["msg"]
         assert each["msg"].endswith("the NVIDIA kernel driver is not loaded (nvidia-smi exit 9)"), each["msg"]
+
+
+def test_a_pass_that_never_ends_is_named_and_the_others_answer(monkeypatch):
+    """Each pass ends within its own deadlines; the module's wait for them is bounded all the same (a pass stuck in
+    a bug would otherwise hang the node's module and every target of it)."""
+    stuck = threading.Event()
+    monkeypatch.setattr(target_facts, "read_target", lambda own, check_mode, shared=None: {"changed": False, "own": 1})
+    monkeypatch.setattr(target_facts, "read_batch_item", lambda item, check_mode, shared, own: stuck.wait(60))
+    monkeypatch.setattr(target_facts, "node_read_budget", lambda timeout: 0)
+    monkeypatch.setattr(target_facts, "KILL_GRACE", 0)
+    try:
+        own, others = target_facts.read_targets({"timeout": 1}, [{"vmid": 201}], False)
+    finally:
+        stuck.set()
+    assert own == {"changed": False, "own": 1}
+    assert [(o["failed"], o["error"]) for o in others] == [(True, "wedged")]
+    assert "gave no answer within 1 s" in others[0]["msg"]

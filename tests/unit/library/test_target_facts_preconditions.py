@@ -5,7 +5,7 @@ pinned, so no acting call can hide."""
 
 import pytest
 import target_facts
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import target as node_target
 
 from tests.fakes import FakeRunner, run_module
 from tests.unit.library.test_target_facts import (
@@ -17,12 +17,18 @@ from tests.unit.library.test_target_facts import (
     params,
     probe_call,
 )
-from tests.unit.module_utils import test_pve_code as code
-from tests.unit.module_utils import test_pve_venv as venv
-from tests.unit.module_utils.test_preconditions import NO_UV, build
+from tests.unit.plugins.module_utils.steps.training_code import test_facts as code
+from tests.unit.plugins.module_utils.steps.training_venv import test_facts as venv
+from tests.unit.plugins.module_utils.steps.training_venv.test_facts_preconditions import NO_UV, build
 
 CODE_SPEC = {"path": "/srv/train", "commit": code.PINNED}
-CODE_PAYLOAD = {"path": "/srv/train", "commit": code.PINNED, "git": "git", "timeout": 60}
+CODE_PAYLOAD = {
+    "path": "/srv/train",
+    "commit": code.PINNED,
+    "git": "git",
+    "timeout": 60,
+    "backup_dir": "/var/backups/pve-gpu-recover/training_code",
+}
 VENV_SPEC = {"lock": venv.LOCK}
 VENV_PAYLOAD = {"path": "/opt/venvs/train", "timeout": 60, "uv": "uv", "python": "3.11"}
 
@@ -83,7 +89,10 @@ def test_the_settings_that_name_the_builder_reach_the_probe(tmp_path, monkeypatc
     node_version(monkeypatch, NODE_VERSION)
     parts = {
         "preflight": ANCHORS["payload"],
-        "training_venv": dict(VENV_PAYLOAD, uv="/root/.local/bin/uv"),
+        # Where the wheel's uv goes, from its name: the probe says whether it is there.
+        "training_venv": dict(
+            VENV_PAYLOAD, uv="/root/.local/bin/uv", wheel_uv="/usr/local/lib/pve-gpu-recover/uv-0.9.0/uv"
+        ),
     }
     answers = {
         "preflight": ANCHORS["healthy"],
@@ -103,7 +112,7 @@ def test_a_ct_that_migrated_is_named_where_it_lives_now(check_mode, tmp_path, mo
         (nodes / node / "lxc").mkdir(parents=True)
         for vmid in vmids:
             (nodes / node / "lxc" / f"{vmid}.conf").write_text("arch: amd64\n")
-    monkeypatch.setattr(pve_target, "PVE_NODES", str(nodes))
+    monkeypatch.setattr(node_target, "PVE_NODES", str(nodes))
     locks = tmp_path / "locks"
     locks.mkdir()
     stderr = "Configuration file 'nodes/pve1/lxc/200.conf' does not exist\n"

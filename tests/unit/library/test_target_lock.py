@@ -6,7 +6,7 @@ import os
 import pytest
 import target_lock
 from ansible.module_utils.testing import patch_module_args
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_lock
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import lock as node_lock
 
 from tests.fakes import assert_documented
 
@@ -34,7 +34,7 @@ def lock(args, capsys, check_mode=False):
     ],
 )
 def test_plan(state, current, action, changed):
-    assert pve_lock.plan_lock(state, current, "a", now=1030) == (action, changed)
+    assert node_lock.plan_lock(state, current, "a", now=1030) == (action, changed)
 
 
 def test_take_hold_and_release(tmp_path, capsys):
@@ -97,8 +97,8 @@ def test_bad_vmid(tmp_path, capsys):
 
 def test_two_creators_one_wins(tmp_path):
     path = str(tmp_path / "ct-200.lock")
-    assert pve_lock.create_lock(path, {"run_id": "a"})
-    assert not pve_lock.create_lock(path, {"run_id": "b"})
+    assert node_lock.create_lock(path, {"run_id": "a"})
+    assert not node_lock.create_lock(path, {"run_id": "b"})
     with open(path) as handle:
         assert json.load(handle)["run_id"] == "a"
     assert os.listdir(tmp_path) == ["ct-200.lock"]

@@ -12,20 +12,30 @@ import hashlib
 import inspect
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
 import training_code
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git, pve_ct_lean
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import act as ct_act
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import fs as ct_fs
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import git as ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import git_paths as ct_git_paths
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import proc as ct_proc
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import run as ct_run
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import acting as code_acting
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import (
     backups,
     git_runner,
     nofollow,
     script,
+    users,
+    worktree,
 )
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
 
@@ -43,7 +53,7 @@ BACKUPS = "/var/backups/pve-gpu-recover/training_code"
 CT_PARAMS = {"vmid": 200, "commit": PINNED}
 PCT = ["pct", "exec", "200", "--keep-env", "0", "--", "timeout", "-k", "5"]
 WRAPPER = ["env", "LC_ALL=C", "LANG=C", "python3", "-I", "-"]
-READ_PAYLOAD = {"path": "/srv/train", "commit": PINNED, "git": "git", "timeout": 60}
+READ_PAYLOAD = {"path": "/srv/train", "commit": PINNED, "git": "git", "timeout": 60, "backup_dir": BACKUPS}
 RESET_PAYLOAD = {
     "path": "/srv/train",
     "commit": PINNED,
@@ -53,6 +63,8 @@ RESET_PAYLOAD = {
     "stamp": STAMP,
     "timeout": 600,
     "keep": None,
+    "min_free": 1024 << 20,
+    "window_check": False,
 }
 
 
@@ -125,7 +137,7 @@ def reset_call(done, reread, **changed):
 @pytest.fixture
 def on_pve1(monkeypatch):
     monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
-    monkeypatch.setattr(training_code, "utc_stamp", lambda: STAMP)
+    monkeypatch.setattr(code_acting, "utc_stamp", lambda: STAMP)
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -177,7 +189,7 @@ def test_ct_check_mode_reports_the_reset_and_the_real_run_does_it_in_one_more_pc
     # What travels on stdin: the shared modules once (the reset script's parts among them, each after what it
     # needs), then the reset script's and the reader's sources, run in that order in one process.
     given = json.loads(runner.stdin[1])
-    shared = (pve_ct_act, pve_ct_lean, pve_ct_git, git_runner, nofollow, backups)
+    shared = (ct_act, ct_fs, ct_run, ct_git_paths, ct_git, worktree, git_runner, nofollow, ct_proc, users, backups)
     assert given["shared"] == {m.__name__: inspect.getsource(m) for m in shared}
     assert list(given["shared"]) == [m.__name__ for m in shared]
     sources = {"reset": inspect.getsource(script), "training_code": inspect.getsource(code_probe)}
@@ -369,7 +381,7 @@ def lab(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "home" / ".config"))
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu1")
     stamps = iter(STAMPS)
-    monkeypatch.setattr(training_code, "utc_stamp", lambda: next(stamps))
+    monkeypatch.setattr(code_acting, "utc_stamp", lambda: next(stamps))
     return Lab(tmp_path, monkeypatch)
 
 
@@ -652,7 +664,7 @@ def test_a_backup_that_fails_its_proof_is_removed_and_nothing_is_reset(lab, caps
     before = snapshot(lab.repo)
 
     def unreadable(self, target, untracked):
-        raise pve_ct_act.ActError("backup", f"{target} does not hold every untracked file")
+        raise ct_act.ActError("backup", f"{target} does not hold every untracked file")
 
     monkeypatch.setattr(script.Reset, "prove_tarball", unreadable)
     result = lab.run(capsys)
@@ -709,16 +721,25 @@ def test_an_unfinished_merge_is_a_problem(lab, capsys):
     assert "unmerged paths (a conflict): model.py" in result["msg"]
 
 
+@pytest.fixture
+def own_tmp():
+    """A directory of the test's own under /tmp, mode 0755, removed after: pytest's shared temporary root is 0700
+    (reset so whenever another pytest starts), which another user cannot pass."""
+    top = Path(tempfile.mkdtemp(prefix="pve-gpu-recover-test-", dir="/tmp"))
+    top.chmod(0o755)
+    yield top
+    shutil.rmtree(top)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the repository to another user")
-def test_a_repository_another_user_owns_is_read_as_root_and_reset_as_its_owner(lab, capsys):
+def test_a_repository_another_user_owns_is_read_as_root_and_reset_as_its_owner(own_tmp, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(own_tmp / "home"))
+    monkeypatch.setattr(code_acting, "utc_stamp", lambda: STAMP)
+    lab = Lab(own_tmp, monkeypatch)
     lab.dirty()
     for directory, dirs, files in os.walk(lab.repo):
         for name in [*dirs, *files, "."]:
             os.lchown(os.path.join(directory, name), 4242, 4242)
-    for parent in lab.repo.parents:  # pytest's tmp directories are root's, mode 0700: let the owner reach it
-        if parent == Path("/tmp"):
-            break
-        parent.chmod(parent.stat().st_mode | 0o111)
     assert (
         "dubious ownership"
         in subprocess.run(["git", "-C", str(lab.repo), "status"], capture_output=True, text=True, check=False).stderr

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import training_code
 import yaml
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import git as ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import acting as code_acting
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import nofollow
 
 from tests.conftest import ROOT
@@ -54,7 +55,7 @@ def lab(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "home" / ".config"))
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu1")
     stamps = iter(STAMPS)
-    monkeypatch.setattr(training_code, "utc_stamp", lambda: next(stamps))
+    monkeypatch.setattr(code_acting, "utc_stamp", lambda: next(stamps))
     return Lab(tmp_path, monkeypatch)
 
 
@@ -99,13 +100,18 @@ def test_no_setting_of_the_repository_owner_runs_in_check_mode_or_a_real_run(lab
     lab.dirty()
     markers = hostile(lab, tmp_path)
     before = snapshot(lab.root)
-    # The owner's filters are defined in their config and named in .gitattributes: the reset is refused (a checkout
-    # without them would write the blobs over the content), in check mode and a real run, and nothing runs.
+    # The owner's filters are defined in their config and named in .gitattributes: git runs as the owner with the
+    # owner's own config (issue 40, item 9), so the owner's programs run, as the owner, never as root. This "filter"
+    # speaks no filter protocol: git fails, a problem, in check mode and a real run, and nothing is changed.
     for check_mode in (True, False):
         refused = lab.run(capsys, check_mode=check_mode)
-        assert refused["failed"] is True and "clean/smudge filter evil (" in refused["msg"], refused
-        assert sorted(os.listdir(markers)) == [], "a probe ran the owner's config"
+        assert refused["failed"] is True and "could not read everything: `git status" in refused["msg"], refused
         assert snapshot(lab.root) == before  # nothing written
+    if os.geteuid() == 0:
+        ran = {os.stat(markers / name).st_uid for name in os.listdir(markers)}
+        assert 0 not in ran, "the owner's config ran as root"  # (test_training_code_filters: it runs as the owner)
+    for name in os.listdir(markers):
+        os.unlink(markers / name)
     (lab.repo / ".gitattributes").write_text("*.py diff=evil\n")
     check = lab.run(capsys, check_mode=True)
     assert sorted(os.listdir(markers)) == [], "a probe ran the owner's config"
@@ -129,7 +135,7 @@ def test_the_view_gives_git_only_allowed_keys_and_the_real_config_is_untouched(l
     git(lab.repo, "config", "remote.origin.url", '/srv/up "quoted"\\path')
     hostile(lab, tmp_path)
     before = (lab.repo / ".git" / "config").read_bytes()
-    view = pve_ct_git.View("git", str(lab.repo), str(lab.repo / ".git"), str(lab.repo / ".git"))
+    view = ct_git.View("git", str(lab.repo), str(lab.repo / ".git"), str(lab.repo / ".git"))
     try:
         listed = subprocess.run(
             ["git", "config", "--list"], env=view.env, cwd=lab.repo, capture_output=True, text=True, check=True
@@ -151,7 +157,7 @@ def test_the_view_gives_git_only_allowed_keys_and_the_real_config_is_untouched(l
 
 def test_the_view_config_keeps_only_allowed_keys_each_quoted():
     entries = [("core.filemode", "false"), ("filter.x.clean", "rm -rf /"), ("remote.a.b.url", 'x"\n[core]')]
-    assert pve_ct_git.config_text(entries) == '[core]\n\tfilemode = "false"\n[remote "a.b"]\n\turl = "x\\"\\n[core]"\n'
+    assert ct_git.config_text(entries) == '[core]\n\tfilemode = "false"\n[remote "a.b"]\n\turl = "x\\"\\n[core]"\n'
 
 
 def strip_filter(lab, tmp_path):
@@ -338,14 +344,14 @@ def test_a_failure_naming_a_path_the_target_chose_is_one_printable_line():
         "backup": None,
         "touched": False,
     }
-    with pytest.raises(training_code.CodeError) as caught:
-        training_code.done_of(answer, "/srv/train")
+    with pytest.raises(code_acting.CodeError) as caught:
+        code_acting.done_of(answer, "/srv/train")
     assert str(caught.value) == (
         "resetting the training code failed (conflict): /srv/train has unmerged paths: a\\nCT 200: in spec\\x1b[2J; "
         "resolve them; /srv/train was left as it was"
     )
-    with pytest.raises(training_code.CodeError) as caught:
-        training_code.done_of(dict(answer, error="x\ny"), "/srv/train")
+    with pytest.raises(code_acting.CodeError) as caught:
+        code_acting.done_of(dict(answer, error="x\ny"), "/srv/train")
     assert caught.value.kind == "probe"
 
 
@@ -373,8 +379,8 @@ GOOD_DONE = {
 )
 def test_a_reset_answer_in_another_shape_is_a_named_failure_not_a_traceback(changed, wrong):
     # The module reads done["backup"]["dir"] when the re-read is out of spec: a backup without it was a KeyError.
-    with pytest.raises(training_code.CodeError) as caught:
-        training_code.done_of(dict(GOOD_DONE, **changed), "/srv/train")
+    with pytest.raises(code_acting.CodeError) as caught:
+        code_acting.done_of(dict(GOOD_DONE, **changed), "/srv/train")
     assert str(caught.value) == f"the reset script's answer is not in the expected shape: {wrong}"
     assert caught.value.kind == "probe"
-    assert training_code.done_of(dict(GOOD_DONE), "/srv/train") == GOOD_DONE
+    assert code_acting.done_of(dict(GOOD_DONE), "/srv/train") == GOOD_DONE

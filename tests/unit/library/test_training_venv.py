@@ -26,18 +26,23 @@ from pathlib import Path
 
 import pytest
 import training_venv
-from ansible_collections.pve_gpu.recover.plugins.module_utils import (
-    pve_ct_act,
-    pve_ct_git,
-    pve_ct_lean,
-    pve_ct_progress,
-    pve_ct_venv,
-    pve_progress,
-)
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import wrong_option
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import Target, probes_argv, probes_input
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import act as ct_act
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import fs as ct_fs
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import git as ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import git_paths as ct_git_paths
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import proc as ct_proc
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import progress as ct_progress
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import run as ct_run
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import venv as ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import progress as node_progress
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.act_runner import wrong_option
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.target import Target, probes_argv, probes_input
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import acting as venv_acting
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import check as venv_check
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import commands as venv_commands
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import compare as venv_compare
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import layout as venv_layout
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import script
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.lock import VenvError
@@ -53,7 +58,7 @@ STAMPS = [f"20261203T10{minute:02d}00Z" for minute in range(60)]
 
 # -- the pure parts --------------------------------------------------------------------------------------------
 def test_version_names_match_exactly_and_nothing_else():
-    pattern = script.version_pattern("/opt/venvs/train")
+    pattern = venv_layout.version_pattern("/opt/venvs/train")
     assert pattern.match("train.20261203T101500Z")
     for other in (
         "train",
@@ -66,8 +71,8 @@ def test_version_names_match_exactly_and_nothing_else():
         "other.20261203T101500Z",
     ):
         assert not pattern.match(other), other
-    assert script.version_dir("/opt/venvs/train", "20261203T101500Z") == "/opt/venvs/train.20261203T101500Z"
-    assert script.previous_dir("/v/t", "20261203T101500Z") == "/v/t.20261203T101500Z-previous"
+    assert venv_layout.version_dir("/opt/venvs/train", "20261203T101500Z") == "/opt/venvs/train.20261203T101500Z"
+    assert venv_layout.previous_dir("/v/t", "20261203T101500Z") == "/v/t.20261203T101500Z-previous"
 
 
 def test_a_leftover_is_one_of_our_names_a_real_directory_marked_and_not_current():
@@ -79,19 +84,22 @@ def test_a_leftover_is_one_of_our_names_a_real_directory_marked_and_not_current(
         ("train.backup", True, True),  # not our name
         ("train.20261203T061500Z-previous", True, True),
     ]
-    assert script.plan_leftovers("/v/train", entries, "/v/train.20261203T081500Z") == ["/v/train.20261203T101500Z"]
+    assert venv_layout.plan_leftovers("/v/train", entries, "/v/train.20261203T081500Z") == ["/v/train.20261203T101500Z"]
 
 
 def test_retention_keeps_the_newest_the_current_counted_and_skips_what_is_used():
     versions = ["/v/t.20261203T010000Z", "/v/t.20261203T030000Z", "/v/t.20261203T020000Z", "/v/t.20261203T040000Z"]
     current = "/v/t.20261203T040000Z"
-    assert script.plan_retention(versions, current, None, {}) == ([], [])
-    assert script.plan_retention(versions, current, 2, {}) == (["/v/t.20261203T010000Z", "/v/t.20261203T020000Z"], [])
-    assert script.plan_retention(versions, current, 1, {"/v/t.20261203T010000Z": [77, 41]}) == (
+    assert venv_layout.plan_retention(versions, current, None, {}) == ([], [])
+    assert venv_layout.plan_retention(versions, current, 2, {}) == (
+        ["/v/t.20261203T010000Z", "/v/t.20261203T020000Z"],
+        [],
+    )
+    assert venv_layout.plan_retention(versions, current, 1, {"/v/t.20261203T010000Z": [77, 41]}) == (
         ["/v/t.20261203T020000Z", "/v/t.20261203T030000Z"],
         [{"path": "/v/t.20261203T010000Z", "pids": [41, 77], "reason": "in use by pid 41, 77"}],
     )
-    assert script.plan_retention(versions, current, 9, {}) == ([], [])
+    assert venv_layout.plan_retention(versions, current, 9, {}) == ([], [])
 
 
 @pytest.mark.parametrize(
@@ -124,7 +132,7 @@ def test_retention_keeps_the_newest_the_current_counted_and_skips_what_is_used()
     ],
 )
 def test_a_failed_install_is_named_by_what_it_printed(text, kind):
-    assert script.classify_failure(text)[0] == kind
+    assert venv_commands.classify_failure(text)[0] == kind
 
 
 @pytest.mark.parametrize(
@@ -144,18 +152,18 @@ def test_a_failed_install_is_named_by_what_it_printed(text, kind):
     ],
 )
 def test_a_failed_command_is_summed_up_by_its_error_line_and_last_cause(text, line):
-    assert script.failure_line(text) == line
+    assert venv_commands.failure_line(text) == line
 
 
 def test_differences_compare_exact_strings_and_ignore_only_the_named_tooling():
     expected = {"torch": "2.11.0+cu128", "six": "1.17.0"}
     installed = {"torch": "2.11.0+cu130", "pip": "23.0.1", "sglang": "0.5.4"}
-    assert script.differences(expected, installed, ["pip"]) == [
+    assert venv_check.differences(expected, installed, ["pip"]) == [
         "torch 2.11.0+cu130, expected 2.11.0+cu128",
         "six 1.17.0 is missing",
         "sglang 0.5.4 is not in the lock",
     ]
-    assert script.differences(expected, dict(expected), []) == []
+    assert venv_check.differences(expected, dict(expected), []) == []
 
 
 @pytest.mark.parametrize(
@@ -170,8 +178,8 @@ def test_differences_compare_exact_strings_and_ignore_only_the_named_tooling():
 )
 def test_the_scripts_reader_reads_versions_as_the_fact_pass_does(records, build, pins):
     answer = {"distributions": [{"name": n, "version": v} for n, v in records], "torch_version_py": {"version": build}}
-    assert pve_ct_venv.installed_versions(records, build, pins) == venv_compare.installed_versions(answer, pins)
-    assert script.freeze_text(pve_ct_venv.installed_versions(records, build, pins)) == venv_compare.freeze_lines(
+    assert ct_venv.installed_versions(records, build, pins) == venv_compare.installed_versions(answer, pins)
+    assert venv_check.freeze_text(ct_venv.installed_versions(records, build, pins)) == venv_compare.freeze_lines(
         venv_compare.installed_versions(answer, pins)
     )
 
@@ -183,8 +191,8 @@ def test_the_script_imports_only_the_standard_library_and_what_it_ships():
 
 def test_the_payload_carries_what_the_lock_means():
     spec = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python_version": None, "tooling": "ignore", "keep": 2}
-    params = {"uv": "/root/.local/bin/uv", "build_timeout": 900}
-    assert training_venv.build_payload(spec, params, "20261203T101500Z") == {
+    params = {"uv": "/root/.local/bin/uv", "build_timeout": 900, "build_from_source": ["Flash_Attn"]}
+    assert venv_acting.build_payload(dict(spec), dict(params, cache_max_gib=1.5), "20261203T101500Z") == {
         "path": "/opt/venvs/train",
         "lock": SMALL_LOCK,
         "python": "3.11",  # from the lock's uv header
@@ -196,8 +204,10 @@ def test_the_payload_carries_what_the_lock_means():
         "ignore": ["pip", "setuptools", "wheel"],
         "drop_tooling": [],
         "prune_only": False,
+        "build_from_source": ["flash-attn"],  # canonical, as the script compares them
+        "cache_max_bytes": 1610612736,
     }
-    exact = training_venv.build_payload(dict(spec, tooling="exact", python_version="3.11"), params, "20261203T101500Z")
+    exact = venv_acting.build_payload(dict(spec, tooling="exact", python_version="3.11"), params, "20261203T101500Z")
     assert (exact["ignore"], exact["drop_tooling"]) == ([], ["pip", "setuptools", "wheel"])
 
 
@@ -215,7 +225,7 @@ def test_the_payload_carries_what_the_lock_means():
 def test_options_that_cannot_work_are_named(changed, message):
     params = {"path": "/opt/venvs/train", "lock": SMALL_LOCK, "python_version": None, "tooling": "ignore"}
     params.update({"keep": None, "unattended_keep": 3, "unattended": False, "build_timeout": 1800, **changed})
-    wrong = wrong_option(training_venv.TrainingVenv(), params)
+    wrong = wrong_option(training_venv.TrainingVenv(training_venv.ARGUMENT_SPEC), params)
     assert wrong.startswith(message)
     assert bool(wrong) == bool(message)
 
@@ -247,6 +257,8 @@ BUILD_PAYLOAD = {
     "ignore": ["pip", "setuptools", "wheel"],
     "drop_tooling": [],
     "prune_only": False,
+    "build_from_source": [],
+    "cache_max_bytes": 20 * 2**30,
 }
 
 
@@ -286,6 +298,7 @@ BUILT = {
     "builder": {"name": "uv", "path": "/usr/local/bin/uv", "version": "0.13.9"},
     "python": "3.11",
     "lock_file": f"{CT_PATH}.{STAMP}.lock.txt",
+    "cache": {"path": f"{CT_PATH}.cache", "own_bytes": 0, "dropped": False},
     "cleaned": [],
     "removed": [],
     "retention_skipped": [],
@@ -320,7 +333,7 @@ def build_call(built, reread):
 @pytest.fixture
 def on_pve1(monkeypatch):
     monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
-    monkeypatch.setattr(training_venv, "utc_stamp", lambda: STAMP)
+    monkeypatch.setattr(venv_acting, "utc_stamp", lambda: STAMP)
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -370,7 +383,8 @@ def test_ct_check_mode_reports_the_rebuild_and_the_real_run_does_it_in_one_more_
     # What travels on stdin: the shared modules once each, then the build script's and the reader's sources, run in
     # that order in one process.
     given = json.loads(runner.stdin[1])
-    shared = (pve_ct_act, pve_ct_progress, pve_ct_venv, pve_ct_lean, pve_ct_git)
+    shared = (ct_act, ct_progress, ct_venv, ct_fs, ct_git_paths, ct_run, ct_git)  # ct_git ships ct_fs, ct_git_paths
+    shared += (venv_check, venv_commands, ct_proc, venv_layout)  # the build script ships its own (layout: ct_proc)
     assert given["shared"] == {m.__name__: inspect.getsource(m) for m in shared}
     sources = {"build": inspect.getsource(script), "training_venv": inspect.getsource(venv_probe)}
     assert given["sources"] == sources
@@ -441,6 +455,10 @@ def test_ct_a_build_answer_of_the_wrong_shape_is_refused(monkeypatch, capsys):
         "probe",
         "CT 200 on pve1: the build script answered no 'current' in the expected shape",
     )
+    for cache in ({"path": "/x", "own_bytes": "many", "dropped": False}, {"path": "/x", "own_bytes": 1, "dropped": 1}):
+        runner = FakeRunner(read_call(POLLUTED), build_call(dict(BUILT, cache=cache), IN_SPEC))
+        result = run_module(training_venv, CT_PARAMS, runner, monkeypatch, capsys)
+        assert result["msg"] == "CT 200 on pve1: the build script answered a 'cache' of the wrong shape"
 
 
 @pytest.mark.usefixtures("on_pve1")
@@ -468,7 +486,10 @@ def test_ct_a_venv_the_target_cannot_build_fails_before_the_build(check_mode, mo
     # With the role's uv wheel the same target can: the build would run (check mode: planned only).
     if check_mode:
         wheel = dict(CT_PARAMS, uv_wheel="/var/cache/pve-gpu-recover/uv-0.9.0-py3-none-manylinux_2_28_x86_64.whl")
-        runner = FakeRunner(read_call(dict(POLLUTED, build=dict(build, uv_python="/usr/bin/python3.11"))))
+        answer = dict(POLLUTED, build=dict(build, uv_python="/usr/bin/python3.11"))
+        argv, out = read_call(answer)
+        payload = dict(READ_PAYLOAD, wheel_uv="/usr/local/lib/pve-gpu-recover/uv-0.9.0/uv")  # is that uv there
+        runner = FakeRunner(([*argv[:-1], json.dumps({"training_venv": payload})], out))
         assert run_module(training_venv, wheel, runner, monkeypatch, capsys, check_mode=True)["changed"] is True
 
 
@@ -532,6 +553,11 @@ class IndexHandler(http.server.SimpleHTTPRequestHandler):
             self.close_connection = True
             return
         super().do_GET()
+
+    def end_headers(self):
+        if "/files/" in self.path:  # as PyPI serves a file: cacheable for ever (pip keeps it in its cache)
+            self.send_header("Cache-Control", "max-age=365000000, immutable, public")
+        super().end_headers()
 
     def log_message(self, *args):
         pass
@@ -607,7 +633,7 @@ def host(indexes, tmp_path, monkeypatch):
         unavailable(f"needs {UV} and {SYSTEM_PYTHON}")
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu1")
     stamps = iter(STAMPS)
-    monkeypatch.setattr(training_venv, "utc_stamp", lambda: next(stamps))
+    monkeypatch.setattr(venv_acting, "utc_stamp", lambda: next(stamps))
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "uv-cache"))
     monkeypatch.setenv("UV_HTTP_RETRIES", "0")
@@ -690,7 +716,7 @@ def test_a_missing_venv_is_built_as_a_version_behind_a_symlink(host, capsys):
     assert result["builder"] == {"name": "uv", "path": UV, "version": "0.13.9"}
     assert (result["installed"], result["missing"], result["extra"], result["wrong"]) == (GOOD, [], [], [])
     assert os.readlink(host.path) == new.name  # relative: the layout survives a bind mount elsewhere
-    assert not (new / script.MARKER).exists()
+    assert not (new / venv_layout.MARKER).exists()
     assert Path(result["lock_file"]).read_text() == host.indexes.lock(GOOD)
     assert works(host.path, "six", "idna") == str(host.path)
 
@@ -742,10 +768,10 @@ def test_a_polluted_version_is_rebuilt_and_the_old_one_stays_where_it_is_and_wor
     assert works(old, "sglang") == str(old)
     assert works(host.path, "idna") == str(host.path)
     # The script's reader (the check before the swap) and the fact pass's reader agree on a real polluted venv.
-    read = script.read_venv(str(old))
-    assert pve_ct_venv.installed_versions(
-        read["records"], read["torch_build"], GOOD
-    ) == venv_compare.installed_versions(probe(old), GOOD)
+    read = venv_check.read_venv(str(old))
+    assert ct_venv.installed_versions(read["records"], read["torch_build"], GOOD) == venv_compare.installed_versions(
+        probe(old), GOOD
+    )
 
 
 def test_an_in_spec_venv_is_left_alone_and_nothing_is_built(host, capsys):
@@ -780,6 +806,7 @@ def test_an_index_that_drops_a_download_leaves_the_old_venv_and_the_next_run_suc
         "train",
         f"train.{STAMPS[0]}",
         f"train.{STAMPS[0]}.lock.txt",
+        "train.cache",  # what the failed build downloaded stays for the next one
     ]
     host.indexes.server.drop.clear()
     again = host.run(capsys)
@@ -793,7 +820,7 @@ def test_an_interrupted_build_is_removed_by_the_next_run(host, capsys):
     requested, release = threading.Event(), threading.Event()
     host.indexes.server.hang["idna-3.10-py3-none-any.whl"] = (requested, release)
     spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python_version": "3.11", "tooling": "ignore"}
-    payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[1])
+    payload = venv_acting.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[1])
     program = probes_input({"build": (script, payload)})
     build = subprocess.Popen(
         probes_argv(SYSTEM_PYTHON),
@@ -811,13 +838,13 @@ def test_an_interrupted_build_is_removed_by_the_next_run(host, capsys):
     finally:
         release.set()
     leftover = host.version(STAMPS[1])
-    assert (leftover / script.MARKER).exists()
+    assert (leftover / venv_layout.MARKER).exists()
     assert os.readlink(host.path) == host.version(STAMPS[0]).name  # the old venv is still the current one
     host.indexes.server.hang.clear()
     result = host.run(capsys)  # takes STAMPS[1] from the host's clock too: a leftover of the same second
     assert result["cleaned"] == [str(leftover)]
     assert (result["changed"], result["current"], result["installed"]) == (True, str(leftover), GOOD)
-    assert not (leftover / script.MARKER).exists()
+    assert not (leftover / venv_layout.MARKER).exists()
 
 
 def test_a_build_past_build_timeout_is_killed_and_removed(host, capsys):
@@ -844,7 +871,7 @@ def test_a_full_disk_removes_what_was_built_and_says_so(host, capsys, monkeypatc
     def disk_full(path, text):
         raise OSError(errno.ENOSPC, "No space left on device", path)
 
-    monkeypatch.setattr(script, "write_atomic", disk_full)
+    monkeypatch.setattr(venv_layout, "write_atomic", disk_full)
     result = host.run(capsys)
     lock_file = f"{host.version(STAMPS[1])}.lock.txt"
     assert (result["failed"], result["error"]) == (True, "no_space")
@@ -922,6 +949,7 @@ def test_retention_keeps_the_newest_and_never_a_version_a_process_uses(host, cap
     assert sorted(p.name for p in host.path.parent.iterdir() if not p.name.endswith(".txt")) == [
         "train",
         f"train.{STAMPS[3]}",
+        "train.cache",  # the build's package cache: retention never removes it
     ]
 
 
@@ -948,7 +976,7 @@ def test_a_link_planted_at_the_lock_or_freeze_name_is_replaced_never_followed(tm
     victim.write_text("precious\n")
     planted = tmp_path / "train.20261203T101500Z.lock.txt"
     planted.symlink_to(victim)
-    script.write_atomic(str(planted), "six==1.17.0\n")
+    venv_layout.write_atomic(str(planted), "six==1.17.0\n")
     assert victim.read_text() == "precious\n"
     assert (planted.is_symlink(), planted.read_text()) == (False, "six==1.17.0\n")
     assert stat.S_IMODE(planted.stat().st_mode) == 0o644
@@ -956,7 +984,7 @@ def test_a_link_planted_at_the_lock_or_freeze_name_is_replaced_never_followed(tm
     marker = tmp_path / "marker"
     marker.symlink_to(victim)
     with pytest.raises(FileExistsError):
-        script.create_new(str(marker), "unfinished\n")
+        venv_layout.create_new(str(marker), "unfinished\n")
     assert victim.read_text() == "precious\n"
 
 
@@ -965,7 +993,7 @@ def test_the_script_runs_as_shipped_on_python_3_9(host, capsys):
     if python is None:
         unavailable("no python3.9 here")
     spec = {"path": str(host.path), "lock": host.indexes.lock(GOOD), "python_version": "3.11", "tooling": "ignore"}
-    payload = training_venv.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[0])
+    payload = venv_acting.build_payload(spec, {"uv": UV, "keep": None, "build_timeout": 120}, STAMPS[0])
     answer = run_probes_program(python, {"build": (script, payload)})["build"]["answer"]
     assert answer["current"] == str(host.version(STAMPS[0])), answer
     assert host.run(capsys)["changed"] is False
@@ -980,7 +1008,7 @@ def uv_wheel(directory, version="0.13.9", binary=b"\x7fELF uv"):
 
 
 def test_the_uv_of_pypis_wheel_is_found_with_its_version(tmp_path):
-    assert training_venv.uv_from_wheel(uv_wheel(tmp_path)) == ("0.13.9", b"\x7fELF uv")
+    assert venv_acting.uv_from_wheel(uv_wheel(tmp_path)) == ("0.13.9", b"\x7fELF uv")
 
 
 def test_a_file_that_is_no_uv_wheel_is_a_clear_error(tmp_path):
@@ -988,14 +1016,15 @@ def test_a_file_that_is_no_uv_wheel_is_a_clear_error(tmp_path):
     with zipfile.ZipFile(other, "w") as wheel:
         wheel.writestr("six.py", "")
     with pytest.raises(VenvError, match=r"holds no uv-<version>\.data/scripts/uv"):
-        training_venv.uv_from_wheel(other)
+        venv_acting.uv_from_wheel(other)
     with pytest.raises(VenvError, match="cannot read the uv wheel"):
-        training_venv.uv_from_wheel(tmp_path / "missing.whl")
+        venv_acting.uv_from_wheel(tmp_path / "missing.whl")
 
 
 def test_uv_goes_into_the_ct_at_a_versioned_path_over_one_pct_exec(tmp_path):
     script = (
-        'set -e; [ -x "$1" ] && exit 0; mkdir -p "${1%/*}"; t=$(mktemp "$1.XXXXXX"); cat > "$t"; chmod 755 "$t"; '
+        'set -e; mkdir -p "${1%/*}"; t=$(mktemp "$1.XXXXXX"); cat > "$t"; chmod 755 "$t"; '
+        'if [ -L "$1" ]; then rm -f "$1"; elif [ -d "$1" ]; then rm -f "$t"; echo "$1 is a directory" >&2; exit 1; fi; '
         'mv -f "$t" "$1"'
     )
     path = "/usr/local/lib/pve-gpu-recover/uv-0.13.9/uv"
@@ -1024,7 +1053,7 @@ def test_uv_goes_into_the_ct_at_a_versioned_path_over_one_pct_exec(tmp_path):
             (0, "", ""),
         )
     )
-    assert training_venv.install_uv(Target(200, node="pve1", runner=runner), uv_wheel(tmp_path)) == path
+    assert venv_acting.install_uv(Target(200, node="pve1", runner=runner), uv_wheel(tmp_path)) == path
     assert runner.stdin == [b"\x7fELF uv"]
     runner.assert_done()
 
@@ -1034,9 +1063,9 @@ def test_uv_installed_from_a_wheel_on_a_bare_host_runs(tmp_path):
     home = tmp_path / "lib"
     target = Target(node="host1")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(training_venv, "UV_HOME", str(home))
-        path = training_venv.install_uv(target, wheel)
-        again = training_venv.install_uv(target, wheel)  # kept: already there
+        patch.setattr(venv_facts, "UV_HOME", str(home))
+        path = venv_acting.install_uv(target, wheel)
+        again = venv_acting.install_uv(target, wheel)  # replaced by the same: the read decides whether it runs
     assert path == again == f"{home}/uv-0.13.9/uv"
     assert subprocess.run([path], capture_output=True, text=True, check=True).stdout == "uv 0.13.9\n"
 
@@ -1074,7 +1103,8 @@ def test_bare_host_the_script_removes_the_new_version_when_a_job_started_during_
     current = host.version(STAMPS[0])
     monkeypatch.setattr(venv_facts, "processes_running_from", lambda owner, roots, **_: ([], []))
     # What the script finds just before the swap: a job that started from the current venv during the build.
-    monkeypatch.setattr(script, "processes_using", lambda directories, proc="/proc": {d: [4242] for d in directories})
+    users = lambda directories, proc="/proc": {d: [4242] for d in directories}  # noqa: E731
+    monkeypatch.setattr(venv_layout, "processes_using", users)
     result = host.run(capsys, SMALLER, unattended=True)
     assert (result["changed"], result["current"]) == (False, None)
     assert "pid 4242 inside the target" in result["needs_window"][0]
@@ -1168,11 +1198,11 @@ def test_a_build_run_as_an_async_job_tells_its_phases_in_the_jobs_status_file(ho
     job = tmp_path / "async" / "j1.2"
     job.parent.mkdir()
     job.write_text(json.dumps({"started": True, "finished": False, "ansible_job_id": "j1.2"}))
-    monkeypatch.setattr(pve_progress, "async_job_file", lambda: str(job))
-    monkeypatch.setattr(pve_progress, "WRITE_INTERVAL", 0.0)
+    monkeypatch.setattr(node_progress, "async_job_file", lambda: str(job))
+    monkeypatch.setattr(node_progress, "WRITE_INTERVAL", 0.0)
     seen = []
-    write = pve_progress.Reporter.write
-    monkeypatch.setattr(pve_progress.Reporter, "write", lambda self: (seen.append(dict(self.progress)), write(self)))
+    write = node_progress.Reporter.write
+    monkeypatch.setattr(node_progress.Reporter, "write", lambda self: (seen.append(dict(self.progress)), write(self)))
     result = host.run(capsys)
     assert result["changed"] is True and result["current"] == str(host.version(STAMPS[0]))
     assert "pve_gpu_recover_progress" not in result

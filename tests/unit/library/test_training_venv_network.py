@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 import training_venv
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_act_runner import wrong_option
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import act as ct_act
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.act_runner import wrong_option
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import acting as venv_acting
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import commands as venv_commands
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import network, script
 
 from tests.conftest import ROOT, unavailable
@@ -114,7 +116,7 @@ def host(tmp_path, monkeypatch):
     if not (Path(UV).exists() and Path(SYSTEM_PYTHON).exists()):
         unavailable(f"needs {UV} and {SYSTEM_PYTHON}")
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu1")
-    monkeypatch.setattr(training_venv, "utc_stamp", lambda: next(STAMPS))
+    monkeypatch.setattr(venv_acting, "utc_stamp", lambda: next(STAMPS))
     for name in HOST_TLS_SETTINGS + PROXY_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
@@ -155,7 +157,7 @@ def test_uv_fails_on_an_index_of_a_private_ca_naming_the_tls_problem_and_the_set
     assert "the target does not trust the TLS certificate of the index or of a proxy on the way" in result["msg"]
     assert "set training_venv_ca_bundle to a PEM file inside the target" in result["msg"]
     assert "training_venv_system_certs: true" in result["msg"]
-    assert list(host.path.parent.iterdir()) == []  # nothing built is left
+    assert [p.name for p in host.path.parent.iterdir()] == ["train.cache"]  # nothing built; the cache stays
 
 
 def test_uv_builds_from_that_index_with_the_ca_bundle(host, capsys, index, wheels, ca):
@@ -182,7 +184,7 @@ def test_pip_fails_on_that_index_naming_the_tls_problem_and_builds_with_the_ca_b
     # pip names the certificate only in a warning; its last error is "No matching distribution".
     assert "No matching distribution found for idna==3.10 (problem confirming the ssl certificate)" in failed["msg"]
     assert "set training_venv_ca_bundle" in failed["msg"]
-    assert list(host.path.parent.iterdir()) == []
+    assert [p.name for p in host.path.parent.iterdir()] == ["train.cache"]  # nothing built; the cache stays
     result, _ = host.run(capsys, index, wheels, uv="/nonexistent/uv", ca_bundle=str(ca["ca"]))
     assert result["changed"] is True, result.get("msg")
     assert result["builder"]["name"] == "venv+pip"
@@ -320,16 +322,16 @@ def test_the_build_script_masks_them_before_its_answer_leaves_the_target(tmp_pat
     assert "install_failed" in answer or "index_unreachable" in answer
     for secret in ("IndexPassw0rdXYZ", PROXY_PASSWORD, TOKEN):
         assert secret not in answer
-    assert pve_ct_act.MASK in answer
+    assert ct_act.MASK in answer
 
 
 def test_redact_masks_secrets_and_the_user_information_of_any_url():
     text = "fetch https://bob:t0ken@idx/simple via http://alice@proxy:3128 (t0ken); mail ci@example.org"
-    assert pve_ct_act.redact(text, ["t0ken", ""]) == (
+    assert ct_act.redact(text, ["t0ken", ""]) == (
         "fetch https://********@idx/simple via http://********@proxy:3128 (********); mail ci@example.org"
     )
-    assert pve_ct_act.redact(None, ["x"]) is None
-    assert pve_ct_act.redact_answer({"cmd": ["uv", "https://u:p@h/"], "rc": 2}, []) == {
+    assert ct_act.redact(None, ["x"]) is None
+    assert ct_act.redact_answer({"cmd": ["uv", "https://u:p@h/"], "rc": 2}, []) == {
         "cmd": ["uv", "https://********@h/"],
         "rc": 2,
     }
@@ -345,7 +347,7 @@ def test_the_network_settings_become_the_build_commands_environment(monkeypatch)
         "system_certs": True,
     }
     payload = network.network_payload(params)["network"]
-    env = script.build_env(payload)
+    env = venv_commands.build_env(payload)
     assert "UV_INDEX_URL" not in env
     assert (env["HTTPS_PROXY"], env["NO_PROXY"], env["UV_HTTP_TIMEOUT"]) == (
         "http://proxy:3128",
@@ -371,9 +373,9 @@ def test_the_payload_carries_the_network_only_when_set():
         "keep": None,
     }
     params = {"uv": "uv", "build_timeout": 60}
-    assert "network" not in training_venv.build_payload(spec, params, "20261203T101500Z")
+    assert "network" not in venv_acting.build_payload(spec, params, "20261203T101500Z")
     credentials = [{"host": "pypi.internal", "username": "ci", "password": "tok"}]
-    payload = training_venv.build_payload(spec, dict(params, index_credentials=credentials), "20261203T101500Z")
+    payload = venv_acting.build_payload(spec, dict(params, index_credentials=credentials), "20261203T101500Z")
     assert payload["network"]["netrc"] == "machine pypi.internal login ci password tok\n"
     assert payload["network"]["secrets"] == ["tok"]
 
@@ -404,7 +406,7 @@ def test_the_payload_carries_the_network_only_when_set():
 def test_network_settings_that_cannot_work_are_named_without_a_secret(changed, message):
     params = {"path": "/opt/venvs/train", "lock": "six==1.17.0\n", "python_version": None, "tooling": "ignore"}
     params.update({"keep": None, "unattended_keep": 3, "unattended": False, "build_timeout": 1800, **changed})
-    wrong = wrong_option(training_venv.TrainingVenv(), params)
+    wrong = wrong_option(training_venv.TrainingVenv(training_venv.ARGUMENT_SPEC), params)
     assert wrong.startswith(message), wrong
     assert "with space" not in wrong
 
@@ -412,7 +414,7 @@ def test_network_settings_that_cannot_work_are_named_without_a_secret(changed, m
 def test_a_lock_with_credentials_in_a_url_is_refused_without_showing_them():
     lock = "--index-url https://ci:s3cr3t@pypi.internal/simple\nsix==1.17.0\n"
     params = {"path": "/opt/venvs/train", "lock": lock, "python_version": None, "tooling": "ignore", "build_timeout": 1}
-    wrong = wrong_option(training_venv.TrainingVenv(), params)
+    wrong = wrong_option(training_venv.TrainingVenv(training_venv.ARGUMENT_SPEC), params)
     assert wrong == (
         "the lock, line 1: https://********@pypi.internal/simple carries credentials, which would be in every report "
         "and log; take them out of the lock and give them as training_venv_index_credentials"

@@ -8,7 +8,8 @@ import socket
 
 import pytest
 import training_venv
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process import ProcessInfo
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import acting as venv_acting
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import facts as venv_facts
 
 from tests.fakes import FakeRunner, run_module
@@ -54,7 +55,7 @@ def job_on_the_node(monkeypatch, on_pve1):
 @pytest.fixture
 def on_pve1(monkeypatch):
     monkeypatch.setattr(socket, "gethostname", lambda: "pve1")
-    monkeypatch.setattr(training_venv, "utc_stamp", lambda: BUILD_PAYLOAD["stamp"])
+    monkeypatch.setattr(venv_acting, "utc_stamp", lambda: BUILD_PAYLOAD["stamp"])
 
 
 def unattended_build_call(built, reread):

@@ -3,7 +3,7 @@
 On a CT the module is replayed through FakeRunner: its two ``pct exec`` calls (nvidia-smi, then the venv's python
 with the torch script on stdin) are asserted argv by argv. On a bare host the torch script really runs, in a venv
 made here whose ``torch`` is a stub (no test imports the real one). nvidia-smi's output is the real H200 capture
-with single cells replaced (tests/unit/module_utils/test_pve_verify.py builds it).
+with single cells replaced (tests/unit/plugins/module_utils/steps/verify/test_facts.py builds it).
 """
 
 import hashlib
@@ -21,8 +21,10 @@ import verify
 import yaml
 from ansible.module_utils.common import warnings as ansible_warnings
 from ansible.module_utils.testing import patch_module_args
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_steps, pve_target
-from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import query_gpu_argv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import command as node_command
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import target as node_target
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import query_gpu_argv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps import registry as step_registry
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import facts as verify_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import gpu_checks as verify_gpu_checks
@@ -30,7 +32,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify impor
 
 from tests.conftest import FIXTURES, ROOT
 from tests.fakes import FakeRunner, run_module
-from tests.unit.module_utils.test_pve_verify import eight, smi, stub_venv
+from tests.unit.plugins.module_utils.steps.verify.test_facts import eight, smi, stub_venv
 
 PCT = ["pct", "exec", "200", "--keep-env", "0", "--", "timeout", "-k", "5"]
 ENV = ["env", "LC_ALL=C", "LANG=C"]
@@ -250,20 +252,20 @@ class HostRunner:
     def __call__(self, argv, *, stdin=None, timeout=None, env=None):
         self.argvs.append(argv)
         if "nvidia-smi" in argv:
-            return pve_target.CommandResult(argv=argv, rc=0, stdout=self.smi_out, stderr="")
+            return node_command.CommandResult(argv=argv, rc=0, stdout=self.smi_out, stderr="")
         self.envs.append(env)
         stub = {"STUB_CUDA": "12.8", "STUB_COUNT": "8"}
         return REAL_RUN_LOCAL(argv, stdin=stdin, timeout=timeout, env={**(env or {}), **stub})
 
 
-REAL_RUN_LOCAL = pve_target.run_local
+REAL_RUN_LOCAL = node_target.run_local
 
 
 @pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check"])
 def test_a_bare_host_runs_the_script_in_the_venvs_own_python(check_mode, tmp_path, monkeypatch, capsys):
     venv = stub_venv(tmp_path / "train")
     runner = HostRunner(eight())
-    monkeypatch.setattr(pve_target, "run_local", runner)
+    monkeypatch.setattr(node_target, "run_local", runner)
     params = {"venv": str(venv), "torch_version": "2.11.0+cu128", "cuda_version": "12.8"}
     with patch_module_args(dict(params, _ansible_check_mode=check_mode)), pytest.raises(SystemExit):
         verify.main()
@@ -298,7 +300,7 @@ def test_importing_torch_to_verify_leaves_the_venv_byte_identical(tmp_path, monk
     (next(venv.glob("lib/python3.*/site-packages")) / "torch" / "version.py").write_text("__version__ = 'x'\n")
     before = tree(venv)
     runner = HostRunner(eight())
-    monkeypatch.setattr(pve_target, "run_local", runner)
+    monkeypatch.setattr(node_target, "run_local", runner)
     with patch_module_args({"venv": str(venv), "import_torch": "always"}), pytest.raises(SystemExit):
         verify.main()
     result = json.loads(capsys.readouterr().out)
@@ -308,7 +310,7 @@ def test_importing_torch_to_verify_leaves_the_venv_byte_identical(tmp_path, monk
 
 
 def test_a_bare_host_without_the_venv_says_so(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(pve_target, "run_local", HostRunner(eight()))
+    monkeypatch.setattr(node_target, "run_local", HostRunner(eight()))
     params = {"venv": str(tmp_path / "none"), "gpu_count": 8}
     with patch_module_args(params), pytest.raises(SystemExit):
         verify.main()
@@ -355,7 +357,7 @@ def test_the_fact_pass_reads_every_setting_and_the_acting_task_passes_them():
             return True
         raise KeyError(name)
 
-    assert pve_steps.settings_from_variables(["verify"], variable) == {"verify": {}}
+    assert step_registry.settings_from_variables(["verify"], variable) == {"verify": {}}
     assert asked == ["verify_enabled"] + [f"verify_{name}" for name in verify_facts.SPEC]
     tasks = load("tasks/main.yml")
     (acting,) = [t for t in tasks if "pve_gpu.recover.verify" in t]
@@ -363,7 +365,6 @@ def test_the_fact_pass_reads_every_setting_and_the_acting_task_passes_them():
     assert acting["when"] == ["verify_enabled | bool", "ansible_facts.pve_gpu_recover.verify.pending | default(true)"]
     assert acting["changed_when"] is False
     assert acting["delegate_to"] == "{{ pve_node | default(inventory_hostname) }}"
-    assert load("tasks/settings.yml") == []
 
 
 # -- the fact pass with verify registered last -------------------------------------------------------------------
@@ -372,7 +373,7 @@ FACTS_DOC = yaml.safe_load((ROOT / "tests/unit/library/test_target_facts.yaml").
 
 @pytest.fixture
 def registered(monkeypatch):
-    assert pve_steps.STEP_NAMES[-1] == "verify"
+    assert step_registry.STEP_NAMES[-1] == "verify"
     monkeypatch.setattr(preflight_facts, "read_node_driver_version", lambda _path: "580.159.04")
 
 

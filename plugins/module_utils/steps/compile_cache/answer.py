@@ -6,8 +6,8 @@ prints is a CacheError (the step's error) naming what is wrong, never a tracebac
 
 from __future__ import annotations
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.warmup import WARMUP_STATES
 
 
@@ -89,6 +89,15 @@ def _answer_shape(answer):
             return f"users[{real!r}] is {users!r}, not a list of processes ({{pid, name, how}})"
     if not all(isinstance(e, str) for e in answer["errors"]):
         return f"errors is {answer['errors']!r}, not a list of sentences"
+    unreadable = answer.get("unreadable_processes", [])
+    if not isinstance(unreadable, list) or not all(
+        isinstance(u, dict)
+        and _is_int(u.get("pid"))
+        and isinstance(u.get("name"), str)
+        and isinstance(u.get("error"), str)
+        for u in unreadable
+    ):
+        return f"unreadable_processes is {unreadable!r}, not a list of processes ({{pid, name, error}})"
     return _warmup_shape(answer.get("warmup"))
 
 

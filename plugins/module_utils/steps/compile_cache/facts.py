@@ -34,16 +34,15 @@ from __future__ import annotations
 
 import re
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import query_gpu_argv
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_target import ENV_NAME
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import cuda_of, variant
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import query_gpu_argv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.target import ENV_NAME
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache import probe as cache_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.answer import check_answer
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.fingerprint import (
     GPU_NAME_FIELDS,
     gpu_names_of,
     gpu_names_read,
-    make_fingerprint,
+    planned_fingerprint,
     venv_fingerprint,
     venv_plan_of,
 )
@@ -80,6 +79,7 @@ SPEC = {
     "unattended": {"type": "bool", "default": False},
 }
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
+PLANNED_FROM = "training_venv lock (the venv is rebuilt in this run)"
 _PLACEHOLDER = re.compile(r"\{[^{}]*\}")
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\$?$")
 
@@ -137,8 +137,7 @@ def evaluate_step(spec, answer, node, context):
     gpus = gpu_names_of(context)
     venv_changes, lock_torch = venv_plan_of(spec, context)
     if venv_changes:
-        expected = make_fingerprint(lock_torch, cuda_of(variant(lock_torch)), None, gpus)
-        expected_from = "training_venv lock (the venv is rebuilt in this run)"
+        expected, expected_from = planned_fingerprint(lock_torch, gpus), PLANNED_FROM
     else:
         expected = venv_fingerprint(answer, gpus)
         expected_from = "venv"
@@ -153,17 +152,25 @@ def evaluate_step(spec, answer, node, context):
     )
 
 
-def module_facts(spec, answer, label, *, venv_pending=False, ending=(), window=()):
+def module_facts(
+    spec, answer, label, *, venv_pending=False, planned_torch=None, check_mode=False, ending=(), window=()
+):
     """The same facts for the acting module, from its own probe read (GPU names from its own nvidia-smi);
-    ``window``: real paths the acting script left in use (see :func:`judge`)."""
+    ``window``: real paths the acting script left in use (see :func:`judge`). ``venv_pending`` in ``check_mode``:
+    the venv step built nothing, so the venv in the target (none, on a fresh one) is not what the caches are for;
+    they are judged against the lock's torch (``planned_torch``), as the fact pass judged them."""
     check_answer(answer, spec)
     gpus, problem = gpu_names_read(answer)
+    if venv_pending and check_mode:
+        expected, expected_from = planned_fingerprint(planned_torch, gpus), PLANNED_FROM
+    else:
+        expected, expected_from = venv_fingerprint(answer, gpus), "venv"
     return judge(
         spec,
         answer,
         label,
-        expected=venv_fingerprint(answer, gpus),
-        expected_from="venv",
+        expected=expected,
+        expected_from=expected_from,
         venv_changes=venv_pending,
         ending=ending,
         extra_problems=[f"{label}: {problem}"] if problem else [],

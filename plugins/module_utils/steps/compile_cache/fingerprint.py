@@ -8,13 +8,13 @@ is the cache user's text: every value of it is normalized and escaped before it 
 
 from __future__ import annotations
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import (
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import (
     NvidiaSmiError,
     classify_failure,
     parse_gpus,
 )
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import variant
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.torch_build import cuda_of, variant
 
 FINGERPRINT_KEYS = ("torch", "variant", "cuda", "triton", "gpus")
 GPU_NAME_FIELDS = (("name", "name", "str"),)
@@ -27,6 +27,12 @@ def make_fingerprint(torch, cuda, triton, gpus):
     "variant": "cu128", "cuda": "12.8", "triton": "3.3.0", "gpus": ["NVIDIA H200"]}``: the GPU models sorted,
     once each (a kernel is built for a model, not for a count)."""
     return {"torch": torch, "variant": variant(torch), "cuda": cuda, "triton": triton, "gpus": sorted(set(gpus))}
+
+
+def planned_fingerprint(lock_torch, gpus):
+    """What the caches are judged against while the training venv step rebuilds the venv from a lock pinning
+    ``lock_torch``: its CUDA from the build variant, triton unknown until the venv is built."""
+    return make_fingerprint(lock_torch, cuda_of(variant(lock_torch)), None, gpus)
 
 
 def normalized(fingerprint):

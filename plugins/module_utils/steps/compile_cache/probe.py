@@ -7,13 +7,15 @@ on a bare host ``probe()`` runs in the module's own process. So: standard librar
 of ours but the container-side modules of ``SHARED`` (shipped with it), and the answer is plain JSON.
 
 It only reads, and never follows a symlink: each root is opened from ``/`` one component at a time
-(:func:`pve_ct_fs.open_root`: a link, or a component someone other than root and the cache user could have put
+(:func:`ct_fs.open_root`: a link, or a component someone other than root and the cache user could have put
 there, makes it ``unsafe``) and walked through directory fds by ``lstat`` (a link is counted and, when it leads
 out of the root, named; another mount and a directory its parent's non-root owner does not own are named and not
 entered), so it sees what the acting script would delete.
 It reads the venv's ``torch/version.py`` as text and triton's dist-info METADATA header, never ``import torch``.
-The homes of the target's users, every live process that uses a root (its cwd, an open file or a mapped file
-in it) and, when asked, the GPU names from ``nvidia-smi`` complete the answer. The module decides what is wrong.
+The homes of the target's users, every live process that uses a root (ct_proc.scan: its cwd, executable, an open
+or mapped file, a path in its command line, a ``PYTHONPATH`` entry or ``-m`` package in it; its /proc files read
+under a deadline, so one stuck in the driver is named, never waited for) and, when asked, the GPU names from
+``nvidia-smi`` complete the answer. The module decides what is wrong.
 """
 # Runs in the target from its source (standard library only), where no AnsibleModule.run_command exists.
 # pylint: disable=ansible-bad-function
@@ -26,9 +28,12 @@ import pwd
 import stat
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_fs, pve_ct_lean, pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import fs as ct_fs
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import proc as ct_proc
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import run as ct_run
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import venv as ct_venv
 
-SHARED = (pve_ct_fs, pve_ct_lean, pve_ct_venv)  # container-side modules Target.run_probes ships with this part
+SHARED = (ct_fs, ct_proc, ct_run, ct_venv)  # container-side modules Target.run_probes ships with this part
 # torch/version.py assigns plain literals (`cuda: Optional[str] = '12.8'`); an annotation may sit before `=`.
 TORCH_VERSION_KEYS = {"__version__": "version", "cuda": "cuda", "git_version": "git_version", "hip": "hip"}
 # Distributions that provide the `triton` package torch compiles with, in the order they are preferred.
@@ -40,14 +45,14 @@ SHOWN = 20  # links out of a root and mount points named per root (the count say
 def parse_torch_version_py(text):
     """``__version__ = '2.11.0+cu128'\\ncuda: Optional[str] = '12.8'`` -> ``{"version": "2.11.0+cu128",
     "cuda": "12.8", "git_version": None, "hip": None}`` (the same reading as the training venv's probe)."""
-    return pve_ct_venv.read_version_py(text, TORCH_VERSION_KEYS)
+    return ct_venv.read_version_py(text, TORCH_VERSION_KEYS)
 
 
 def _site_packages(path):
-    """The venv's site-packages directory (pve_ct_venv.site_packages: the one of pyvenv.cfg's python minor, or the
+    """The venv's site-packages directory (ct_venv.site_packages: the one of pyvenv.cfg's python minor, or the
     only lib/pythonX.Y's when it names none), or None."""
-    config = pve_ct_venv.read_config(pve_ct_venv.read_small_text(os.path.join(path, "pyvenv.cfg")) or "")
-    return pve_ct_venv.site_packages(path, pve_ct_venv.config_minor(config))[0]
+    config = ct_venv.read_config(ct_venv.read_small_text(os.path.join(path, "pyvenv.cfg")) or "")
+    return ct_venv.site_packages(path, ct_venv.config_minor(config))[0]
 
 
 def read_venv(path):
@@ -59,7 +64,7 @@ def read_venv(path):
     if site_packages is None:
         return answer
     answer["site_packages"] = site_packages
-    text = pve_ct_venv.read_small_text(os.path.join(site_packages, "torch", "version.py"))
+    text = ct_venv.read_small_text(os.path.join(site_packages, "torch", "version.py"))
     if text is not None:
         answer["torch_version_py"] = parse_torch_version_py(text)
     try:
@@ -68,9 +73,9 @@ def read_venv(path):
         records = []
     found = {}
     for record in records:
-        name = pve_ct_venv.canonical_name(record[: -len(".dist-info")].rsplit("-", 1)[0])
+        name = ct_venv.canonical_name(record[: -len(".dist-info")].rsplit("-", 1)[0])
         if name in TRITON_NAMES and name not in found:
-            header = pve_ct_venv.metadata_header(os.path.join(site_packages, record, "METADATA")) or {}
+            header = ct_venv.metadata_header(os.path.join(site_packages, record, "METADATA")) or {}
             if header.get("version"):
                 found[name] = {"name": name, "version": header["version"]}
     answer["triton"] = next((found[name] for name in TRITON_NAMES if name in found), None)
@@ -126,12 +131,12 @@ def walk(fd, root, stamp_name, deadline):
     """Size and content of the directory open as ``fd`` (the root ``root``), through directory fds, by lstat only:
     ``{"size_bytes", "files", "entries" (top-level entries besides the stamp), "links", "escapes" ([{"link",
     "target"}] leading out of it), "escapes_count", "mounts" (other mounts, bind mounts too: never entered),
-    "left" ([{"path", "why"}] other directories not entered, :func:`pve_ct_fs.open_inside`), "partial" (the
+    "left" ([{"path", "why"}] other directories not entered, :func:`ct_fs.open_inside`), "partial" (the
     deadline cut the walk short), "unreadable" (directories that could not be listed)}``. It enters what a purge
     would enter."""
     found = {"size_bytes": 0, "files": 0, "entries": 0, "links": 0, "escapes": [], "escapes_count": 0}
     found.update(mounts=[], left=[], partial=False, unreadable=[], root=root, stamp_name=stamp_name)
-    _walk_dir(pve_ct_fs.open_dir(fd, root), found, deadline)
+    _walk_dir(ct_fs.open_dir(fd, root), found, deadline)
     del found["root"], found["stamp_name"]
     return found
 
@@ -157,7 +162,7 @@ def _walk_dir(here, found, deadline):
 
 
 def _count(here, name, found, deadline):
-    """Count one entry of a walk; a directory is walked when :func:`pve_ct_fs.open_inside` lets it, a link never
+    """Count one entry of a walk; a directory is walked when :func:`ct_fs.open_inside` lets it, a link never
     followed."""
     full = os.path.join(here.path, name)
     try:
@@ -167,16 +172,16 @@ def _count(here, name, found, deadline):
     if stat.S_ISLNK(entry.st_mode):
         found["links"] += 1
         target = _readlink(name, here.fd)
-        if target is not None and not pve_ct_fs.inside(pve_ct_fs.clean(os.path.join(here.path, target)), found["root"]):
+        if target is not None and not ct_fs.inside(ct_fs.clean(os.path.join(here.path, target)), found["root"]):
             found["escapes_count"] += 1
             if len(found["escapes"]) < SHOWN:
                 found["escapes"].append({"link": full, "target": target})
     elif stat.S_ISDIR(entry.st_mode):
-        child, why = pve_ct_fs.open_inside(here, name)
+        child, why = ct_fs.open_inside(here, name)
         if why == "mount" and len(found["mounts"]) < SHOWN:
             found["mounts"].append(full)
-        elif why in pve_ct_fs.LEFT and len(found["left"]) < SHOWN:
-            found["left"].append({"path": full, "why": pve_ct_fs.LEFT[why]})
+        elif why in ct_fs.LEFT and len(found["left"]) < SHOWN:
+            found["left"].append({"path": full, "why": ct_fs.LEFT[why]})
         if child is not None:
             _walk_dir(child, found, deadline)
     else:
@@ -193,9 +198,9 @@ def _readlink(name, fd):
 
 
 def read_root(template, path, stamp_name, deadline, *, homes, uid):
-    """One root: where it is, whether it is a directory, its stamp and content. A root that :func:`pve_ct_fs.refusal`
+    """One root: where it is, whether it is a directory, its stamp and content. A root that :func:`ct_fs.refusal`
     refuses (by its path or where it resolves) is not walked: ``/`` would take the whole deadline, and it is never
-    purged anyway. The others are opened by :func:`pve_ct_fs.open_root` (``unsafe``: why it cannot be, a refusal)
+    purged anyway. The others are opened by :func:`ct_fs.open_root` (``unsafe``: why it cannot be, a refusal)
     and read through that one fd; ``id`` is its ``[st_dev, st_ino]``, so the acting script knows it acts on the
     same one."""
     answer = {"template": template, "path": path, "exists": False, "is_link": False, "is_dir": False}
@@ -210,11 +215,11 @@ def read_root(template, path, stamp_name, deadline, *, homes, uid):
     except OSError:
         return answer  # nothing there (a dangling link is not a root either)
     answer.update(exists=True, is_dir=stat.S_ISDIR(info.st_mode), owner={"uid": info.st_uid, "gid": info.st_gid})
-    if not answer["is_dir"] or pve_ct_fs.refusal(path, homes) or pve_ct_fs.refusal(answer["real_path"], homes):
+    if not answer["is_dir"] or ct_fs.refusal(path, homes) or ct_fs.refusal(answer["real_path"], homes):
         return answer
     try:
-        fd = pve_ct_fs.open_root(path, uid)
-    except pve_ct_fs.Unsafe as error:
+        fd = ct_fs.open_root(path, uid)
+    except ct_fs.Unsafe as error:
         answer["unsafe"] = str(error)
         return answer
     except OSError as error:
@@ -236,35 +241,14 @@ def read_root(template, path, stamp_name, deadline, *, homes, uid):
 
 
 # -- processes using a root ------------------------------------------------------------------------------------
-def read_users(reals, deadline, own_pid):
-    """Live processes that use a root: ``({real: [{"pid", "name", "how"}]}, unreadable count, partial)``."""
-    users = {real: [] for real in reals}
-    unreadable = 0
+def read_users(reals, deadline, own_pid, proc="/proc"):
+    """Live processes that use a root (ct_proc.scan): ``({real: [{"pid", "name", "how"}]}, [{"pid", "name",
+    "error"}] of those that could not be read (refused, or stuck: likely in the driver), partial)``; partial: the
+    deadline left some unread."""
     if not reals:
-        return users, unreadable, False
-    try:
-        pids = sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
-    except OSError:
-        return users, 1, False
-    for pid in pids:
-        if time.monotonic() >= deadline:
-            return users, unreadable, True
-        if pid == own_pid:
-            continue
-        try:
-            used = pve_ct_fs.uses(pid, reals)
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # it ended while we looked
-        except PermissionError:
-            unreadable += 1
-            continue
-        except OSError:
-            continue
-        if used:
-            name = (pve_ct_venv.read_small_text(f"/proc/{pid}/comm") or "?").strip()
-            for real, how in used.items():
-                users[real].append({"pid": pid, "name": name, "how": sorted(how)})
-    return users, unreadable, False
+        return {}, [], False
+    scanned = ct_proc.scan(reals, deadline, proc, exclude=(own_pid,))
+    return ct_proc.per_root(scanned, reals), scanned["unreadable"], bool(scanned["late"])
 
 
 # -- users and GPUs --------------------------------------------------------------------------------------------
@@ -282,7 +266,7 @@ def read_homes():
     try:
         for entry in pwd.getpwall():
             if entry.pw_dir and entry.pw_dir.startswith("/"):
-                homes.setdefault(pve_ct_fs.clean(entry.pw_dir), []).append(entry.pw_name)
+                homes.setdefault(ct_fs.clean(entry.pw_dir), []).append(entry.pw_name)
     except OSError:
         pass
     return {home: sorted(names) for home, names in homes.items()}
@@ -376,9 +360,9 @@ def read_warmup(warmup, user):
 
 
 def run_nvidia_smi(argv, timeout):
-    """The GPU names' query in the C locale (pve_ct_lean.run: a hung nvidia-smi is killed with its group, never
+    """The GPU names' query in the C locale (ct_run.run: a hung nvidia-smi is killed with its group, never
     waited for without a deadline)."""
-    return pve_ct_lean.run(argv, timeout, env=dict(os.environ, LC_ALL="C", LANG="C"))
+    return ct_run.run(argv, timeout, env=dict(os.environ, LC_ALL="C", LANG="C"))
 
 
 def probe(payload):
@@ -386,7 +370,8 @@ def probe(payload):
     "warmup" ({"command", "path"}; only with a warm-up)}``.
 
     ``{"user" ({"name", "exists", "uid", "gid", "home"}), "homes" ({home: [users]}), "venv" (read_venv()),
-    "roots" ([read_root()]), "users" ({real path: [{"pid", "name", "how"}]}), "unreadable_processes",
+    "roots" ([read_root()]), "users" ({real path: [{"pid", "name", "how"}]}), "unreadable_processes" ([{"pid",
+    "name", "error"}]),
     "users_partial", "gpus" (nvidia-smi's answer or None), "pid", "euid", "errors", "warmup" (read_warmup(), only
     when asked)}``.
     """
@@ -395,17 +380,21 @@ def probe(payload):
     user = read_user(payload["user"])
     homes = read_homes()
     if user["home"] and user["home"].startswith("/"):
-        homes.setdefault(pve_ct_fs.clean(user["home"]), [user["name"]])
+        homes.setdefault(ct_fs.clean(user["home"]), [user["name"]])
     answer = {"user": user, "homes": homes, "venv": read_venv(payload["venv"]), "roots": []}
     answer.update(pid=os.getpid(), euid=os.geteuid(), errors=[], gpus=None)
     for template in payload["roots"]:
         expanded = expand(template, user["name"], user["home"])
-        path = pve_ct_fs.clean(expanded) if expanded and expanded.startswith("/") else expanded
+        path = ct_fs.clean(expanded) if expanded and expanded.startswith("/") else expanded
         root = read_root(template, path, payload["stamp_name"], deadline, homes=homes, uid=user["uid"])
         root["expanded"] = expanded
         answer["roots"].append(root)
     reals = sorted({r["real_path"] for r in answer["roots"] if r["walked"]})
-    users, unreadable, partial = read_users(reals, deadline, os.getpid())
+    try:
+        users, unreadable, partial = read_users(reals, deadline, os.getpid())
+    except OSError as error:
+        users, unreadable, partial = {}, [], True
+        answer["errors"].append(f"could not list /proc: {error.strerror or error}")
     answer.update(users=users, unreadable_processes=unreadable, users_partial=partial)
     if payload.get("warmup"):  # whether the warm-up could start, so that one that cannot fails before any purge
         answer["warmup"] = read_warmup(payload["warmup"], user)

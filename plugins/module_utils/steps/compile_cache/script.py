@@ -8,9 +8,9 @@ Unlike a probe part, ``probe(payload)`` here changes the target. It is called th
 container-side modules of ``SHARED`` (the module sends its decisions as data), the answer is plain JSON.
 
 Safety does not rest on the module's reading alone: every root is checked again here, just before it is touched, by
-the same rules (:func:`pve_ct_fs.refusal`, :func:`pve_ct_fs.open_root`) and must be the very directory the module
-judged (its ``[st_dev, st_ino]``), and no root is purged while a live process uses it (its cwd, an open file or a
-mapped file in it). A root is opened once, from ``/``, one component at a time with O_NOFOLLOW, refused when a
+the same rules (:func:`ct_fs.refusal`, :func:`ct_fs.open_root`) and must be the very directory the module
+judged (its ``[st_dev, st_ino]``), and no root is purged while a live process uses it (the probe part's rule,
+ct_proc.scan). A root is opened once, from ``/``, one component at a time with O_NOFOLLOW, refused when a
 component is a symlink or could have been put there by a user other than root and the cache user; everything after
 (purge, stamp, sizes) works through that fd and the directory fds below it, never by path again. A purge never
 follows a symlink (a link is removed itself, never its target), never enters another mount (compared by mount id, so
@@ -32,14 +32,16 @@ the other roots are purged and stamped. Any failure answers
 import contextlib
 import json
 import os
-import signal
 import stat
-import subprocess
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_fs, pve_ct_progress
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import act as ct_act
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import fs as ct_fs
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import proc as ct_proc
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import progress as ct_progress
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import run as ct_run
 
-SHARED = (pve_ct_act, pve_ct_fs, pve_ct_progress)  # container-side modules Target.run_probes ships with this part
+SHARED = (ct_act, ct_fs, ct_proc, ct_progress, ct_run)  # container-side modules Target.run_probes ships with this part
 TAIL_LINES = 20
 
 
@@ -51,8 +53,8 @@ def last_line(text):
 # -- reading ---------------------------------------------------------------------------------------------------
 def size_of(fd, path, stamp_name):
     """Bytes in regular files under the directory open as ``fd`` (named ``path``; the stamp left out), entering
-    only what a purge would enter (:func:`pve_ct_fs.open_inside`)."""
-    return _size(pve_ct_fs.open_dir(fd, path), stamp_name)
+    only what a purge would enter (:func:`ct_fs.open_inside`)."""
+    return _size(ct_fs.open_dir(fd, path), stamp_name)
 
 
 def _size(here, skip):
@@ -66,7 +68,7 @@ def _size(here, skip):
             except OSError:
                 continue
             if stat.S_ISDIR(entry.st_mode):
-                child, _ = pve_ct_fs.open_inside(here, name)
+                child, _ = ct_fs.open_inside(here, name)
                 total += _size(child, None) if child is not None else 0
             elif stat.S_ISREG(entry.st_mode):
                 total += entry.st_size
@@ -80,26 +82,11 @@ def has_content(fd, stamp_name):
 
 
 def users_of(reals, own_pid):
-    """``{real: [{"pid", "name", "how"}]}``: live processes whose cwd, open files or mapped files lie in a root."""
-    found = {real: [] for real in reals}
+    """``{real: [{"pid", "name", "how"}]}``: live processes that use a root, by the probe part's rule
+    (ct_proc.scan; one that cannot be read is not named here: the module's read already counted it)."""
     if not reals:
-        return found
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == own_pid:
-            continue
-        try:
-            used = pve_ct_fs.uses(int(name), reals)
-        except OSError:
-            continue  # gone, or not ours to read (the module's read already counted those)
-        if used:
-            try:
-                with open(f"/proc/{name}/comm", encoding="utf-8", errors="replace") as handle:
-                    comm = handle.read().strip()
-            except OSError:
-                comm = "?"
-            for real, how in used.items():
-                found[real].append({"pid": int(name), "name": comm, "how": sorted(how)})
-    return found
+        return {}
+    return ct_proc.per_root(ct_proc.scan(reals, exclude=(own_pid,)), reals)
 
 
 # -- writing ---------------------------------------------------------------------------------------------------
@@ -123,7 +110,7 @@ def write_stamp(directory, name, content):
 
 
 class Purge:
-    """Empties the root open as ``fd`` (named ``path``) through directory fds (:func:`pve_ct_fs.open_inside`): never
+    """Empties the root open as ``fd`` (named ``path``) through directory fds (:func:`ct_fs.open_inside`): never
     through a symlink, never into another mount (a bind mount of the same filesystem too), never into a directory
     its parent's non-root owner could have moved in, never outside the root. ``report`` counts what went and names
     what was left."""
@@ -136,9 +123,9 @@ class Purge:
 
     def run(self):
         """Empty the root (the stamp excepted, which first becomes a "purging" marker)."""
-        top = pve_ct_fs.open_dir(self.fd, self.path)
+        top = ct_fs.open_dir(self.fd, self.path)
         try:
-            if pve_ct_fs.kind_at(top.fd, self.stamp_name) == "dir":  # a directory where the stamp belongs is not ours
+            if ct_fs.kind_at(top.fd, self.stamp_name) == "dir":  # a directory where the stamp belongs is not ours
                 self.remove(top, self.stamp_name)
             write_stamp(top.fd, self.stamp_name, {"state": "purging", "fingerprint": None})
             self.empty(top, skip=self.stamp_name)
@@ -147,7 +134,7 @@ class Purge:
         return self.report
 
     def empty(self, here, skip=None):
-        """Remove everything in the :class:`pve_ct_fs.Dir` ``here``; True when it is empty."""
+        """Remove everything in the :class:`ct_fs.Dir` ``here``; True when it is empty."""
         emptied = True
         for name in os.listdir(here.fd):
             if name != skip:
@@ -155,17 +142,17 @@ class Purge:
         return emptied
 
     def remove(self, here, name):
-        """Remove the entry ``name`` of ``here``: a directory emptied first, when :func:`pve_ct_fs.open_inside`
+        """Remove the entry ``name`` of ``here``: a directory emptied first, when :func:`ct_fs.open_inside`
         lets it in."""
         full = os.path.join(here.path, name)
-        kind = pve_ct_fs.kind_at(here.fd, name)
+        kind = ct_fs.kind_at(here.fd, name)
         if kind == "dir":
-            child, why = pve_ct_fs.open_inside(here, name)
+            child, why = ct_fs.open_inside(here, name)
             if why == "mount":
                 self.report["mounts_left"].append(full)
                 return False
-            if why in pve_ct_fs.LEFT:
-                self.report["left"].append({"path": full, "why": pve_ct_fs.LEFT[why]})
+            if why in ct_fs.LEFT:
+                self.report["left"].append({"path": full, "why": ct_fs.LEFT[why]})
                 return False
             if child is not None:
                 try:
@@ -176,14 +163,14 @@ class Purge:
                     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                         os.rmdir(name, dir_fd=here.fd)  # only ever an empty directory
                 return empty
-            kind = pve_ct_fs.kind_at(here.fd, name)  # no directory any more: a link or a file took its place
+            kind = ct_fs.kind_at(here.fd, name)  # no directory any more: a link or a file took its place
         if kind is None:
             return True
         entry = os.stat(name, dir_fd=here.fd, follow_symlinks=False)
         if stat.S_ISLNK(entry.st_mode):
             target = os.readlink(name, dir_fd=here.fd)
             self.report["links"] += 1
-            if not pve_ct_fs.inside(pve_ct_fs.clean(os.path.join(here.path, target)), self.path):
+            if not ct_fs.inside(ct_fs.clean(os.path.join(here.path, target)), self.path):
                 self.report["links_out"].append({"link": full, "target": target})
         elif stat.S_ISREG(entry.st_mode):
             self.report["bytes"] += entry.st_size
@@ -209,55 +196,37 @@ def stamp_content(fingerprint):
 def run_warmup(warmup, deadline):
     """Run the warm-up argv once, in a session of its own, as the user; ``(rc, stdout, stderr, seconds)``.
 
-    While it runs, its latest output line is told as progress (pve_ct_progress): a cold compile takes minutes.
+    While it runs, its latest output line is told as progress (ct_progress): a cold compile takes minutes. Past its
+    deadline it is killed with what it started (the one runner, ct_run.run).
     """
     argv = [str(a) for a in warmup["argv"]]
     seconds = max(1.0, min(float(warmup["timeout"]), deadline - time.monotonic()))
-    extra = {}
+    user = None
     uid, gid = warmup.get("uid"), warmup.get("gid")
     if uid is not None and uid != os.geteuid():
         if os.geteuid() != 0:
-            raise pve_ct_act.ActError(
+            raise ct_act.ActError(
                 "warmup_user",
                 f"the warm-up must run as {warmup['user']} (uid {uid}), but this runs as uid {os.geteuid()}",
                 cmd=argv,
             )
-        extra = {"user": uid, "group": gid, "extra_groups": os.getgrouplist(warmup["user"], gid)}
+        user = (uid, gid, os.getgrouplist(warmup["user"], gid))
     started = time.monotonic()
-    try:
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=warmup["env"],
-            cwd=warmup["cwd"] if os.path.isdir(warmup["cwd"]) else "/",
-            start_new_session=True,  # its whole process group is killed at the deadline
-            **extra,
-        )
-    except OSError as error:
-        raise pve_ct_act.ActError(
-            "warmup_not_found", f"cannot run the warm-up `{argv[0]}`: {error.strerror}", cmd=argv
-        ) from None
-    pve_ct_progress.phase(f"warming up the compile cache with `{' '.join(argv)}`")
-    try:
-        out, err = pve_ct_progress.communicate(process, seconds)
-    except subprocess.TimeoutExpired as expired:
-        with contextlib.suppress(OSError):
-            os.killpg(process.pid, signal.SIGKILL)
-        try:
-            rest_out, rest_err = process.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            rest_out, rest_err = b"", b""
-        out, err = (expired.output or b"") + (rest_out or b""), (expired.stderr or b"") + (rest_err or b"")
-        raise pve_ct_act.ActError(
+    cwd = warmup["cwd"] if os.path.isdir(warmup["cwd"]) else "/"
+    follow = ct_progress.follow_output(f"warming up the compile cache with `{' '.join(argv)}`")
+    done = ct_run.run(argv, seconds, warmup["env"], user=user, cwd=cwd, on_output=follow)
+    if done.get("missing"):
+        why = done["stderr"].partition("cannot run it: ")[2] or "No such file or directory"
+        raise ct_act.ActError("warmup_not_found", f"cannot run the warm-up `{argv[0]}`: {why}", cmd=argv)
+    if done.get("timed_out"):
+        raise ct_act.ActError(
             "warmup_timeout",
             f"the warm-up `{' '.join(argv)}` did not finish within {seconds:g} s (warmup_timeout) and was killed",
             cmd=argv,
-            stdout=out.decode(errors="replace"),
-            stderr=err.decode(errors="replace"),
-        ) from None
-    return process.returncode, out.decode(errors="replace"), err.decode(errors="replace"), time.monotonic() - started
+            stdout=done["stdout"],
+            stderr=done["stderr"],
+        )
+    return done["rc"], done["stdout"], done["stderr"], time.monotonic() - started
 
 
 class Act:
@@ -265,10 +234,10 @@ class Act:
         self.roots = [dict(r) for r in payload["roots"]]
         self.fingerprint = payload["fingerprint"]
         self.stamp_name = payload["stamp_name"]
-        self.homes = {pve_ct_fs.clean(h): list(u) for h, u in payload["homes"].items()}
+        self.homes = {ct_fs.clean(h): list(u) for h, u in payload["homes"].items()}
         self.uid = int(payload["uid"])  # the cache user's: who may own what lies in a directory they can write
         self.warmup = payload.get("warmup")
-        pve_ct_progress.start(payload.get("progress"))  # the module has somewhere to send it (an async job)
+        ct_progress.start(payload.get("progress"))  # the module has somewhere to send it (an async job)
         self.unattended = bool(payload.get("unattended"))
         self.window = []  # unattended: roots to purge left as they are, in use by a live process
         self.deadline = time.monotonic() + float(payload["timeout"])
@@ -286,21 +255,19 @@ class Act:
         self.fds = {}
 
     def open_checked(self, index):
-        """The fd of root ``index`` after the rules (:func:`pve_ct_fs.refusal`, :func:`pve_ct_fs.open_root`), the very
-        directory the module judged (its ``id``); None when it does not exist; an pve_ct_act.ActError when it may not be
+        """The fd of root ``index`` after the rules (:func:`ct_fs.refusal`, :func:`ct_fs.open_root`), the very
+        directory the module judged (its ``id``); None when it does not exist; an ct_act.ActError when it may not be
         touched."""
         if index in self.fds:
             return self.fds[index]
         root = self.roots[index]
-        why = pve_ct_fs.refusal(root["path"], self.homes)
+        why = ct_fs.refusal(root["path"], self.homes)
         if why:
-            raise pve_ct_act.ActError(
-                "refused", f"compile cache root {root['path']} refused: {why}; nothing was deleted"
-            )
+            raise ct_act.ActError("refused", f"compile cache root {root['path']} refused: {why}; nothing was deleted")
         try:
-            fd = pve_ct_fs.open_root(pve_ct_fs.clean(root["path"]), self.uid)
-        except pve_ct_fs.Unsafe as error:
-            raise pve_ct_act.ActError(
+            fd = ct_fs.open_root(ct_fs.clean(root["path"]), self.uid)
+        except ct_fs.Unsafe as error:
+            raise ct_act.ActError(
                 "unsafe", f"compile cache root {root['path']} refused: {error}; nothing was deleted"
             ) from None
         if fd is None:
@@ -308,7 +275,7 @@ class Act:
         info = os.fstat(fd)
         if root.get("id") is not None and [info.st_dev, info.st_ino] != list(root["id"]):
             os.close(fd)
-            raise pve_ct_act.ActError("changed", f"{root['path']} is another directory than the one read; run again")
+            raise ct_act.ActError("changed", f"{root['path']} is another directory than the one read; run again")
         self.fds[index] = fd
         return fd
 
@@ -316,26 +283,24 @@ class Act:
         """Bytes in root ``index``; 0 when it does not exist, None when it cannot be opened."""
         try:
             fd = self.open_checked(index)
-        except pve_ct_act.ActError:
+        except ct_act.ActError:
             return None
-        return size_of(fd, pve_ct_fs.clean(self.roots[index]["path"]), self.stamp_name) if fd is not None else 0
+        return size_of(fd, ct_fs.clean(self.roots[index]["path"]), self.stamp_name) if fd is not None else 0
 
     def execute(self):
         started = time.monotonic()
         acting = [i for i, r in enumerate(self.roots) if r["action"]]
         for index in acting:
             if self.open_checked(index) is None:
-                raise pve_ct_act.ActError("changed", f"{self.roots[index]['path']} is no longer a directory; run again")
-        reals = {
-            i: pve_ct_fs.clean(self.roots[i]["path"]) for i in acting
-        }  # no link on the way: the path is the real one
+                raise ct_act.ActError("changed", f"{self.roots[index]['path']} is no longer a directory; run again")
+        reals = {i: ct_fs.clean(self.roots[i]["path"]) for i in acting}  # no link on the way: the path is the real one
         purging = [i for i in acting if self.roots[i]["action"] == "purge"]
         users = users_of(sorted({reals[i] for i in purging}), os.getpid())
         busy = [(self.roots[i], users[reals[i]]) for i in purging if users[reals[i]]]
         if busy and self.unattended:
             for root, found in busy:
                 root["action"] = None  # left for a window: neither purged nor stamped
-                self.window.append({"path": root["path"], "real_path": pve_ct_fs.clean(root["path"]), "users": found})
+                self.window.append({"path": root["path"], "real_path": ct_fs.clean(root["path"]), "users": found})
             self.warmup = None  # no compile while a live process uses the caches it would fill
             busy = []
         if busy:
@@ -343,12 +308,12 @@ class Act:
                 f"{r['path']} by " + ", ".join(f"pid {u['pid']} ({u['name']}: {', '.join(u['how'])})" for u in found)
                 for r, found in busy
             )
-            raise pve_ct_act.ActError("busy", f"nothing was purged: a live process uses a cache to purge: {named}")
+            raise ct_act.ActError("busy", f"nothing was purged: a live process uses a cache to purge: {named}")
         for index, root in enumerate(self.roots):
             root["size_before"] = self.size(index)
             if root["action"] == "purge":
-                pve_ct_progress.phase(f"purging the stale cache {root['path']}")
-                root["purged"] = Purge(self.fds[index], pve_ct_fs.clean(root["path"]), self.stamp_name).run()
+                ct_progress.phase(f"purging the stale cache {root['path']}")
+                root["purged"] = Purge(self.fds[index], ct_fs.clean(root["path"]), self.stamp_name).run()
             if root["action"] in ("purge", "stamp"):
                 write_stamp(self.fds[index], self.stamp_name, stamp_content(self.fingerprint))
                 root["stamped"] = True
@@ -375,11 +340,11 @@ class Act:
             "size_before": before,
             "size_after": after,
             "filled": after > before,
-            "stdout_tail": pve_ct_act.tail(out, TAIL_LINES),
-            "stderr_tail": pve_ct_act.tail(err, TAIL_LINES),
+            "stdout_tail": ct_act.tail(out, TAIL_LINES),
+            "stderr_tail": ct_act.tail(err, TAIL_LINES),
         }
         if rc != 0:
-            raise pve_ct_act.ActError(
+            raise ct_act.ActError(
                 "warmup_failed",
                 f"the warm-up `{' '.join(map(str, self.warmup['argv']))}` failed with exit code {rc}: "
                 f"{last_line(err or out)}",
@@ -393,13 +358,13 @@ class Act:
             fd = self.open_checked(index)  # created by the user: opened by the same rules before root writes
             if fd is None:
                 continue
-            root["real_path"] = root["real_path"] or pve_ct_fs.clean(root["path"])
-            if not root["stamped"] and pve_ct_fs.kind_at(fd, self.stamp_name) is None:
+            root["real_path"] = root["real_path"] or ct_fs.clean(root["path"])
+            if not root["stamped"] and ct_fs.kind_at(fd, self.stamp_name) is None:
                 write_stamp(fd, self.stamp_name, stamp_content(self.fingerprint))
                 root["stamped"] = True
             filled = filled or has_content(fd, self.stamp_name)
         if not filled:
-            raise pve_ct_act.ActError(
+            raise ct_act.ActError(
                 "warmup_empty",
                 f"the warm-up `{' '.join(map(str, self.warmup['argv']))}` succeeded but left every cache root "
                 "empty: does it compile, and does it use TORCHINDUCTOR_CACHE_DIR (the first root)?",
@@ -425,14 +390,15 @@ def probe(payload):
     ([{"path", "real_path", "users": [{"pid", "name", "how"}]}], unattended only), "seconds"}``.
     Failure: ``{"error", "message", "cmd", "rc", "stdout_tail", "stderr_tail", "done"}``.
     """
+    ct_run.end_with_me()  # the warm-up runs in a session of its own: the timeout around the pct exec ends it too
     try:
         act = Act(payload)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         return {"error": "invalid", "message": f"the compile cache payload is incomplete: {error}", "done": None}
     try:
         return act.execute()
-    except (pve_ct_act.ActError, OSError) as error:
-        failure = pve_ct_act.failure(error, TAIL_LINES)
+    except (ct_act.ActError, OSError) as error:
+        failure = ct_act.failure(error, TAIL_LINES)
     finally:
         act.close()
     failure["done"] = act.done()

@@ -8,8 +8,8 @@ warnings); :func:`judge` puts them together into the step's facts for the fact p
 
 from __future__ import annotations
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_ct_fs import clean, inside, refusal
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct.fs import clean, inside, refusal
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.compile_cache.fingerprint import (
     STAMP_SHOWN,
     describe,
@@ -185,6 +185,17 @@ def diff_lines(roots, expected, venv_changes, warmup):
     return "".join(before), "".join(after)
 
 
+def unreadable_line(label, processes):
+    """The warning of a purge that cannot vouch for ``processes`` (``[{"pid", "name", "error"}]``, the first 3
+    named)."""
+    named = ", ".join(f"pid {u['pid']} ({printable(u['name'])}: {printable(u['error'])})" for u in processes[:3])
+    more = f" and {len(processes) - 3} more" if len(processes) > 3 else ""
+    return (
+        f"{label}: {len(processes)} processes could not be inspected ({named}{more}); the purge cannot vouch that none "
+        "of them uses a cache root"
+    )
+
+
 def window_line(label, root):
     """The one sentence of a stale root an unattended run leaves because a live process uses it."""
     users = f"in use by {describe_users(root['live'])}" if root["live"] else "in use by a live process"
@@ -328,8 +339,9 @@ def judge(spec, answer, label, *, expected, expected_from, venv_changes, ending,
         if spec["warmup"]
         else None,
         "ending_pids": sorted(ending),
-        # Processes whose cwd/fds/maps could not be read (another user namespace): a purge cannot vouch for them.
-        "processes_unreadable": int(answer.get("unreadable_processes") or 0),
+        # Processes whose files could not be read (another user namespace, or stuck in the driver: ct_proc), named:
+        # a purge cannot vouch for them.
+        "processes_unreadable": list(answer.get("unreadable_processes") or []),
         "processes_partial": bool(answer.get("users_partial")),
         "size_bytes": sum(r["size_bytes"] for r in roots),
         "changes": changes,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import shlex
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_ct_fs import clean, inside
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct.fs import clean, inside
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
 
 THREADS = "TORCHINDUCTOR_COMPILE_THREADS"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import NvidiaSmi
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import (
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.act_runner import ActingStep
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import NvidiaSmi
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process import (
     children_of,
     device_holders,
     matches_name,
@@ -25,7 +26,8 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import
     read_stat,
     still_there,
 )
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process_job import systemd_unit
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process_job import systemd_unit
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import facts as gpu_facts
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import probe as gpu_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.ending import (
     end_processes,
@@ -218,9 +220,9 @@ def refuse_unsafe(target, found, p, result):
 
 def cleanup(target, node_smi, p, *, check_mode=False, warn=lambda message: None):
     """Re-read and plan, then (unless ``check_mode``) end the restarters and the holders, wait until the memory is
-    free, and watch ``settle`` seconds for restarts: a new child of a parent left running (:func:`plan_parents`),
-    or a new holder of the target's GPUs. (The module runs the same two halves, :func:`survey` and
-    :func:`end_planned`, through the acting modules' runner, plugins/module_utils/pve_act_runner.py.)
+    free, and, when a parent of a holder is left running (:func:`plan_parents`), watch ``settle`` seconds for
+    restarts: a new child of that parent, or a new holder of the target's GPUs. (The module runs the same two
+    halves, :func:`survey` and :func:`end_planned`, through the acting modules' runner, node/act_runner.py.)
 
     ``p`` holds the SPEC settings; ``warn`` receives warnings for the module's result. Raises GpuProcessesError
     carrying what was already done.
@@ -312,9 +314,10 @@ class Acting:
         result["killed"] = self.end([*found["restarters"], *found["to_end"]])
         self.free()
         result["seconds_to_free"] = round(self.clock() - started, 3)
-        # Each round ends what restarted (attended) and watches again, or stops: at most one per parent.
+        # Each round ends what restarted (attended) and watches again, or stops: at most one per parent. With no
+        # parent left running nothing can restart what was ended, and the cleanup ends when the memory is free.
         for _ in range(len(self.watched) + 1):
-            if self.p["settle"] <= 0 or not self.settle():
+            if self.p["settle"] <= 0 or not self.watched or not self.settle():
                 break
             self.free()
 
@@ -503,3 +506,22 @@ def new_holder_error(target, new, found, when, result):
 def state_of(entry):
     now = read_process(entry["info"].pid)
     return now.state if now is not None else "gone"
+
+
+class GpuProcesses(ActingStep):
+    """Read the target's GPU holders on the node and plan; a real run ends them, waits until their memory is free
+    and watches for restarts, proving the GPUs free as it goes (it fails naming what outlived it)."""
+
+    facts = gpu_facts
+
+    def read(self, run):
+        node_smi = NvidiaSmi(run.target.run_on_node, timeout=run.params["timeout"])
+        found, result = survey(run.target, node_smi, run.params, check_mode=run.check_mode, warn=run.warn)
+        plan = {"pending": result["changed"], "problems": [], "changes": result["changes"], "diff": result["diff"]}
+        return dict(plan, found=found, node_smi=node_smi, result=result)
+
+    def act(self, run, before):
+        return end_planned(run.target, before["node_smi"], run.params, before["found"], before["result"]), None
+
+    def result(self, run, before, after, done):
+        return before["result"]  # what acting learnt is in it (changes, killed, memory, watched...)

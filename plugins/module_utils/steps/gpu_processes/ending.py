@@ -12,8 +12,8 @@ import os
 import signal
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import read_stat
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process import read_stat
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.plan import busy_gpus
 
 

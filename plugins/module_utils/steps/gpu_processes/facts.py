@@ -2,7 +2,7 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """The GPU processes step: which processes hold the target's GPUs, whose they are, and ending them.
 
-The fact pass (module_utils/pve_steps) evaluates it from preflight's GPU list (read inside the target by the
+The fact pass (module_utils/steps/registry) evaluates it from preflight's GPU list (read inside the target by the
 preflight probe part, so this step adds no call inside the CT) and the node-side reads: NVML's compute processes
 and /proc on the node. The ``gpu_processes`` module calls :func:`acting.cleanup` when the facts show holders; it
 re-reads everything itself first (facts can be seconds old), so it is also correct when called alone.
@@ -10,7 +10,7 @@ re-reads everything itself first (facts can be seconds old), so it is also corre
 Jobs restart their workers (torchrun's elastic agent, ``while true; do python train.py; done``, a systemd service
 with ``Restart=always``), so the step ends the JOB: each holder's parents are walked up (host pids, on the node)
 while they belong to the same target, stopping at the target's init, an interactive shell, a session or service
-manager and a protected process (pve_process_job.walk_stop); the launchers among them (``launchers`` patterns, and
+manager and a protected process (process_job.walk_stop); the launchers among them (``launchers`` patterns, and
 shells running the job) are ended first, together with the holders. A holder in a systemd service of its own
 cannot be ended by signals: the step fails naming the service and the command that stops it.
 
@@ -46,9 +46,8 @@ from __future__ import annotations
 
 import os
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import NvidiaSmi
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_node_reads import node_read
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import (
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import NvidiaSmi
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process import (
     ancestry,
     device_holders,
     owner_of,
@@ -56,11 +55,12 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import
     read_process,
     read_unit_members,
 )
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process_job import (
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process_job import (
     program_names,
     systemd_unit,
     walk_stop,
 )
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.shared_reads import node_read
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes import probe as gpu_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.guard import (
     check_guard,
@@ -100,7 +100,7 @@ NAME = "gpu_processes"
 PROBE = gpu_probe
 DEFAULT_PROTECTED = ["nvidia-persistenced", "nv-hostengine", "nv-fabricmanager", "nvidia-fabricmanager", "dcgm*"]
 # Parents that start workers and start them again when they die: matched like protected, and also by the module
-# of ``python -m`` and the script an interpreter runs (pve_process_job.program_names).
+# of ``python -m`` and the script an interpreter runs (process_job.program_names).
 DEFAULT_LAUNCHERS = [
     "torchrun",
     "torch.distributed.run",
@@ -152,7 +152,7 @@ SPEC = {
     # ended. The module's own parents never are either (run_processes).
     "controller_pid": {"type": "int", "default": None},
 }
-# The settings whose role variable is not gpu_processes_<setting> (pve_steps.settings_from_variables): the role
+# The settings whose role variable is not gpu_processes_<setting> (registry.settings_from_variables): the role
 # computes it from the controller's environment (roles/gpu_processes/vars/main.yml).
 ROLE_VARIABLES = {"controller_pid": "_gpu_processes_controller_pid"}
 CONTROLLER_NAMES = ("ansible-playbook", "ansible-runner")  # what controller_pid must name to be trusted
@@ -165,7 +165,7 @@ def probe_payload(spec, timeout=60):
     return {"pid_files": files} if files else None
 
 
-# read_node looks only at the node: the fact pass runs it while the probe runs in the target (pve_steps).
+# read_node looks only at the node: the fact pass runs it while the probe runs in the target (registry).
 NODE_READ_NEEDS_ANSWER = False
 
 
@@ -340,7 +340,7 @@ def check_waits(params):
 def check_spec(params):
     """A sentence naming the first setting that cannot work, or None: the waits, then the guard's shape.
 
-    The fact pass checks the step's settings with this before anything runs (module_utils/pve_steps); the
+    The fact pass checks the step's settings with this before anything runs (module_utils/steps/registry); the
     module checks its options with it too.
     """
     return check_waits(params) or check_guard(params.get("guard"))

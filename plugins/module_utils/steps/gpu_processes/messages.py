@@ -2,16 +2,16 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """How the GPU processes step names processes: in its results (``as_*``), its change lines, its problems and
 its errors (GpuProcessesError, raised with what was already done). Everything a process says of itself (its
-comm, its command line) is shown through pve_text.printable; nothing here reads the node."""
+comm, its command line) is shown through text.printable; nothing here reads the node."""
 # "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
 # pylint: disable=disallowed-name
 
 from __future__ import annotations
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import shown, valid_uuid
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import describe_state
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import shown, valid_uuid
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process import describe_state
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
 
 COMMAND_SHOWN = 120  # characters of a parent's command line a message quotes
 MAY_RESTART = "may start workers again: not ended"
@@ -30,7 +30,7 @@ def short_command(info):
 
 
 def shown_command(info):
-    """A process's command line as messages quote it: quoted, control characters escaped (pve_text.printable), at
+    """A process's command line as messages quote it: quoted, control characters escaped (text.printable), at
     most COMMAND_SHOWN characters."""
     return f"'{short_command(info)}'"
 
@@ -128,7 +128,7 @@ def blocker_message(label, blockers):
 
 
 def unit_stop_advice(unit, info, vmid):
-    """How a person stops the service ``unit`` (a command only for a name that passed pve_process_job.UNIT_NAME)."""
+    """How a person stops the service ``unit`` (a command only for a name that passed process_job.UNIT_NAME)."""
     inside = f"pct exec {vmid} -- " if vmid is not None else ""
     if not unit["valid"]:
         return (

@@ -9,8 +9,8 @@ acting.py's (the module)."""
 
 from __future__ import annotations
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import matches_name, owner_label
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process_job import (
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process import matches_name, owner_label
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process_job import (
     is_shell,
     matches_launcher,
     systemd_unit,
@@ -115,7 +115,7 @@ def plan_jobs(to_end, holders, ancestors, units, *, owner, launchers, protected,
     Returns ``(restarters, services)``. ``restarters``: entries like a holder's (``info``, ``gpus``,
     ``found_by``) plus ``why`` and ``restarts`` (the holder pids they are parents of), the farthest parent
     first, so that a loop is ended before the launcher it restarts. ``services``: ``(entry, unit)`` of each
-    holder in a systemd service that is its job's (pve_process_job.unit_is_job).
+    holder in a systemd service that is its job's (process_job.unit_is_job).
     """
     restarters, services = {}, []
     for entry in to_end:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import (
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import (
     GPU_FIELDS,
     OPTIONAL_GPU_FIELDS,
     NvidiaSmiError,
@@ -50,7 +50,7 @@ SPEC = {
     "kernel_version_file": {"type": "path", "default": KERNEL_VERSION_FILE},
     "library_globs": {"type": "list", "elements": "str", "default": list(LIBRARY_GLOBS)},
 }
-# Settings no role variable gives (pve_steps.settings_from_variables): where the driver's files are is the node's.
+# Settings no role variable gives (registry.settings_from_variables): where the driver's files are is the node's.
 ROLE_VARIABLES = {"kernel_version_file": None, "library_globs": None}
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 PROBE = preflight_probe

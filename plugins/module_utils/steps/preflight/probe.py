@@ -4,20 +4,21 @@
 
 In a CT this file's source is fed to the CT's python3 on stdin by ``Target.run_probe`` (one ``pct exec``);
 on a bare host ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of
-ours but pve_ct_lean (shipped with it: ``subprocess`` and ``glob`` without their imports, which every CT would pay
-on every run), and the answer is plain JSON. It only reads; the module decides what is wrong.
+ours but ct_run (the one command runner, shipped with it), and the answer is plain JSON. It only reads; the
+module decides what is wrong.
 """
-# Runs in the target from its source (standard library and pve_ct_lean only), where no AnsibleModule.run_command
+# Runs in the target from its source (standard library and ct_run only), where no AnsibleModule.run_command
 # exists.
 # pylint: disable=ansible-bad-function
 
+import glob
 import os
 import stat
 import sys
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_lean
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import run as ct_run
 
-SHARED = (pve_ct_lean,)  # container-side modules Target.run_probes ships with this part
+SHARED = (ct_run,)  # container-side modules Target.run_probes ships with this part
 
 
 def _device(path):
@@ -57,9 +58,9 @@ def _space(path):
 
 
 def _run(argv, timeout):
-    """``argv`` run in the C locale within ``timeout`` s (pve_ct_lean.run: a hung nvidia-smi is killed with its
+    """``argv`` run in the C locale within ``timeout`` s (ct_run.run: a hung nvidia-smi is killed with its
     process group and left behind if it will not die)."""
-    return pve_ct_lean.run(argv, timeout, env=dict(os.environ, LC_ALL="C", LANG="C"))
+    return ct_run.run(argv, timeout, env=dict(os.environ, LC_ALL="C", LANG="C"))
 
 
 def _nvidia_smi(payload):
@@ -76,13 +77,13 @@ def probe(payload):
     """Answer ``payload`` (device globs, version file, library globs, nvidia-smi argv, space path) as a dict."""
     devices = []
     for pattern in payload["device_globs"]:
-        for path in sorted(pve_ct_lean.glob(pattern)):
+        for path in sorted(glob.glob(pattern)):
             found = _device(path)
             if found:
                 devices.append(found)
     libraries = []
     for pattern in payload["library_globs"]:
-        libraries.extend(sorted(pve_ct_lean.glob(pattern)))
+        libraries.extend(sorted(glob.glob(pattern)))
     return {
         # What socket.gethostname() and platform.python_version() say, without importing either in every CT.
         "hostname": os.uname().nodename,

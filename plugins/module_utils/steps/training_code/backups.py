@@ -21,15 +21,17 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import tarfile
 import tempfile
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import act as ct_act
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import git as ct_git
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import git_runner, nofollow
 
 # Container-side modules Target.run_probes ships with this module (dependencies first).
-SHARED = (pve_ct_act, pve_ct_git, git_runner, nofollow)
+SHARED = (ct_act, ct_git, git_runner, nofollow)
 
 PATCH_ARGS = (
     "--binary",
@@ -42,7 +44,6 @@ PATCH_ARGS = (
 )
 # `git stash create` writes commit objects: an identity of its own, whatever the target's git config says.
 IDENTITY = ("user.name=pve-gpu-recover", "user.email=pve-gpu-recover@localhost")
-SPARE = 1024 * 1024  # bytes the backup's file system keeps free beyond the backup
 
 
 def free_bytes(directory):
@@ -59,7 +60,7 @@ def write_file(path, data):
         os.fsync(handle.fileno())
 
 
-def _remove(path):
+def remove_tree(path):
     with contextlib.suppress(FileNotFoundError):
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
@@ -115,7 +116,8 @@ def backups_in(root):
 
 class Backup:
     """Steps 4 and 8 of the reset script's ``Reset``, which inherits them: it uses the reset's ``git``, ``top``,
-    ``top_fd``, ``view``, ``git_dir``, ``root``, ``stamp``, ``commit``, ``deadline``, ``budget`` and ``keep``, and
+    ``top_fd``, ``view``, ``git_dir``, ``root``, ``stamp``, ``commit``, ``deadline``, ``budget``, ``keep`` and
+    ``min_free`` (bytes the backup's file system keeps free beyond it), and
     sets ``backup`` (the directory once written) and ``saved`` (the tarballs' manifest records)."""
 
     # -- 4. save -----------------------------------------------------------------------------------------------
@@ -127,7 +129,7 @@ class Backup:
         if head is None or head == self.commit:
             return []
         changed = {path for _, path, _ in tracked} | set(untracked)
-        rewritten = pve_ct_git.split_z(
+        rewritten = ct_git.split_z(
             self.git.must(
                 "diff",
                 "--name-only",
@@ -142,9 +144,7 @@ class Backup:
         if not rewritten:
             return []
         index = {}
-        for line in pve_ct_git.split_z(
-            self.git.must("ls-files", "-s", "-z", what="reading the index (`git ls-files -s`)")
-        ):
+        for line in ct_git.split_z(self.git.must("ls-files", "-s", "-z", what="reading the index (`git ls-files -s`)")):
             info, _, path = line.partition("\t")
             mode, sha, _ = info.split(" ", 2)
             index[path] = (mode, sha)
@@ -170,7 +170,7 @@ class Backup:
                 "diff", "--cached", *PATCH_ARGS, "--ignore-submodules=dirty", "HEAD", what="saving the staged changes"
             )
             if not changes and not staged:
-                raise pve_ct_act.ActError(
+                raise ct_act.ActError(
                     "backup",
                     f"`git diff HEAD` shows nothing for {len(tracked)} changed paths (changes inside a submodule? "
                     f"submodules are not managed: commit or discard them there)",
@@ -193,13 +193,14 @@ class Backup:
                     sizes += os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
                 finally:
                     os.close(fd)
-        need, free = len(changes) + len(staged) + sizes + SPARE, free_bytes(self.root)
-        if need > free:
-            raise pve_ct_act.ActError(
+        need, free = len(changes) + len(staged) + sizes, free_bytes(self.root)
+        if need + self.min_free > free:
+            raise ct_act.ActError(
                 "no_space",
                 f"saving the local changes needs about {need // 2**20 + 1} MiB but {self.root} has "
-                f"{free // 2**20} MiB free; free space there, or add large files to .gitignore (ignored files are "
-                f"never saved nor touched)",
+                f"{free // 2**20} MiB free: it would leave less than {self.min_free // 2**20} MiB "
+                f"(training_code_backup_min_free_mib); free space there, or add large files to .gitignore (ignored "
+                f"files are never saved nor touched)",
             )
         directory = self.make_directory()
         self.backup = directory
@@ -225,7 +226,7 @@ class Backup:
             for name, records in manifest.items():
                 self.prove_tarball(os.path.join(directory, name), records)
         except BaseException:
-            _remove(directory)
+            remove_tree(directory)
             self.backup = None
             raise
         self.saved = manifest
@@ -248,7 +249,7 @@ class Backup:
             except FileExistsError:
                 continue
             return directory
-        raise pve_ct_act.ActError("backup", f"{self.root} holds 99 backups named {self.stamp}*; remove some")
+        raise ct_act.ActError("backup", f"{self.root} holds 99 backups named {self.stamp}*; remove some")
 
     def write_tarball(self, target, paths):
         """The entries at ``paths``, their bytes as on disk; the manifest's records of what it holds."""
@@ -257,7 +258,7 @@ class Backup:
             with tarfile.open(fileobj=handle, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
                 for path in paths:
                     if time.monotonic() > self.deadline:
-                        raise pve_ct_act.ActError(
+                        raise ct_act.ActError(
                             "timeout",
                             f"the reset's {self.budget:g} s (reset_timeout) ran out while saving "
                             f"{nofollow.shown(path)}; nothing was reset: raise reset_timeout, or add large files to "
@@ -268,7 +269,7 @@ class Backup:
                     except OSError as error:
                         if error.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                             continue  # deleted, or a directory of it is not one now: the patch holds the deletion
-                        raise pve_ct_act.ActError(
+                        raise ct_act.ActError(
                             "backup", f"cannot save {nofollow.shown(path)}: {error.strerror}"
                         ) from None
                     if record is not None:
@@ -285,29 +286,81 @@ class Backup:
             got = {member.name: nofollow.member_digest(tar, member) for member in tar.getmembers()}
         if got != want:
             wrong = sorted(nofollow.shown(p) for p in set(got) ^ set(want) | {p for p in want if got.get(p) != want[p]})
-            raise pve_ct_act.ActError("backup", f"{target} does not hold exactly the saved files (wrong: {wrong[:5]})")
+            raise ct_act.ActError("backup", f"{target} does not hold exactly the saved files (wrong: {wrong[:5]})")
         moved = sorted(
             nofollow.shown(p) for p, digest in want.items() if nofollow.entry_digest(self.top_fd, p) != digest
         )
         if moved:
-            raise pve_ct_act.ActError(
+            raise ct_act.ActError(
                 "backup", f"{', '.join(moved[:5])} changed while it was saved (a live job writing?); run again"
             )
+
+    def copy_index(self, target):
+        """Copy the repository's index to ``target`` (in the scratch); whether there was one. It is read through
+        the git dir's fd with O_NOFOLLOW and must be a regular file with no other name, of the work tree's owner
+        (as the git dir must be theirs) or, for root's git, of root (root's ``git diff`` rewrites the index): the
+        owner may swap ``.git/index`` for a link to /etc/shadow while the backup is written, and with filters the
+        copy goes to their git, so a link, a hard link or another user's file is ``untrusted``, never copied."""
+        uid = os.fstat(self.top_fd).st_uid
+        owners = {uid} if self.git.always else {uid, 0}
+        name = os.path.join(ct_git.real(self.git_dir), "index")
+        try:
+            directory = ct_git.open_dir(self.git_dir)
+        except ct_git.Untrusted as error:
+            raise ct_act.ActError("untrusted", f"{error}; nothing was reset") from None
+        try:
+            handle = os.open("index", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory)
+        except FileNotFoundError:
+            return False
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            handle = None
+        finally:
+            os.close(directory)
+        found = "a symlink"
+        if handle is not None:
+            with os.fdopen(handle, "rb") as source:
+                info = os.fstat(source.fileno())
+                found = None
+                if not stat.S_ISREG(info.st_mode):
+                    found = "no regular file"
+                elif info.st_uid not in owners:
+                    found = f"owned by uid {info.st_uid}"
+                elif info.st_nlink != 1:
+                    found = f"a file of {info.st_nlink} names (a hard link)"
+                else:
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                    with open(os.open(target, flags, 0o600), "wb") as out:
+                        shutil.copyfileobj(source, out)
+                    return True
+        raise ct_act.ActError(
+            "untrusted",
+            f"{name} is {found}; the index is copied only as a regular file of one name, the work tree's owner's "
+            f"(uid {uid}), never through a link: remove it and run again; nothing was reset",
+        )
 
     def prove_patches(self, directory, head):
         """Each patch applied to the old HEAD in a throw-away index gives exactly the tree git records for the work
         tree (changes.patch) and for the index (staged.patch). Every object git writes for this goes to a scratch
         object directory: the repository is not written."""
-        with tempfile.TemporaryDirectory(prefix="pve-gpu-recover-", dir=pve_ct_git.scratch_root()) as scratch:
+        # git run as the owner (a filtered repository: choose_git) works in a scratch of theirs, in /tmp.
+        user = self.git.user if self.git.always else None
+        with tempfile.TemporaryDirectory(
+            prefix="pve-gpu-recover-", dir=ct_git.ROOT_TMP if user else ct_git.scratch_root()
+        ) as scratch:
+            real = self.view.common if self.git.always else self.view.dir  # the owner's git has no view
             objects = {
                 "GIT_OBJECT_DIRECTORY": os.path.join(scratch, "objects"),
-                "GIT_ALTERNATE_OBJECT_DIRECTORIES": os.path.join(self.view.dir, "objects"),
+                "GIT_ALTERNATE_OBJECT_DIRECTORIES": os.path.join(real, "objects"),
             }
             os.mkdir(objects["GIT_OBJECT_DIRECTORY"])
             # On a copy of the index: stash create refreshes and rewrites the index it reads.
             index = os.path.join(scratch, "index")
-            if os.path.exists(os.path.join(self.git_dir, "index")):
-                shutil.copyfile(os.path.join(self.git_dir, "index"), index)
+            copied = self.copy_index(index)
+            if user:
+                for path in (scratch, objects["GIT_OBJECT_DIRECTORY"], *([index] if copied else [])):
+                    os.chown(path, user[0], user[1])
             stash = self.git.must(
                 "stash",
                 "create",
@@ -316,9 +369,7 @@ class Backup:
                 env=dict(objects, GIT_INDEX_FILE=index),
             ).decode()
             if not stash.strip():
-                raise pve_ct_act.ActError(
-                    "backup", "`git stash create` recorded nothing although tracked files changed"
-                )
+                raise ct_act.ActError("backup", "`git stash create` recorded nothing although tracked files changed")
             trees = f"{stash.strip()}^{{tree}}", f"{stash.strip()}^2^{{tree}}"
             work_tree, index_tree = (
                 self.git.must("rev-parse", *trees, what="reading its trees", env=objects).decode().split()
@@ -327,13 +378,17 @@ class Backup:
                 env = dict(objects, GIT_INDEX_FILE=os.path.join(scratch, f"{name}.index"))
                 self.git.must("read-tree", head, what="reading the old HEAD into a scratch index", env=env)
                 patch = os.path.join(directory, name)
+                if user:  # the owner's git reads a copy: the backup directory is root's alone
+                    shutil.copyfile(patch, os.path.join(scratch, name))
+                    patch = os.path.join(scratch, name)
+                    os.chown(patch, user[0], user[1])
                 if os.path.getsize(patch):
                     self.git.must(
                         "apply", "--cached", patch, what=f"applying {name} to the old HEAD", kind="backup", env=env
                     )
                 got = self.git.must("write-tree", what="writing the scratch tree", env=env).decode().strip()
                 if got != want:
-                    raise pve_ct_act.ActError(
+                    raise ct_act.ActError(
                         "backup",
                         f"{name} applied to {git_runner.short(head)} gives tree {got}, not the saved state's {want}",
                     )

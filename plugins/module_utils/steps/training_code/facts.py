@@ -15,22 +15,20 @@ Unattended (``unattended``, the scheduled drift corrector), a repository is not 
 of the target whose working directory, an open file, its executable, a mapped file or a path in its command line
 lies in the repository (``python train.py`` started there, ``python /srv/train/train.py`` from elsewhere). The
 facts name those processes in ``needs_window`` and nothing is pending. They are read on the node
-(:func:`read_node`, with pve_process's bounded reads, as the venv step reads who runs from a venv), and only when a
+(:func:`read_node`, with node/process.py's bounded reads, as the venv step reads who runs from a venv), and only when a
 reset is due: a converged run reads nothing more. Processes the GPU step ends first do not count.
 """
 
 from __future__ import annotations
 
-import os
 import posixpath
 import re
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_process as pp
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process_runs_from import runs_from, under
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import process as pp
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.handoff import ending_pids_of
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import in_use, worktree
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import probe as code_probe
 
 NAME = "training_code"
@@ -45,6 +43,8 @@ SPEC = {
     "remote": {"type": "str"},
     # Local changes are saved under <backup_dir>/<UTC stamp>/ before anything is reset; outside the repository.
     "backup_dir": {"type": "path", "default": DEFAULT_BACKUP_DIR},
+    # MiB a reset leaves free on the backup's file system beyond the backup, or it is refused before any change.
+    "backup_min_free_mib": {"type": "int", "default": 1024},
     # git inside the target: a name on its PATH or a path.
     "git": {"type": "str", "default": "git"},
     # The scheduled drift corrector: never reset the repository under a live job of the target (needs_window).
@@ -57,6 +57,7 @@ UNMERGED = {"DD", "AU", "UD", "UA", "DU", "AA", "UU"}
 ABORT = {"bisect": "git bisect reset", "am": "git am --abort"}
 SHOWN = 5  # paths named in one sentence
 COMMAND_SHOWN = 120  # characters of a command line in a sentence
+MIB = 1 << 20
 
 
 class CodeError(RecoverError):
@@ -76,7 +77,7 @@ def named(paths, limit=SHOWN):
 
 def quote(path):
     """A path as one readable token: as is when plain, quoted when it holds a quote, a backslash or anything not
-    plainly itself on one line (``a\\nb`` -> ``"a\\\\nb"``, a bidi override as ``\\u202e``: pve_text.printable), so
+    plainly itself on one line (``a\\nb`` -> ``"a\\\\nb"``, a bidi override as ``\\u202e``: text.printable), so
     that a name a user chose cannot forge a second line or reorder one."""
     if any(c in '"\\' or not c.isprintable() for c in path):
         return '"' + printable(path).replace('"', '\\"') + '"'
@@ -107,6 +108,8 @@ def check_spec(spec):
             f"backup_dir {backup} lies inside the repository {path}: the reset would remove the backup it just "
             f"wrote; put it outside (default {DEFAULT_BACKUP_DIR})"
         )
+    if (spec.get("backup_min_free_mib") or 0) < 0:
+        return f"backup_min_free_mib is {spec['backup_min_free_mib']}; expected the MiB to keep free (0: none)"
     if (spec.get("remote") or "").startswith("-"):
         return f"remote is {spec['remote']!r}; expected a remote's name (origin) or a URL, not an option"
     if not spec.get("git"):
@@ -145,11 +148,22 @@ def check_answer(answer):
         if not all(isinstance(item, str) for item in answer[key]):
             raise CodeError(f"the training_code probe answered {key!r} that are not all strings", kind="probe")
     # Added later: optional, so that an older probe's answer still reads.
-    if not isinstance(answer.get("untrusted"), (str, type(None))):
-        raise CodeError("the training_code probe answered no 'untrusted' of the expected type", kind="probe")
+    for key in ("untrusted", "linked"):
+        if not isinstance(answer.get(key), (str, type(None))):
+            raise CodeError(f"the training_code probe answered no {key!r} of the expected type", kind="probe")
     remotes = answer.get("remotes")
     if remotes is not None and not (isinstance(remotes, list) and all(isinstance(r, str) for r in remotes)):
         raise CodeError("the training_code probe answered no 'remotes' of the expected type", kind="probe")
+    space = answer.get("backup_space")
+    if space is not None and not (
+        isinstance(space, dict)
+        and isinstance(space.get("dir"), str)
+        and all(isinstance(space.get(k), int) and not isinstance(space.get(k), bool) for k in ("free", "estimate"))
+    ):
+        raise CodeError("the training_code probe answered no 'backup_space' of the expected type", kind="probe")
+    missing = answer.get("missing_filters", {})
+    if not isinstance(missing, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in missing.items()):
+        raise CodeError("the training_code probe answered no 'missing_filters' of the expected type", kind="probe")
     filters = answer.get("filters", {})
     if not isinstance(filters, dict) or not all(
         isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in filters.items()
@@ -263,6 +277,8 @@ def code_problems(label, spec, answer, entries):
     problems = [
         f"{label}: the training code probe could not read everything: {printable(error)}" for error in answer["errors"]
     ]
+    if answer.get("linked"):
+        return [f"{label}: {printable(answer['linked'])}; nothing was read or reset there"]
     if answer["git"] is None:
         return [
             f"{label}: git not found in the target (`{git}` on the PATH of a non-login root shell); install it "
@@ -352,16 +368,34 @@ def fetch_problems(label, spec, answer):
 
 
 def checkout_problems(label, path, commit, answer):
-    """Why the checkout itself would harm the work tree: filters it would skip, ignored files it would overwrite."""
+    """Why the checkout itself would harm the work tree: ignored files it would overwrite."""
     problems = []
-    if answer.get("filters"):
-        problems.append(f"{label}: {printable(pve_ct_git.filter_problem(path, commit, answer['filters']))}")
     if answer["collisions"]:
         problems.append(
             f"{label}: checking out {short(commit)} would overwrite ignored files that the commit tracks: "
             f"{named(answer['collisions'])}; move them out of {path} and run again (ignored files are never touched)"
         )
     return problems
+
+
+def space_problems(label, spec, answer, entries):
+    """Why the backup would leave its file system with less than the margin (``backup_min_free_mib``): the probe's
+    ``backup_space`` (the free bytes of the backup directory's nearest existing directory, and the backup's size
+    estimated from what would be saved), judged only when something would be saved."""
+    space, margin = answer.get("backup_space"), spec.get("backup_min_free_mib") or 0
+    if not entries or not space or space["free"] - space["estimate"] >= margin * MIB:
+        return []
+    return [
+        f"{label}: saving the local changes of {spec['path']} needs about {mib(space['estimate'])} MiB in "
+        f"{spec['backup_dir']}, whose file system ({quote(space['dir'])}) has {space['free'] // MIB} MiB free: the "
+        f"reset would leave less than training_code_backup_min_free_mib ({margin} MiB); free space there, or set "
+        "training_code_backup_dir to a file system with room; nothing was changed"
+    ]
+
+
+def mib(count):
+    """Bytes as whole MiB, rounded up: ``mib(1)`` -> ``1``."""
+    return -(-count // MIB)
 
 
 def plan_changes(spec, answer, entries):
@@ -400,6 +434,10 @@ def code_facts(spec, answer, label):
     problems = code_problems(label, spec, answer, entries)
     readable = answer["repo"] and answer["status"] is not None
     changes = plan_changes(spec, answer, entries) if readable else []
+    if changes and not problems and answer.get("missing_filters"):  # only a reset runs the filters' programs
+        problems = [f"{label}: {printable(worktree.missing_problem(spec['path'], answer['missing_filters']))}"]
+    if changes and not problems:
+        problems = space_problems(label, spec, answer, entries)
     head = answer["head"]
     before = f"HEAD {head or '(no commit)'}\n" + "".join(f"{line}\n" for line in status_lines(entries))
     return {
@@ -444,15 +482,16 @@ def evaluate_step(spec, answer, node, context):
 
 def describe_user(user):
     """``pid 516 (python3, pid 41 inside: 'python3 train.py'; cwd /srv/train)``; what the target chose (its name,
-    its command line, its paths) through pve_text.printable."""
+    its command line, its paths) through text.printable."""
     inside = f", pid {user['ns_pid']} inside" if user.get("ns_pid") not in (None, user["pid"]) else ""
     command = f": {printable(user['command'], COMMAND_SHOWN)!r}" if user.get("command") else ""
     how = f"; {user['how']} {printable(user['file'])}" if user.get("how") else f"; {printable(user.get('error'))}"
     return f"pid {user['pid']} ({printable(user.get('name'))}{inside}{command}{how})"
 
 
-def window_message(label, path, changes, users):
-    """The one sentence of a repository an unattended run does not reset: what it would do, who uses it."""
+def window_message(label, path, changes, users, when=""):
+    """The one sentence of a repository an unattended run does not reset: what it would do, who uses it (``when``:
+    words after it, e.g. that the reset script found them just before the reset)."""
     sure = [u for u in users if not u.get("error")]
     unsure = [u for u in users if u.get("error")]
     who = []
@@ -461,82 +500,24 @@ def window_message(label, path, changes, users):
     if unsure:
         who.append(f"whether {', '.join(describe_user(u) for u in unsure)} uses it cannot be told")
     return (
-        f"{label}: the training code at {path} needs a reset ({'; '.join(changes)}) but {' and '.join(who)}: it is "
+        f"{label}: the training code at {path} needs a reset ({'; '.join(changes)}) but {' and '.join(who)}{when}: "
+        "it is "
         "not reset under a live job; resetting it needs a window (stop the job, or run recover.yml without "
         "recover_unattended)"
     )
 
 
-# -- who uses the repository, read on the node -----------------------------------------------------------------
-def uses_repository(pid, roots, proc_root="/proc"):
-    """``(how, path, error)``: how process ``pid`` uses one of ``roots`` (paths as ITS mount namespace names them),
-    cheapest read first; ``how`` is None when it does not.
-
-    1. ``cwd``: its working directory lies in a root (``python train.py`` started in the repository);
-    2. ``open``: a file it holds open does (a log, a config it re-reads);
-    3. ``exe``, ``argv0``, ``mapped``: it runs from a root (pve_process_runs_from.runs_from: a C extension built in
-       place);
-    4. ``argv``: an absolute path in its command line does (``python /srv/train/train.py`` started elsewhere:
-       python closed the script once read).
-    """
-    base = os.path.join(proc_root, str(pid))
-    try:
-        cwd = os.readlink(os.path.join(base, "cwd"))
-    except OSError:
-        cwd = None
-    if under(cwd, roots):
-        return "cwd", cwd, None
-    try:
-        fds = os.listdir(os.path.join(base, "fd"))
-    except OSError:
-        fds = []
-    for fd in fds:
-        try:
-            target = os.readlink(os.path.join(base, "fd", fd))
-        except OSError:
-            continue
-        if under(target, roots):
-            return "open", target[: -len(pp.DELETED)] if target.endswith(pp.DELETED) else target, None
-    how, path, error = runs_from(pid, roots, proc_root)
-    if how is not None:
-        return how, path, None
-    text, read_error = pp.read_bounded(os.path.join(base, "cmdline"))
-    for arg in (text or "").split("\0"):
-        if under(arg, roots):
-            return "argv", arg, None
-    return None, None, error or read_error
-
-
-def processes_in_repository(owner, roots, proc_root="/proc", exclude=()):
-    """Node-side: ``(users, unreadable)`` of the processes of ``owner`` (``ct:<vmid>``, ``host``) that use one of
-    ``roots`` (:func:`uses_repository`), like pve_process_runs_from.processes_running_from: one it cannot read is
-    listed."""
-    users, unreadable = [], []
-    for pid in pp.list_pids(proc_root):
-        if pid <= 1 or pid in exclude or pid == os.getpid() or pp.read_owner(pid, proc_root) != owner:
-            continue
-        how, path, error = uses_repository(pid, roots, proc_root)
-        if how is None and error is None:
-            continue
-        info = pp.read_process(pid, proc_root)
-        if info is None:
-            continue
-        if how is not None:
-            users.append((info, how, path))
-        else:
-            unreadable.append((info, error))
-    return users, unreadable
-
-
-def user_of(info):
-    command = " ".join(info.cmdline)
-    return {"pid": info.pid, "ns_pid": info.ns_pid, "name": info.comm, "command": command[: COMMAND_SHOWN * 2]}
-
-
 # -- the fact pass ---------------------------------------------------------------------------------------------
 def probe_payload(spec, timeout=60):
-    """What the probe part reads: ``{"path": "/srv/train", "commit": "<sha>", "git": "git", "timeout": 60}``."""
-    return {"path": spec["path"], "commit": spec["commit"].lower(), "git": spec["git"], "timeout": timeout}
+    """What the probe part reads: ``{"path": "/srv/train", "commit": "<sha>", "git": "git", "timeout": 60,
+    "backup_dir": "/var/backups/pve-gpu-recover/training_code"}``."""
+    return {
+        "path": spec["path"],
+        "commit": spec["commit"].lower(),
+        "git": spec["git"],
+        "timeout": timeout,
+        "backup_dir": spec["backup_dir"],
+    }
 
 
 def read_node(spec, target, answer, context, proc_root="/proc"):
@@ -556,7 +537,7 @@ def read_node(spec, target, answer, context, proc_root="/proc"):
     if not facts["pending"]:
         return {}
     roots = sorted({spec["path"], answer["toplevel"] or spec["path"]})
-    found, unreadable = processes_in_repository(pp.owner_of(context["target"]), roots, proc_root)
-    users = [dict(user_of(info), how=how, file=path) for info, how, path in found]
-    users += [dict(user_of(info), how=None, error=error) for info, error in unreadable]
+    found, unreadable = in_use.processes_in_repository(pp.owner_of(context["target"]), roots, proc_root)
+    users = [dict(in_use.user_of(info), how=how, file=path) for info, how, path in found]
+    users += [dict(in_use.user_of(info), how=None, error=error) for info, error in unreadable]
     return {"users": sorted(users, key=lambda u: u["pid"])}

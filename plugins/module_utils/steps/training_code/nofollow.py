@@ -1,11 +1,11 @@
 # Copyright: pve-gpu-recover contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""The training code reset's work tree entries, never through a link: the repository's top opened from ``/`` one
-component at a time without following a link (:func:`open_top`), each entry reached from it the same way
-(:func:`parent_fd`); an entry's digest (sha256, or git's blob id) read through the directory fd, an entry added to a
-backup tarball with its bytes as they are on disk, a tarball member's digest, and an entry removed only while it
-still has the saved bytes. A repository renamed away and replaced by a link, or a directory the checkout turned
-into a link to elsewhere, is never followed.
+"""The training code reset's work tree entries, never through a link: from the repository's top, opened once
+(the reset's fd, or a path opened by :func:`ct_git.open_top`), each entry reached one component at a time
+without following a link (:func:`parent_fd`); an entry's digest (sha256, or git's blob id) read through the
+directory fd, an entry added to a backup tarball with its bytes as they are on disk, a tarball member's digest,
+and an entry removed only while it still has the saved bytes. A repository renamed away and replaced by a link,
+or a directory the checkout turned into a link to elsewhere, is never followed.
 
 Container side, shipped with the reset script: it is in the script's ``SHARED``, so ``Target.run_probes`` sends
 its source in the same ``pct exec`` (registered under its own dotted name), and on a node it is imported as
@@ -19,9 +19,10 @@ import os
 import stat
 import tarfile
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import act as ct_act
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import git as ct_git
 
-SHARED = (pve_ct_act,)  # container-side modules Target.run_probes ships with this module
+SHARED = (ct_act, ct_git)  # container-side modules Target.run_probes ships with this module
 
 DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
@@ -29,13 +30,6 @@ DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXE
 def shown(path):
     """A path read from git as JSON-safe text: undecodable bytes as ``\\xNN``."""
     return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-
-
-def open_top(top):
-    """The directory ``top`` (absolute, as realpath gives it) opened from ``/`` one component at a time, never
-    through a link: every read, digest and removal of the reset works from this fd, so a repository renamed away
-    and replaced by a link (by whoever owns its parent) is never followed."""
-    return descend(os.open("/", DIRECTORY), [p for p in top.split("/") if p])
 
 
 def descend(fd, parts):
@@ -56,7 +50,7 @@ def parent_fd(top, path):
     """``(fd, name)``: the directory that holds ``path`` (relative to ``top``: an open directory fd, or a path
     opened without following a link), each component opened with O_NOFOLLOW, so that a directory the checkout
     turned into a link to elsewhere is never entered (OSError then)."""
-    fd = os.dup(top) if isinstance(top, int) else open_top(os.path.realpath(top))
+    fd = os.dup(top) if isinstance(top, int) else ct_git.open_top(top)
     parts = path.split("/")
     return descend(fd, parts[:-1]), parts[-1]
 
@@ -143,7 +137,7 @@ def add_entry(tar, top, path):
         with os.fdopen(handle, "rb") as f:
             opened = os.fstat(f.fileno())
             if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
-                raise pve_ct_act.ActError("backup", f"{shown(path)} was replaced while it was saved; run again")
+                raise ct_act.ActError("backup", f"{shown(path)} was replaced while it was saved; run again")
             member.size = opened.st_size
             reader = Hashing(f, hashlib.sha256())
             tar.addfile(member, reader)
@@ -169,7 +163,7 @@ def remove_entry(top, path, want):
     (or its path). The digest is read through the same directory fd the unlink uses. A path under a directory that
     is now a link (the checkout made it one) is left alone: the link's target is not the repository's."""
     try:
-        fds = [os.dup(top) if isinstance(top, int) else open_top(os.path.realpath(top))]
+        fds = [os.dup(top) if isinstance(top, int) else ct_git.open_top(top)]
     except OSError:
         return False
     parts = path.split("/")

@@ -6,16 +6,20 @@ Unlike a probe part, ``probe(payload)`` here changes the target. It is called th
 ``pct exec``: ``Target.run_probes`` ships this file's source to the target's python on stdin; on a bare host
 ``probe()`` runs in the module's own process. So: standard library only, Python 3.9+, nothing of ours but the
 container-side modules of ``SHARED``, the answer is plain JSON. git is called exactly as the probe part calls it,
-through :mod:`pve_ct_git` (a view of the repository whose config is an allowlist of the real one's keys, so nothing
+through :mod:`ct_git` (a view of the repository whose config is an allowlist of the real one's keys, so nothing
 the repository's owner configured runs as root; no system or global config; no ``GIT_*`` of the caller). Reads run
 as root; every call that writes the repository (fetch, update-ref, checkout, reset) runs as the owner of the work
 tree's top (root for a repository of root's), in the owner's copy of the view, so a link the owner planted in
-``.git`` can only hurt the owner. Files of the work tree are read and removed through directory file descriptors
-from the top, opened once from ``/`` without following a link (:func:`nofollow.open_top`), never through a link.
+``.git`` can only hurt the owner. The top is opened once from ``/`` without following a link nor passing a
+directory another user than root and its owner could have put there (:func:`ct_git.open_top`), and kept open to
+the end: git works on the opened directory (``-C``, ``GIT_WORK_TREE`` and the git dir below
+``/proc/self/fd/<fd>``), and files of the work tree are read and removed through directory file descriptors from
+it, never through a link: a path swapped for a link after the open is never followed.
 
 Beside it, shipped with it in the same ``pct exec`` (``SHARED``, each under its own dotted name): git_runner.py
-(git within the reset's deadline, writes as the owner), nofollow.py (the work tree's entries, never through a
-link) and backups.py (steps 4 and 8: the backup, its proof, the old backups removed), whose ``Backup`` ``Reset``
+(git within the reset's deadline through ct_git.read, writes as the owner; the probe's git too), nofollow.py (the
+work tree's entries, never through a link), worktree.py (status, filters, collisions), users.py (the last look)
+and backups.py (steps 4 and 8: the backup, its proof, the old backups removed), whose ``Backup`` ``Reset``
 inherits.
 
 In this order, and nothing is changed in the work tree, the index, HEAD or any branch before step 5:
@@ -25,9 +29,11 @@ In this order, and nothing is changed in the work tree, the index, HEAD or any b
    dir and common dir of the top's owner reached through no link (``untrusted``);
 2. fetch the commit from ``remote`` when the repository lacks it (``git fetch --no-tags <remote> <sha>``; only
    objects and FETCH_HEAD are written); a failed fetch ends the run;
-3. refuse when a tracked path (now or in the commit) has a clean/smudge filter the repository's config defines
-   (``filter``: git-lfs; a checkout without it writes pointers over the content), and when the checkout would
-   overwrite IGNORED files (checkpoints, data): ignored files are never saved, so they must never be touched;
+3. when a tracked path (now or in the commit) has a clean/smudge ``filter`` attribute (git-lfs), git runs as the
+   owner with the owner's own config from here on, reads included (:meth:`Reset.choose_git`; a filter whose program
+   the target lacks: ``filter``); the commit, its trees and every blob the reset writes are checked against their
+   ids (``tampered``); refuse when the checkout would overwrite IGNORED files (checkpoints, data): ignored files
+   are never saved, so they must never be touched;
 4. when anything is dirty, save it to ``<backup_dir>/<UTC stamp>/`` (mode 0700) and prove the saved copy restores
    it, before anything is reset:
 
@@ -47,7 +53,9 @@ In this order, and nothing is changed in the work tree, the index, HEAD or any b
    HEAD in a throw-away index (``GIT_INDEX_FILE``) must give exactly its tree, and each tarball must hold exactly
    the saved entries with the bytes the work tree has then (read again). Any failure here removes the backup and
    ends the run; so does the deadline (checked for each saved file). With less than :data:`RESERVE` s left
-   after saving, the run ends (``timeout``) with the backup complete and nothing reset;
+   after saving, the run ends (``timeout``) with the backup complete and nothing reset. A backup that would leave
+   less than ``min_free`` on its file system is not written (``no_space``). Unattended (``window_check``), a last
+   look for a live process using the repository (users.py) ends the run with ``needs_window``, its backup removed;
 5. a detached HEAD that no branch or tag contains gets a ref, ``refs/pve-gpu-recover/detached/<stamp>``, so that
    commits made on it stay reachable (a branch keeps its commits: it is never moved);
 6. ``git checkout --force --detach <commit>``, given :data:`GRACE` s beyond the deadline so that it is never
@@ -72,12 +80,21 @@ import os
 import stat
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_act, pve_ct_git
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import backups, git_runner, nofollow
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import act as ct_act
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import fs as ct_fs
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import git as ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import run as ct_run
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_code import (
+    backups,
+    git_runner,
+    nofollow,
+    users,
+    worktree,
+)
 
 # Container-side modules Target.run_probes ships with this part, each after what its own SHARED names
-# (pve_target.shared_modules).
-SHARED = (pve_ct_act, pve_ct_git, git_runner, nofollow, backups)
+# (target.shared_modules).
+SHARED = (ct_act, ct_fs, ct_run, ct_git, worktree, git_runner, nofollow, users, backups)
 
 KEEP_REF = "refs/pve-gpu-recover/detached/"
 UNMERGED = {"DD", "AU", "UD", "UA", "DU", "AA", "UU"}
@@ -88,19 +105,10 @@ RESERVE = 30.0
 GRACE = 120.0
 
 
-def collisions(git, commit, untracked):
-    """Ignored files a checkout of ``commit`` would overwrite (:func:`pve_ct_git.collisions`)."""
-    tracked = pve_ct_git.split_z(git.must("ls-files", "-z", what="listing the tracked files"))
-    listed = pve_ct_git.split_z(
-        git.must("ls-tree", "-r", "--name-only", "-z", commit, what="listing the commit's files")
-    )
-    return pve_ct_git.collisions(git.top, tracked, listed, untracked)
-
-
 class Reset(backups.Backup):
     def __init__(self, payload):
         self.path = payload["path"]
-        self.top = os.path.realpath(self.path)
+        self.top = ct_fs.clean(self.path)  # never resolved: a link on the way is refused (check)
         self.commit = payload["commit"].lower()
         self.remote = payload.get("remote") or None
         self.root = payload["backup_dir"]
@@ -108,74 +116,61 @@ class Reset(backups.Backup):
         self.git_name = payload.get("git") or "git"
         self.budget = float(payload["timeout"])
         self.keep = payload.get("keep")
+        self.min_free = int(payload.get("min_free") or 0)
+        self.window_check = bool(payload.get("window_check"))  # unattended: never reset under a live process
+        self.filters = {}  # {driver: paths}: git runs as the owner with the owner's own config (choose_git)
         self.deadline = time.monotonic() + self.budget
         self.git = None
         self.git_dir = None
         self.view = None
-        self.top_fd = None  # the work tree, opened once from / without following a link
+        self.top_fd = None  # the work tree, opened once from / without following a link (self.git.top names it)
         self.backup = None  # the backup directory once written
         self.saved = {}  # the tarballs' manifest records, by tarball
         self.touched = False  # whether anything of the repository was changed (step 5 on)
         if self.remote and self.remote.startswith("-"):
-            raise pve_ct_act.ActError(
-                "invalid", f"remote {self.remote!r} starts with '-'; give a remote's name or a URL"
-            )
+            raise ct_act.ActError("invalid", f"remote {self.remote!r} starts with '-'; give a remote's name or a URL")
         if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
-            raise pve_ct_act.ActError(
+            raise ct_act.ActError(
                 "invalid", f"keep is {self.keep!r}; keep at least the newest backup (1) or all (None)"
             )
 
     # -- 1. re-check -------------------------------------------------------------------------------------------
-    def open_view(self, git, git_dir, common, owner):
-        """The repository's :class:`pve_ct_git.View`, its writes as ``owner``; ActError when its config cannot be
-        read."""
-        try:
-            return pve_ct_git.View(git, self.top, git_dir, common, owner=owner, deadline=self.deadline)
-        except pve_ct_git.Unfinished as error:
-            raise pve_ct_act.ActError(
-                "timeout" if error.timed_out else "no_git",
-                f"reading the repository's config in {common}: {error} (reset_timeout {self.budget:g} s)",
-            ) from None
-        except (OSError, pve_ct_git.ViewError) as error:
-            raise pve_ct_act.ActError(
-                "no_repository", f"cannot read the repository's config in {common}: {error}"
-            ) from None
-
     def check(self):
-        git = pve_ct_git.find_git(self.git_name)
+        git = ct_git.find_git(self.git_name)
         if git is None:
-            raise pve_ct_act.ActError("no_git", f"git not found in the target (`{self.git_name}`); install it there")
-        if not os.path.isdir(self.top):
-            raise pve_ct_act.ActError("no_repository", f"there is no directory {self.path}")
-        self.git = git_runner.Git(git, self.top, self.deadline, self.budget)
+            raise ct_act.ActError("no_git", f"git not found in the target (`{self.git_name}`); install it there")
         try:
-            self.top_fd = nofollow.open_top(self.top)
-        except OSError as error:
-            raise pve_ct_act.ActError(
-                "untrusted", f"{self.path} cannot be opened from / without following a link: {error.strerror}"
-            ) from None
+            self.top_fd = ct_git.open_top(self.top)
+        except ct_git.Refused as error:
+            raise ct_act.ActError("untrusted", f"{error}; nothing was done") from None
+        except OSError:
+            raise ct_act.ActError("no_repository", f"there is no directory {self.path}") from None
+        # From here on git and every read work on the opened top (self.git.top), never on the path again.
+        within = f"the reset's {self.budget:g} s of reset_timeout"
+        self.git = git_runner.Git(git, self.top_fd, self.path, self.deadline, within=within)
         info = os.fstat(self.top_fd)
         try:
-            git_dir, common = pve_ct_git.locate(self.top)
-        except pve_ct_git.Untrusted as error:
-            raise pve_ct_act.ActError("untrusted", f"{error}; nothing was done") from None
+            git_dir, common = ct_git.locate(self.git.top)
+        except ct_git.Untrusted as error:
+            raise ct_act.ActError("untrusted", f"{error}; nothing was done") from None
         if git_dir is None:
-            raise pve_ct_act.ActError("no_repository", f"{self.path} is not a git work tree (no .git)")
-        self.view = self.open_view(git, git_dir, common, (info.st_uid, info.st_gid))
-        self.git.env = self.view.env
-        self.git.owner, self.git.owner_env = self.view.owner, self.view.owner_env
-        worktree = self.view.value("core.worktree")
-        if worktree is not None and os.path.realpath(os.path.join(git_dir, worktree)) != self.top:
-            raise pve_ct_act.ActError("no_repository", f"the work tree of the repository at {self.path} is {worktree}")
+            raise ct_act.ActError("no_repository", f"{self.path} is not a git work tree (no .git)")
+        self.view = self.git.open_view(git_dir, common, (info.st_uid, info.st_gid))
+        self.git.use_view(self.view)
+        elsewhere = self.view.value("core.worktree")
+        here = ct_git.real(self.git.top)  # where the opened top lies now
+        if elsewhere is not None and os.path.realpath(os.path.join(ct_git.real(git_dir), elsewhere)) != here:
+            raise ct_act.ActError("no_repository", f"the work tree of the repository at {self.path} is {elsewhere}")
         self.git_dir = git_dir
         root = os.path.realpath(self.root)
         if root == self.top or root.startswith(self.top.rstrip("/") + "/"):
-            raise pve_ct_act.ActError(
-                "invalid", f"the backup directory {self.root} lies inside the repository {self.path}"
-            )
-        what = pve_ct_git.operation(git_dir)
+            raise ct_act.ActError("invalid", f"the backup directory {self.root} lies inside the repository {self.path}")
+        what = worktree.operation(git_dir)
         if what:
-            raise pve_ct_act.ActError("operation", f"a {what} is in progress in {self.path}; finish or abort it first")
+            raise ct_act.ActError("operation", f"a {what} is in progress in {self.path}; finish or abort it first")
+
+    def state(self):
+        """``(head, branch, tracked changes, untracked paths)``, read by the git chosen (:meth:`choose_git`)."""
         rc, out, _ = self.git.run("rev-parse", "-q", "--verify", "HEAD^{commit}")
         head = out.decode().strip() if rc == 0 else None
         rc, out, _ = self.git.run("symbolic-ref", "-q", "--short", "HEAD")
@@ -188,24 +183,24 @@ class Reset(backups.Backup):
             "--ignore-submodules=dirty",
             what="reading the status (`git status`)",
         )
-        entries = pve_ct_git.status_entries(status)
+        entries = worktree.status_entries(status)
         conflicts = [nofollow.shown(path) for code, path, _ in entries if code in UNMERGED]
         if conflicts:
-            raise pve_ct_act.ActError(
+            raise ct_act.ActError(
                 "conflict", f"{self.path} has unmerged paths: {', '.join(conflicts[:5])}; resolve them"
             )
         listed = self.git.must(
             "ls-files", "--others", "--exclude-standard", "-z", what="listing the untracked files (`git ls-files`)"
         )
-        untracked = pve_ct_git.split_z(listed)
+        untracked = ct_git.split_z(listed)
         nested = [nofollow.shown(path) for path in untracked if path.endswith("/")]
         if nested:
-            raise pve_ct_act.ActError(
+            raise ct_act.ActError(
                 "nested", f"{', '.join(nested[:5])} in {self.path}: untracked git repositories inside"
             )
         tracked = entries
         if head is None and tracked:
-            raise pve_ct_act.ActError(
+            raise ct_act.ActError(
                 "unborn", f"{self.path} has no commit yet but files are staged; commit or unstage them"
             )
         return head, branch, tracked, untracked
@@ -220,7 +215,7 @@ class Reset(backups.Backup):
         if self.present():
             return False
         if not self.remote:
-            raise pve_ct_act.ActError(
+            raise ct_act.ActError(
                 "missing",
                 f"commit {self.commit} is not in the repository at {self.path} and no remote is set to fetch it from",
             )
@@ -228,16 +223,16 @@ class Reset(backups.Backup):
         rc, _, err = self.git.run(*args, write=True)
         self.settle()
         if rc != 0:
-            raise pve_ct_act.ActError(
+            raise ct_act.ActError(
                 "fetch",
                 f"fetching {git_runner.short(self.commit)} from {self.remote} failed (exit {rc}): "
-                f"{pve_ct_git.first_error(err)}",
-                cmd=pve_ct_git.git_argv(self.git.git, self.top, args),
+                f"{ct_git.first_error(err)}",
+                cmd=self.git.shown(ct_git.git_argv(self.git.git, self.git.top, args)),
                 rc=rc,
                 stderr=err,
             )
         if not self.present():
-            raise pve_ct_act.ActError("fetch", f"{self.remote} was fetched but it has no commit {self.commit}")
+            raise ct_act.ActError("fetch", f"{self.remote} was fetched but it has no commit {self.commit}")
         return True
 
     def settle(self):
@@ -258,7 +253,10 @@ class Reset(backups.Backup):
                 if not stat.S_ISREG(info.st_mode) or info.st_uid != uid or info.st_nlink != 1:
                     continue  # not what git (run as the owner) wrote: never copied (a hard link to root's file)
                 data = f.read()
-            common = nofollow.open_top(self.view.common)
+            try:
+                common = ct_git.open_dir(self.view.common)
+            except ct_git.Untrusted as error:
+                raise ct_act.ActError("untrusted", f"{error}; the fetch's {name} was not copied") from None
             try:
                 temp = f"{name}.pve-gpu-recover"
                 with contextlib.suppress(FileNotFoundError):
@@ -271,23 +269,60 @@ class Reset(backups.Backup):
             finally:
                 os.close(common)
 
-    def refuse_filters(self):
-        """A reset is due: refuse it when a path tracked now or by the commit has a filter the config defines."""
-        if not pve_ct_git.filter_drivers(self.view.config):
-            return
-        paths = pve_ct_git.split_z(self.git.must("ls-files", "-z", what="listing the tracked files"))
-        listed = pve_ct_git.split_z(
+    def choose_git(self):
+        """``{driver: paths}``: when tracked paths, now or in the commit, name a clean/smudge filter (git-lfs), git
+        runs as the work tree's owner with the owner's own config from here on, reads and writes alike (root's own
+        for a repository of root's): a checkout without the filter would write its blobs (LFS pointers) over the
+        content, and a status without it would call the content changed. Never another owner's configuration as
+        root. A filter whose program the target lacks stops the reset (``filter``) before anything changes."""
+        listed = ct_git.split_z(
             self.git.must("ls-tree", "-r", "--name-only", "-z", self.commit, what="listing the commit's files")
         )
-        counts = pve_ct_git.filtered(
+        counts = worktree.filtered(
             lambda args, env: self.git.must(*args, what="reading the filter attributes (`git check-attr`)", env=env),
-            self.view.config,
-            paths,
             self.commit,
             listed,
         )
-        if counts:
-            raise pve_ct_act.ActError("filter", pve_ct_git.filter_problem(self.path, self.commit, counts))
+        if not counts:
+            return {}
+        self.git.as_owner(self.git_dir)
+        listing = self.git.run("config", "--null", "--get-regexp", r"^filter\.")[1]
+        missing = worktree.missing_filters(listing, set(counts), self.git.env.get("PATH"))
+        if missing:
+            raise ct_act.ActError("filter", worktree.missing_problem(self.path, missing))
+        return counts
+
+    def verify(self, head, tracked):
+        """The commit, its trees and every blob the reset writes (those that differ from HEAD's, and the changed
+        tracked paths) are what their ids say: a replace ref is never followed (ct_git.git_env) and an object whose
+        bytes were changed is refused (``tampered``) before anything is written."""
+        object_format = (self.view.value("extensions.objectformat") or "sha1").lower()
+        try:
+            entries = ct_git.verify_commit(self.git.run, self.commit, object_format)
+            paths = {path for _, path, _ in tracked}
+            if head is None:
+                paths = {path.decode("utf-8", "surrogateescape") for path in entries}
+            elif head != self.commit:
+                listed = self.git.must(
+                    "diff",
+                    "--name-only",
+                    "-z",
+                    "--no-renames",
+                    head,
+                    self.commit,
+                    what="listing what the checkout writes",
+                )
+                paths.update(ct_git.split_z(listed))
+            for path in sorted(paths):
+                _, kind, oid = entries.get(path.encode("utf-8", "surrogateescape"), (None, None, None))
+                if kind != "blob":
+                    continue  # not in the commit (removed), or a submodule
+                rc, out, err = self.git.run("cat-file", "blob", oid)
+                if rc != 0:
+                    raise ct_git.unreadable(oid, err)
+                ct_git.checked(object_format, "blob", oid, out)
+        except ct_git.Tampered as error:
+            raise ct_act.ActError("tampered", f"the pinned commit in {self.path}: {error}; nothing was reset") from None
 
     # -- 5. and 6. ---------------------------------------------------------------------------------------------
     def keep_detached(self, head, branch):
@@ -338,7 +373,7 @@ class Reset(backups.Backup):
     def remove(self, untracked):
         """Remove the saved untracked files that the commit does not track, exactly as they were saved, never
         through a link (see :func:`nofollow.remove_entry`); prune directories left empty."""
-        tracked = set(pve_ct_git.split_z(self.git.must("ls-files", "-z", what="listing the tracked files")))
+        tracked = set(ct_git.split_z(self.git.must("ls-files", "-z", what="listing the tracked files")))
         saved = {r["path"]: (r["kind"], r["sha256"]) for r in self.saved.get("untracked.tar.gz", [])}
         removed = []
         for path in untracked:
@@ -350,14 +385,16 @@ class Reset(backups.Backup):
 
     def execute(self):
         started = time.monotonic()
-        head, branch, tracked, untracked = self.check()
+        self.check()
         fetched = self.ensure_commit()
+        self.filters = self.choose_git()
+        head, branch, tracked, untracked = self.state()
         if head != self.commit or tracked or untracked:
-            self.refuse_filters()
+            self.verify(head, tracked)
         if head != self.commit:
-            in_the_way = collisions(self.git, self.commit, untracked)
+            in_the_way = git_runner.collisions(self.git, self.commit, untracked)
             if in_the_way:
-                raise pve_ct_act.ActError(
+                raise ct_act.ActError(
                     "collision",
                     f"checking out {git_runner.short(self.commit)} would overwrite ignored files: "
                     f"{', '.join(nofollow.shown(p) for p in in_the_way[:5])}; move them out of {self.path}",
@@ -370,12 +407,19 @@ class Reset(backups.Backup):
                 backup = self.save(head, branch, tracked, untracked, hidden)
             left = self.deadline - time.monotonic()
             if left < min(RESERVE, self.budget / 4):
-                raise pve_ct_act.ActError(
+                raise ct_act.ActError(
                     "timeout",
                     f"only {max(left, 0):.0f} s of the reset's {self.budget:g} s (reset_timeout) were left after "
                     f"saving; the checkout is never started without {min(RESERVE, self.budget / 4):g} s: nothing was "
                     "reset (the backup is complete); raise reset_timeout and run again",
                 )
+            if self.window_check:
+                found = users.last_look([self.top], self.deadline)
+                if found:  # a job started while the backup was written: nothing is reset, this run's backup goes
+                    if self.backup:
+                        backups.remove_tree(self.backup)
+                        self.backup = None
+                    return {"needs_window": {"path": self.path, "users": found}}
             self.touched = True
             kept = self.keep_detached(head, branch)
             self.reset(head)
@@ -391,6 +435,7 @@ class Reset(backups.Backup):
             "kept_ref": kept,
             "removed": removed,
             "pruned": pruned,
+            "filters": self.filters,
             "seconds": round(time.monotonic() - started, 3),
         }
 
@@ -399,12 +444,19 @@ def probe(payload):
     """ACTS: save the local changes of the repository in ``payload``, then put it at the commit; answer what was done.
 
     ``payload``: ``{"path", "commit" (full sha), "remote" (name, URL or None), "backup_dir", "git", "stamp"
-    ("20261203T101500Z"), "timeout" (s), "keep" (backups kept, None: every one)}``.
+    ("20261203T101500Z"), "timeout" (s), "keep" (backups kept, None: every one), "min_free" (bytes the backup's
+    file system keeps free beyond the backup), "window_check" (unattended: look once more for a live process
+    using the repository right before the reset; optional)}``.
 
     Success: ``{"head_before", "branch_before", "head", "fetched", "backup" ({"dir", "files", "changed",
     "untracked", "filtered", "restore"} or None: nothing was dirty), "kept_ref", "removed", "pruned", "seconds"}``.
+    Not reset because a live process uses the repository (``window_check``): ``{"needs_window": {"path", "users":
+    [{"pid", "name", "how", "file" or "error"}]}}``, this run's backup removed.
     Failure: ``{"error", "message", "cmd", "rc", "stdout_tail", "stderr_tail", "backup", "touched"}``.
     """
+    # In a CT, the pct exec's timeout ending this script ends the git it started too. On a bare host the parts run
+    # in a thread of the module, where no signal handler can be set (ValueError): the module's own deadline rules.
+    ct_run.end_with_me()
     try:
         reset = Reset(payload)
     except (KeyError, TypeError, ValueError) as error:
@@ -414,12 +466,12 @@ def probe(payload):
             "backup": None,
             "touched": False,
         }
-    except pve_ct_act.ActError as error:
+    except ct_act.ActError as error:
         return {"error": error.kind, "message": str(error), "backup": None, "touched": False}
     try:
         return reset.execute()
-    except (pve_ct_act.ActError, OSError) as error:
-        failure = pve_ct_act.failure(error, TAIL_LINES)
+    except (ct_act.ActError, OSError) as error:
+        failure = ct_act.failure(error, TAIL_LINES)
     finally:
         if reset.view is not None:
             reset.view.close()

@@ -10,10 +10,10 @@ Exact means exact: versions are compared as strings, local tag included (facts.p
 
 from __future__ import annotations
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_venv
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_ct_venv import canonical_name
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import variant
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import venv as ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct.venv import canonical_name
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.torch_build import variant
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.lock import (
     VenvError,
     expected_python,
@@ -101,9 +101,9 @@ def installed_records(answer):
 
 def installed_versions(answer, pins=None):
     """``{canonical name: exact version}`` of the venv, from the probe's answer (the rule:
-    :func:`pve_ct_venv.installed_versions`, which the build script reads its venv by too)."""
+    :func:`ct_venv.installed_versions`, which the build script reads its venv by too)."""
     records = [(dist["name"], dist["version"]) for dist in answer["distributions"]]
-    return pve_ct_venv.installed_versions(records, (answer.get("torch_version_py") or {}).get("version"), pins)
+    return ct_venv.installed_versions(records, (answer.get("torch_version_py") or {}).get("version"), pins)
 
 
 def torch_inconsistency(answer):
@@ -267,7 +267,7 @@ def unsafe_problem(label, path, why):
 
 def build_problem(spec, answer, label, python):
     """Why the target cannot build the venv a rebuild needs (one sentence: what is missing and the fix), or None;
-    pure. ``answer["build"]`` is the probe's ``pve_ct_venv.build_needs`` (what the build script would use, found the
+    pure. ``answer["build"]`` is the probe's ``ct_venv.build_needs`` (what the build script would use, found the
     same way); ``python``: the minor the venv must have (None: any python3). An answer without it is not judged.
 
     uv (the target's, or the wheel's the role installs) needs an interpreter of ``python`` it can find without a

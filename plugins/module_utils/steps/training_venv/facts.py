@@ -18,9 +18,9 @@ code and its venv move together.
 Unattended (``unattended``, the scheduled drift corrector), a venv that needs a rebuild is not swapped while a
 live process of the target runs from it: the facts name those processes in ``needs_window`` and nothing is
 pending. Which processes run from it is read on the node (:func:`read_node`,
-pve_process_runs_from.processes_running_from: the target's processes by their cgroup, then each one's exe, an
+runs_from.processes_running_from: the target's processes by their cgroup, then each one's exe, an
 interpreter's argv[0] and its mapped files), and only when the venv needs a rebuild: a converged run reads nothing
-more. On the node, because pve_process already reads the target's processes there with bounded reads (a process
+more. On the node, because node/process.py already reads the target's processes there with bounded reads (a process
 stuck in the driver costs seconds, never the run), the kernel's answer is not the CT's word, and the read costs no
 command in the target. Processes the GPU step ends first (its facts, before this step's) do not count.
 
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import re
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process import owner_of
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_process_runs_from import processes_running_from, under
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.process import owner_of
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.runs_from import processes_running_from, under
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.gpu_processes.handoff import ending_pids_of
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import probe as venv_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv.compare import (
@@ -90,13 +90,17 @@ SPEC = {
     "uv": {"type": "str", "default": "uv"},
     "uv_wheel": {"type": "path"},
 }
-# The settings whose role variable is not training_venv_<setting> (pve_steps.settings_from_variables): the role
+# The settings whose role variable is not training_venv_<setting> (registry.settings_from_variables): the role
 # computes them (roles/training_venv/vars/main.yml): the lock's text from training_venv_lock_file or
 # training_venv_requirements, where it is read in the repository from training_venv_lock_from_repo.
 ROLE_VARIABLES = {"lock": "_training_venv_lock", "lock_from_repo": "_training_venv_lock_from_repo"}
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 _PYTHON_MINOR = re.compile(r"^\d+\.\d+$")
 COMMAND_SHOWN = 120  # characters of a process's command line a message quotes
+# Where the uv of a wheel goes inside the target, one directory per version (acting.install_uv puts it there).
+UV_HOME = "/usr/local/lib/pve-gpu-recover"
+# PyPI's file name of a uv wheel (PEP 427: name-version[-build]-python-abi-platform.whl): its version says where.
+_UV_WHEEL = re.compile(r"uv-([0-9][0-9A-Za-z.+!_]*)-(?:[0-9][^-/]*-)?py3-none-[^-/]+\.whl")
 
 
 def check_spec(spec):
@@ -104,6 +108,12 @@ def check_spec(spec):
     for name in ("keep", "unattended_keep"):
         if spec.get(name) is not None and spec[name] < 1:
             return f"{name} is {spec[name]}; the current venv counts, so {name} is at least 1"
+    wheel = spec.get("uv_wheel")
+    if wheel and wheel_uv_path(wheel) is None:
+        return (
+            f"uv_wheel is {shown(wheel, 300)}, whose name does not say its uv's version; give PyPI's uv wheel under "
+            "its own file name, uv-<version>-py3-none-<platform>.whl (training_venv_uv_wheel)"
+        )
     python = spec["python_version"]
     if python is not None and not _PYTHON_MINOR.match(python):
         return f"python_version is {python!r}; expected a minor version like '3.11'"
@@ -150,7 +160,8 @@ def waiting_facts(spec, answer, context, code_waits):
     )
     stays = facts["diff"]["before"]
     facts.update(changes=[], pending=False, diff={"before": stays, "after": stays}, needs_window=[sentence])
-    facts.update(in_use=[], ending_pids=ending_pids_of(context), rebuild=False, prune=[], prune_kept=[])
+    facts.update(in_use=[], ending_pids=ending_pids_of(context), rebuild=False, uv_installed=False, prune=[])
+    facts["prune_kept"] = []
     facts["keep"] = effective_keep(spec)
     return facts
 
@@ -200,7 +211,8 @@ def evaluate_step(spec, answer, node, context):
     check mode, ``"ending"``: pids (inside the target) the GPU step would end first. Adds ``needs_window`` (one
     sentence, or none), ``in_use`` (the processes running from the venv, those the GPU step ends first left out)
     and ``ending_pids``. Unattended, a rebuild due while ``in_use`` is not empty is no change: ``changes`` is empty,
-    the diff shows the venv as it stays, and nothing is pending.
+    the diff shows the venv as it stays, and nothing is pending. ``rebuild`` says a build is due, ``uv_installed``
+    that it finds the uv of the role's wheel in the target already (:func:`wheel_uv_state`).
     """
     label = context["target"]["label"]
     code_waits = code_step_waits(context)
@@ -222,6 +234,11 @@ def evaluate_step(spec, answer, node, context):
     if missing:
         facts["problems"].append(missing)
         facts["rebuild"] = False
+    # The uv of the role's wheel already in the target: the role copies no wheel, the module pipes no uv.
+    facts["uv_installed"], unsafe = wheel_uv_state(spec, answer, label, facts["rebuild"])
+    if unsafe:
+        facts["problems"].append(unsafe)
+        facts["rebuild"] = False
     # Retention: old versions beyond keep go, never the current one nor one a live process uses.
     version_users = node.get("version_users") or {}
     prune, kept = [], []
@@ -235,6 +252,45 @@ def evaluate_step(spec, answer, node, context):
     facts["changes"] = facts["changes"] + [prune_line(path, facts["keep"]) for path in prune]
     facts["pending"] = bool(facts["changes"]) and not facts["problems"]
     return facts
+
+
+# -- the uv of the role's wheel ------------------------------------------------------------------------------------
+def wheel_uv_version(wheel):
+    """The uv version of the wheel ``wheel``, from its file name alone (nothing is opened):
+    ``/ctl/uv-0.13.9-py3-none-manylinux_2_17_x86_64.whl`` -> ``0.13.9``; None without a wheel or for a name that is
+    not PyPI's (``uv.whl``)."""
+    found = _UV_WHEEL.fullmatch(str(wheel or "").rsplit("/", 1)[-1])
+    return found.group(1) if found else None
+
+
+def wheel_uv_path(wheel):
+    """Where the uv of the wheel ``wheel`` goes in the target: ``/usr/local/lib/pve-gpu-recover/uv-0.13.9/uv``
+    (:func:`wheel_uv_version`), or None."""
+    version = wheel_uv_version(wheel)
+    return f"{UV_HOME}/uv-{version}/uv" if version else None
+
+
+def wheel_uv_state(spec, answer, label, rebuild):
+    """``(installed, problem)``: whether a due rebuild finds the uv of the role's wheel in the target (the probe's
+    ``wheel_uv``, ``ct_venv.trusted_executable``), and the problem (one sentence, or None) when another user than
+    root could change the place it goes, where it would be put and run as root. ``(False, None)`` without a wheel
+    or a rebuild (that uv is not run then)."""
+    found = answer.get("wheel_uv")
+    unsafe = found.get("unsafe") if isinstance(found, dict) else None
+    if found is not None and not (
+        isinstance(found, dict) and isinstance(found.get("installed"), bool) and isinstance(unsafe, (str, type(None)))
+    ):
+        raise VenvError("the training_venv probe answered a 'wheel_uv' of the wrong shape", kind="probe")
+    if not (rebuild and spec.get("uv_wheel") and found):
+        return False, None
+    if unsafe:
+        return False, (
+            f"{label}: the uv of training_venv_uv_wheel would be put and run as root at "
+            f"{wheel_uv_path(spec['uv_wheel'])}, but a user other than root could change it: {printable(unsafe)}; "
+            "so nothing is built: make every directory from / to it root's and not writable by a group or other "
+            "users (chown root:root, chmod go-w), or remove what another user put there"
+        )
+    return found["installed"], None
 
 
 # -- retention -------------------------------------------------------------------------------------------------
@@ -280,11 +336,14 @@ def prune_line(path, keep):
 def probe_payload(spec, timeout=60):
     """What the probe part reads inside the target: ``{"path": "/opt/venvs/train", "timeout": 60, "uv": "uv",
     "python": "3.11"}`` (``python``: :func:`expected_python`, what a build would ask for; the spec's alone while
-    the lock comes from the repository), and with ``lock_from_repo`` the lock in the repository:
-    ``"lock_from_repo": {"repo", "commit", "path", "git"}``."""
+    the lock comes from the repository), with ``lock_from_repo`` the lock in the repository:
+    ``"lock_from_repo": {"repo", "commit", "path", "git"}``, and with ``uv_wheel`` where its uv goes
+    (:func:`wheel_uv_path`): ``"wheel_uv": "/usr/local/lib/pve-gpu-recover/uv-0.13.9/uv"``."""
     lock = spec.get("lock")
     python = expected_python(spec, parse_lock(lock)) if lock is not None else spec["python_version"]
     payload = {"path": spec["path"], "timeout": timeout, "uv": spec.get("uv") or "uv", "python": python}
+    if wheel_uv_path(spec.get("uv_wheel")):  # is the uv of the role's wheel there already
+        payload["wheel_uv"] = wheel_uv_path(spec["uv_wheel"])
     source = spec.get("lock_from_repo")
     if source:
         payload["lock_from_repo"] = {key: source.get(key) for key in ("repo", "commit", "path")}

@@ -6,7 +6,7 @@ The lock is a ``uv pip compile --generate-hashes`` requirements file (:func:`par
 ``pylock.toml`` (:func:`parse_pylock`, read into the same form), given as text or read inside the target from the
 training repository at the commit the training code step pins (``lock_from_repo``, :func:`resolve_lock`). Anything
 that is not an exact pin, a name pinned twice or a URL with credentials in it is refused (VenvError, the step's
-error, raised by the comparison too). Names are compared PEP 503-normalized (:func:`pve_ct_venv.canonical_name`);
+error, raised by the comparison too). Names are compared PEP 503-normalized (:func:`ct_venv.canonical_name`);
 what the venv or the lock chose is shown escaped and bounded (:func:`shown`).
 """
 
@@ -17,30 +17,27 @@ import functools
 import posixpath
 import re
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_ct_act import redact
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_ct_venv import canonical_name
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_text import printable
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import variant
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct.act import MASK
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct.venv import canonical_name
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.text import printable
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.torch_build import variant
 
-_PIN = re.compile(
-    r"^(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*(?:\[[^\]]*\])?\s*"
-    r"==\s*(?P<version>[A-Za-z0-9][A-Za-z0-9.+!_-]*)\s*(?:;\s*(?P<marker>.+))?$"
-)
-_HASH = re.compile(r"\s*--hash[=\s]\S+")
-_INLINE_COMMENT = re.compile(r"(^|\s+)#.*$")
-_OPTION = re.compile(r"^(?P<option>--?[A-Za-z][\w-]*)(?:\s*=\s*|\s+)?(?P<value>.*)$")
-_SOURCE_ANNOTATION = re.compile(r"^#\s*from\s+(?P<url>\S+)\s*$")
-_HEADER_PYTHON = re.compile(r"(?:^|\s)(?:--python-version|--python|-p)[=\s]+(?P<version>\d+\.\d+)(?:\.\d+)?\b")
+# The lock's characters (ASCII): a distribution's name (PEP 508) and an exact version as a lock writes it.
+_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+_ALNUM = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+_OPTION_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_DIGITS = frozenset("0123456789")
+_PYTHON_OPTIONS = ("--python-version", "--python", "-p")  # in uv's header: what it compiled for
 _INDEX_OPTIONS = {"--index-url": "index", "-i": "index", "--extra-index-url": "extra"}
+_VALUE_OPTIONS = ("--index-url", "-i", "--extra-index-url", "--find-links", "-f")  # each names a URL or a path
 _REJECTED_OPTIONS = ("-e", "--editable", "-r", "--requirement", "-c", "--constraint")
 _FIX = "compile it with `uv pip compile --generate-hashes`"
 _PYLOCK_FIX = (
     "compile it with `uv pip compile --format pylock.toml --generate-hashes` for the target's python and platform"
 )
 _PYLOCK_KEY = re.compile(r"^lock-version\s*=", re.MULTILINE)
-_PYLOCK_VERSION = re.compile(r"^1(?:\.\d+)*$")
-_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+!_-]*$")
+_VERSION_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.+!_-")
 _DIRECT = ("vcs", "directory", "archive")  # PEP 751 sources that are no index's file
 _USERINFO = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://[^/@\s]+@")
 _SHA = re.compile(r"^(?:[0-9a-fA-F]{40}|[0-9a-fA-F]{64})$")
@@ -49,6 +46,11 @@ _CREDENTIALS_FIX = (
     "training_venv_index_credentials"
 )
 NAME_SHOWN = 120  # characters of a file or package name the venv chose that a message quotes
+# The most a lock may weigh on the node (UTF-8 bytes), checked before it is parsed: a lock read in the training
+# repository is the target's word (the target sends up to ct_git.BLOB_LIMIT, 4 MiB), parsed in the fact pass that
+# holds every CT of the node. The seeds' CUDA stack (92 pins, every wheel's hash) is 127 KB; a lock with 1,000 such
+# pins fits.
+LOCK_MAX_BYTES = 1024 * 1024
 
 
 class VenvError(RecoverError):
@@ -56,9 +58,74 @@ class VenvError(RecoverError):
 
 
 # -- names and versions ----------------------------------------------------------------------------------------
-def shown(text):
-    """A name or version the venv chose, as a message or diff line may show it (one line, escaped, bounded)."""
-    return printable(text, NAME_SHOWN)
+def shown(text, limit=NAME_SHOWN):
+    """A name, a version or a line the target chose, as a message or diff line may show it (one line, escaped, cut
+    to ``limit`` characters; only that much of it is ever escaped)."""
+    if isinstance(text, str) and len(text) > limit:
+        text = text[: limit + 1]  # printable cuts it and adds "..."
+    return printable(text, limit)
+
+
+def is_name(text):
+    """A distribution's name as PEP 508 spells it: letters, digits, ``.``, ``_``, ``-``, beginning and ending with a
+    letter or digit (``torch``, ``nvidia-cudnn-cu12``); checked character by character, no backtracking."""
+    return bool(text) and text[0] in _ALNUM and text[-1] in _ALNUM and _NAME_CHARS.issuperset(text)
+
+
+def _is_version(text):
+    """An exact version as a lock writes it (``2.11.0+cu128``, ``1!2.0.post1``)."""
+    return bool(text) and text[0] in _ALNUM and _VERSION_CHARS.issuperset(text)
+
+
+def _is_option(text):
+    """An option's name: ``-i``, ``--extra-index-url``, ``--no-index``."""
+    name = text[2:] if text.startswith("--") else text[1:] if text.startswith("-") else ""
+    return bool(name) and name[0].isascii() and name[0].isalpha() and _OPTION_CHARS.issuperset(name)
+
+
+def _python_minor(value):
+    """``3.11`` of ``3.11`` or ``3.11.4``; None for anything else (``3.11rc1``, ``python3``)."""
+    parts = value.split(".")
+    if len(parts) in (2, 3) and all(part and _DIGITS.issuperset(part) for part in parts):
+        return f"{parts[0]}.{parts[1]}"
+    return None
+
+
+def _without_comment(line):
+    """``line`` up to its inline comment: a ``#`` at its start or after whitespace, as pip reads one."""
+    start = 0
+    while True:
+        found = line.find("#", start)
+        if found < 0:
+            return line
+        if found == 0 or line[found - 1].isspace():
+            return line[:found]
+        start = found + 1
+
+
+def _without_hashes(line):
+    """``line``'s words without its ``--hash=...`` / ``--hash ...`` options, joined by one space."""
+    words, kept = line.split(), []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word == "--hash":
+            skip = True
+        elif not word.startswith("--hash="):
+            kept.append(word)
+    return " ".join(kept)
+
+
+def check_size(text):
+    """A lock larger than LOCK_MAX_BYTES raises VenvError before anything else reads it (see LOCK_MAX_BYTES)."""
+    if len(text) > LOCK_MAX_BYTES or len(text.encode("utf-8", "surrogatepass")) > LOCK_MAX_BYTES:
+        raise VenvError(
+            f"the lock is {len(text.encode('utf-8', 'surrogatepass')):,} bytes; a lock here is at most "
+            f"{LOCK_MAX_BYTES:,} bytes ({LOCK_MAX_BYTES >> 20} MiB; the seeds' CUDA stack of 92 pins is 127 KB): "
+            f"{_FIX} for the target's python and platform only",
+            kind="lock",
+        )
 
 
 # -- the lock --------------------------------------------------------------------------------------------------
@@ -123,7 +190,11 @@ def parse_lock(text):
 
 @functools.lru_cache(maxsize=8)
 def _parse_lock(text):
-    """:func:`parse_lock`'s reading, kept per text (an error is raised again each time, never kept)."""
+    """:func:`parse_lock`'s reading, kept per text (an error is raised again each time, never kept).
+
+    Linear in the text's length whatever it holds (issue 40): lines are split, stripped and partitioned, never
+    matched by a regular expression that could backtrack."""
+    check_size(text)
     if lock_format(text) == "pylock":
         return parse_pylock(text)
     lock = empty_lock()
@@ -133,7 +204,7 @@ def _parse_lock(text):
         if line.startswith("#"):
             _read_comment(lock, line, last, in_header)
             continue
-        requirement = _INLINE_COMMENT.sub("", line).strip()
+        requirement = _without_comment(line).strip()
         if not requirement:
             continue
         in_header = False
@@ -150,20 +221,34 @@ def _parse_lock(text):
 
 def _read_comment(lock, line, last, in_header):
     """uv's header names the python it compiled for; ``# from URL`` names where the pin above comes from."""
-    source = _SOURCE_ANNOTATION.match(line)
-    if source and last:
-        lock["sources"][last] = source.group("url")
-    header_python = _HEADER_PYTHON.search(line) if in_header and "compile" in line else None
-    if header_python:
-        lock["python"] = header_python.group("version")
+    words = line[1:].split()
+    if last and len(words) == 2 and words[0] == "from":
+        lock["sources"][last] = words[1]
+    if in_header and "compile" in line:
+        for number, word in enumerate(words):
+            name, equals, value = word.partition("=")
+            if name not in _PYTHON_OPTIONS:
+                continue
+            if not equals and number + 1 < len(words):
+                value = words[number + 1]
+            minor = _python_minor(value.lstrip("="))
+            if minor:
+                lock["python"] = minor
+                return
 
 
 def _read_option(lock, indexes, number, line):
     """Index, find-links and no-index options are kept; -e, -r, -c are refused; others (--trusted-host) pass."""
-    option = _OPTION.match(line)
-    name, value = (option.group("option"), option.group("value").strip()) if option else (line, "")
-    if name in _REJECTED_OPTIONS or not option:
-        raise VenvError(f"the lock, line {number}: `{line}` is not an exact pin (name==version); {_FIX}", kind="lock")
+    first = line.split(None, 1)[0]  # the line is stripped: its first word starts it
+    name, equals, value = first.partition("=")  # --index-url=URL, --index-url URL, --index-url = URL
+    value = value + line[len(first) :] if equals else line[len(first) :].lstrip()
+    value = (value[1:] if not equals and value.startswith("=") else value).strip()
+    if name in _REJECTED_OPTIONS or not _is_option(name):
+        raise VenvError(
+            f"the lock, line {number}: `{shown(line)}` is not an exact pin (name==version); {_FIX}", kind="lock"
+        )
+    if name in _VALUE_OPTIONS and not value:
+        raise VenvError(f"the lock, line {number}: `{shown(line)}` names no URL or path; {_FIX}", kind="lock")
     if name in _INDEX_OPTIONS or name in ("--find-links", "-f"):
         refuse_credentials(f"the lock, line {number}", value)
     if name in _INDEX_OPTIONS:
@@ -180,22 +265,43 @@ def _read_option(lock, indexes, number, line):
 
 def _read_pin(lock, number, line):
     """Record ``name==version`` (hashes, extras and a marker allowed) and return its canonical name."""
-    pin = _PIN.match(_HASH.sub("", line).strip())
-    if not pin:
+    pin = _pin_of(_without_hashes(line))
+    if pin is None:
         what = "a direct reference" if " @ " in line or "://" in line else "not an exact pin (name==version)"
-        raise VenvError(f"the lock, line {number}: `{line}` is {what}; {_FIX}", kind="lock")
-    name = canonical_name(pin.group("name"))
+        raise VenvError(f"the lock, line {number}: `{shown(line)}` is {what}; {_FIX}", kind="lock")
+    name = canonical_name(pin["name"])
     if name in lock["distributions"]:
         raise VenvError(
             f"the lock, line {number}: {name} is pinned twice ({lock['distributions'][name]} and "
-            f"{pin.group('version')}, for different markers?); compile it for the target only, with "
+            f"{shown(pin['version'])}, for different markers?); compile it for the target only, with "
             f"`uv pip compile --python-platform x86_64-manylinux_2_28 --python-version 3.X`",
             kind="lock",
         )
-    lock["distributions"][name] = pin.group("version")
-    if pin.group("marker"):
-        lock["markers"][name] = pin.group("marker").strip()
+    lock["distributions"][name] = pin["version"]
+    if pin["marker"]:
+        lock["markers"][name] = pin["marker"]
     return name
+
+
+def _pin_of(text):
+    """``{"name", "version", "marker"}`` of ``name[extras] == version ; marker`` (hashes removed), or None.
+
+    ``_pin_of("uvicorn[standard]==0.30.6 ; sys_platform == 'linux'")`` -> ``{"name": "uvicorn", "version":
+    "0.30.6", "marker": "sys_platform == 'linux'"}``; ``_pin_of("torch>=2.11")`` -> None."""
+    requirement, semicolon, marker = text.partition(";")
+    marker = marker.strip()
+    name, equals, version = requirement.partition("==")
+    name, version = name.strip(), version.strip()
+    if not equals or (semicolon and not marker) or not _is_version(version):
+        return None
+    if name.endswith("]"):
+        name, bracket, extras = name[:-1].partition("[")
+        if not bracket or "]" in extras or "[" in extras:
+            return None
+        name = name.strip()
+    if not is_name(name):
+        return None
+    return {"name": name, "version": version, "marker": marker or None}
 
 
 def lock_format(text):
@@ -207,7 +313,10 @@ def lock_format(text):
 def refuse_credentials(where, url):
     """A URL of the lock that carries credentials raises VenvError (the message shows it with them masked)."""
     if isinstance(url, str) and _USERINFO.match(url):
-        raise VenvError(f"{where}: {redact(url.strip())} {_CREDENTIALS_FIX}", kind="lock")
+        # Masked by hand, in linear time (ct_act.redact searches the whole text): the user information is what lies
+        # between "://" and the first "@", which the match above found.
+        scheme, _sep, rest = url.strip().partition("://")
+        raise VenvError(f"{where}: {scheme}://{MASK}@{shown(rest.partition('@')[2])} {_CREDENTIALS_FIX}", kind="lock")
 
 
 def parse_pylock(text):
@@ -237,8 +346,14 @@ def parse_pylock(text):
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise VenvError(f"the lock (pylock.toml) is not valid TOML: {error}; {_PYLOCK_FIX}", kind="lock") from None
+    except RecursionError:  # tomllib reads nested arrays and tables recursively
+        raise VenvError(
+            f"the lock (pylock.toml) nests deeper than Python's recursion limit: it is no lock; {_PYLOCK_FIX}",
+            kind="lock",
+        ) from None
     version = data.get("lock-version")
-    if not (isinstance(version, str) and _PYLOCK_VERSION.match(version)):
+    parts = version.split(".") if isinstance(version, str) else [None]
+    if parts[0] != "1" or not all(part and _DIGITS.issuperset(part) for part in parts[1:]):
         raise VenvError(
             f"the lock (pylock.toml) has lock-version {shown(repr(version))}; this step reads PEP 751 lock-version "
             f"1.x: {_PYLOCK_FIX}",
@@ -277,7 +392,7 @@ def _read_package(lock, number, package):
     if direct:
         raise VenvError(f"{where} is a direct reference ({direct[0]}), not an index's file; {_PYLOCK_FIX}", kind="lock")
     version = package.get("version")
-    if not (isinstance(version, str) and _VERSION.match(version)):
+    if not (isinstance(version, str) and _is_version(version)):
         raise VenvError(f"{where} has no exact version; {_PYLOCK_FIX}", kind="lock")
     wheels = package.get("wheels") or []
     files = ([package["sdist"]] if "sdist" in package else []) + (wheels if isinstance(wheels, list) else [None])

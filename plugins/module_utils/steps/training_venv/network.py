@@ -11,7 +11,7 @@ Secrets stay out of the report, the log, the diff and every message:
 
 * ``secret_environment``'s values and each credential's ``password`` are ``no_log`` in the module's argument spec,
   so Ansible masks them in the result, its ``invocation`` and any message;
-* the build script masks them too, with the user information of any URL (``pve_ct_act.redact``), in what it
+* the build script masks them too, with the user information of any URL (``ct_act.redact``), in what it
   answers, before the answer leaves the target;
 * credentials never go into an argv or the lock: they go into a netrc file (mode 0600) in the build's private
   directory, removed with it, that ``NETRC`` names for uv and pip; a lock whose URLs carry credentials is refused.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import posixpath
 import re
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import script as venv_script
+from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.training_venv import commands as venv_commands
 
 # The build's options that are its network settings (the module's argument spec, the role's training_venv_*).
 OPTIONS = ("environment", "secret_environment", "ca_bundle", "system_certs", "index_credentials")
@@ -33,7 +33,7 @@ HOST = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?$")
 # netrc separates its tokens by white space and reads `#` as a comment and `"` as a quote.
 NETRC_TOKEN = re.compile(r'^[^\s#"][^\s]*$')
 # What the build decides itself: index settings the lock overrules, and what makes the build's commands reproducible.
-RESERVED = frozenset(venv_script.FOREIGN_SETTINGS) | frozenset(venv_script.BUILD_ENV)
+RESERVED = frozenset(venv_commands.FOREIGN_SETTINGS) | frozenset(venv_commands.BUILD_ENV)
 
 
 def _environment_problem(option, environment):
@@ -87,8 +87,8 @@ def network_problem(params):
     both = sorted(set(environment) & set(secret))
     if both:
         return f"{both[0]} is in both environment and secret_environment; give it once"
-    managed = {name: "ca_bundle" for name in venv_script.CA_SETTINGS if params.get("ca_bundle")}
-    managed.update({name: "system_certs" for name in venv_script.SYSTEM_CERTS_SETTINGS if params.get("system_certs")})
+    managed = {name: "ca_bundle" for name in venv_commands.CA_SETTINGS if params.get("ca_bundle")}
+    managed.update({name: "system_certs" for name in venv_commands.SYSTEM_CERTS_SETTINGS if params.get("system_certs")})
     managed.update({"NETRC": "index_credentials"} if params.get("index_credentials") else {})
     clash = sorted((set(environment) | set(secret)) & set(managed))
     if clash:

@@ -8,7 +8,7 @@ imports from ansible, and the answer is plain JSON.
 
 It never runs the venv's python and never imports torch (``import torch`` takes seconds on a real node): it
 reads ``pyvenv.cfg``, the header of each distribution's METADATA (PKG-INFO for an .egg-info), each one's RECORD
-(top_level.txt for an .egg-info) and ``torch/version.py``, which it reads line by line (pve_ct_venv; never exec:
+(top_level.txt for an .egg-info) and ``torch/version.py``, which it reads line by line (ct_venv; never exec:
 the venv is untrusted input). It only reads; the module decides what is wrong.
 
 What the venv imports is more than its distributions: every ``.pth`` file in site-packages runs at start-up, and so
@@ -17,7 +17,7 @@ So the probe also names, from one listing of site-packages, every such start-up 
 RECORD lists it (``hooks``), and every importable top-level entry that no RECORD owns (``unowned``).
 
 With ``lock_from_repo`` in the payload it also reads the lock from the training repository at the pinned commit
-(``pve_ct_git.read_at_commit``: git's object database, as root in the code step's view of the repository), so the
+(``ct_git.read_at_commit``: git's object database, as root in the code step's view of the repository), so the
 lock the venv is compared with is the one committed beside the code.
 """
 # "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
@@ -28,9 +28,10 @@ import os
 import re
 import time
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_git, pve_ct_venv
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import git as ct_git
+from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import venv as ct_venv
 
-SHARED = (pve_ct_venv, pve_ct_git)  # container-side modules Target.run_probes ships with this part
+SHARED = (ct_venv, ct_git)  # container-side modules Target.run_probes ships with this part
 
 # torch/version.py assigns plain literals (`cuda: Optional[str] = '12.8'`, `debug = False`); an annotation may
 # sit between the name and the `=`.
@@ -99,7 +100,7 @@ def _owned(record, names, site_packages, is_dist_info):
         except OSError:
             return set(), ()
     if not is_dist_info and "top_level.txt" in names:
-        text = pve_ct_venv.read_small_text(os.path.join(record, "top_level.txt")) or ""
+        text = ct_venv.read_small_text(os.path.join(record, "top_level.txt")) or ""
         return set(), tuple(line.strip() for line in text.splitlines() if line.strip())
     return set(), ()
 
@@ -121,12 +122,12 @@ def _distribution(site_packages, entry):
         if metadata_name not in names:
             return None, f"no {metadata_name}"
         metadata = os.path.join(record, metadata_name)
-    header = pve_ct_venv.metadata_header(metadata)
+    header = ct_venv.metadata_header(metadata)
     if header is None:
         return None, "its metadata cannot be read"
     if not header.get("name") or not header.get("version"):
         return None, "its metadata has no Name or no Version"
-    installer = pve_ct_venv.read_small_text(os.path.join(record, "INSTALLER")) if "INSTALLER" in names else None
+    installer = ct_venv.read_small_text(os.path.join(record, "INSTALLER")) if "INSTALLER" in names else None
     owns, owns_names = _owned(record, names, site_packages, entry.endswith(".dist-info"))
     owns.add(entry)
     return {
@@ -142,7 +143,7 @@ def _distribution(site_packages, entry):
 def parse_torch_version_py(text):
     """``__version__ = '2.11.0+cu130'\\ncuda: Optional[str] = '13.0'`` -> ``{"version": "2.11.0+cu130",
     "cuda": "13.0", "git_version": None, "hip": None, "rocm": None, "xpu": None, "debug": None}``."""
-    return pve_ct_venv.read_version_py(text, TORCH_VERSION_KEYS)
+    return ct_venv.read_version_py(text, TORCH_VERSION_KEYS)
 
 
 def finished_versions(path):
@@ -150,7 +151,7 @@ def finished_versions(path):
     the build's marker, sorted (oldest first); what retention may remove."""
     parent, base = os.path.split(path.rstrip("/"))
     try:
-        names = sorted(name for name in os.listdir(parent or "/") if pve_ct_venv.is_version_name(name, base))
+        names = sorted(name for name in os.listdir(parent or "/") if ct_venv.is_version_name(name, base))
     except OSError:
         return []
     found = []
@@ -195,8 +196,8 @@ def start_up_and_unowned(site_packages, listing, distributions):
 
 
 def probe(payload):
-    """Answer ``{"path": venv, "timeout": s, "uv": name or path, "python": minor or None}`` with the venv's
-    interpreter, distributions and torch build, and what a build of it would use.
+    """Answer ``{"path": venv, "timeout": s, "uv": name or path, "python": minor or None[, "wheel_uv": path]}`` with
+    the venv's interpreter, distributions and torch build, and what a build of it would use.
 
     ``{"path", "exists" (pyvenv.cfg read), "directory" (the path is a directory), "real_path" (where it resolves,
     only when it exists), "python" ("3.11"),
@@ -206,10 +207,11 @@ def probe(payload):
     site-packages, with the Names of the distributions whose RECORD lists it; ``text``, the start of an unowned
     ``.pth``), "unowned" (importable top-level entries no RECORD or top_level.txt owns),
     "torch_version_py" (parse_torch_version_py() or None), "versions" (:func:`finished_versions`), "errors" (what
-    could not be read), "unsafe" (``pve_ct_venv.venv_unsafe``), "build" (``pve_ct_venv.build_needs``: what a
+    could not be read), "unsafe" (``ct_venv.venv_unsafe``), "build" (``ct_venv.build_needs``: what a
     build would use, for the ``uv`` and ``python`` of the payload, on this process's PATH, the build's own)}``; with
-    ``lock_from_repo`` (``{"repo", "commit", "path", "git"}``) also "repo_lock" (``pve_ct_git.read_at_commit``:
-    ``{"text", "missing", "error"}``).
+    ``lock_from_repo`` (``{"repo", "commit", "path", "git"}``) also "repo_lock" (``ct_git.read_at_commit``:
+    ``{"text", "missing", "error"}``); with ``wheel_uv`` (where the uv of the role's wheel goes) also "wheel_uv"
+    (``ct_venv.trusted_executable``: ``{"installed", "unsafe"}``, a few lstat calls).
     """
     path = payload["path"]
     deadline = time.monotonic() + float(payload.get("timeout", 60))
@@ -231,19 +233,21 @@ def probe(payload):
         "versions": finished_versions(path),
         "errors": [],
         # Why a user other than root could change the venv (its python runs as root), or None.
-        "unsafe": pve_ct_venv.venv_unsafe(path),
+        "unsafe": ct_venv.venv_unsafe(path),
         # What a build would run (uv, or python -m venv with ensurepip), so that one it cannot do fails the fact
         # pass before any step changes anything.
-        "build": pve_ct_venv.build_needs(payload.get("uv") or "uv", payload.get("python"), os.environ.get("PATH")),
+        "build": ct_venv.build_needs(payload.get("uv") or "uv", payload.get("python"), os.environ.get("PATH")),
     }
+    if payload.get("wheel_uv"):  # the uv of the role's wheel: a rebuild installs it unless root's is there
+        answer["wheel_uv"] = ct_venv.trusted_executable(payload["wheel_uv"])
     if source:
-        answer["repo_lock"] = pve_ct_git.read_at_commit(
+        answer["repo_lock"] = ct_git.read_at_commit(
             source.get("git") or "git", source["repo"], source["commit"], source["path"], deadline=deadline
         )
-    text = pve_ct_venv.read_small_text(os.path.join(path, "pyvenv.cfg"))
+    text = ct_venv.read_small_text(os.path.join(path, "pyvenv.cfg"))
     if text is None:
         return answer
-    pyvenv = pve_ct_venv.read_config(text)
+    pyvenv = ct_venv.read_config(text)
     interpreter = os.path.join(path, "bin", "python")
     answer.update(
         exists=True,
@@ -254,7 +258,7 @@ def probe(payload):
         # A venv's bin/python links to its base interpreter; a dangling link means that python is gone.
         interpreter={"path": os.path.realpath(interpreter), "exists": os.path.exists(interpreter)},
     )
-    site_packages, minors, python = pve_ct_venv.site_packages(path, pve_ct_venv.config_minor(pyvenv))
+    site_packages, minors, python = ct_venv.site_packages(path, ct_venv.config_minor(pyvenv))
     answer.update(python=python, lib_pythons=minors, site_packages=site_packages)
     if site_packages is None:  # a venv without its site-packages is broken, not unreadable: a rebuild fixes it
         answer["broken"].append({"record": f"lib/python{python or 'X.Y'}/site-packages", "reason": "missing"})
@@ -281,7 +285,7 @@ def probe(payload):
         answer["hooks"], answer["unowned"] = start_up_and_unowned(site_packages, listing, answer["distributions"])
     for dist in answer["distributions"]:
         del dist["owns"], dist["owns_names"]
-    torch_version = pve_ct_venv.read_small_text(os.path.join(site_packages, "torch", "version.py"))
+    torch_version = ct_venv.read_small_text(os.path.join(site_packages, "torch", "version.py"))
     if torch_version is not None:
         answer["torch_version_py"] = parse_torch_version_py(torch_version)
     return answer

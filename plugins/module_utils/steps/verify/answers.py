@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import re
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import shown
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.errors import RecoverError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import shown
 
 # What the answers must look like before any of it is used (they come from inside the target).
 VERSION = re.compile(r"^[0-9][0-9A-Za-z.+_-]{0,63}$")

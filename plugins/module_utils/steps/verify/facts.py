@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import cuda_of, variant
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.torch_build import cuda_of, variant
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify import probe as verify_probe
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.answers import (
     CUDA_VERSION,

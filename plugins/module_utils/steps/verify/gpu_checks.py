@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import OPTIONAL_GPU_FIELDS, shown
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import OPTIONAL_GPU_FIELDS, shown
 
 LEVELS = ("fail", "warn", "ignore")
 # The health checks and what each does by default. An idle GPU lowers its PCIe generation to save power, so

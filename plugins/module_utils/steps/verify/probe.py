@@ -4,7 +4,7 @@
 
 * ``probe(payload)``, the fact pass's part: the CT's python3 runs it (its source on stdin, next to the other
   steps' parts, one ``pct exec``); on a bare host it runs in the module's own process. It reads the venv's
-  ``torch/version.py`` AS TEXT (``pve_ct_venv.assignments``, never exec: the venv is untrusted input), which is what
+  ``torch/version.py`` AS TEXT (``ct_venv.assignments``, never exec: the venv is untrusted input), which is what
   ``torch.__version__`` and ``torch.version.cuda`` will say, without the seconds ``import torch`` costs.
 * run as a script by the venv's OWN python (``<venv>/bin/python -I -B -`` with this source on stdin: no bytecode
   is written, so a verify leaves the venv's files as they were; the verify module does it, through Target, with
@@ -22,11 +22,11 @@ import sys
 import time
 
 try:  # shipped with this part in the fact pass (SHARED); the venv's own python running torch_facts() lacks it
-    from ansible_collections.pve_gpu.recover.plugins.module_utils import pve_ct_venv
+    from ansible_collections.pve_gpu.recover.plugins.module_utils.ct import venv as ct_venv
 except ImportError:
-    pve_ct_venv = None
+    ct_venv = None
 
-SHARED = (pve_ct_venv,) if pve_ct_venv else ()  # container-side modules Target.run_probes ships with this part
+SHARED = (ct_venv,) if ct_venv else ()  # container-side modules Target.run_probes ships with this part
 
 TORCH_VERSION_KEYS = {"__version__": "version", "cuda": "cuda", "git_version": "git_version"}
 DEVICE_GLOB = "/dev/nvidia[0-9]*"
@@ -40,16 +40,14 @@ MAX_DEVICES = 64
 def parse_torch_version_py(text):
     """``__version__ = '2.11.0+cu130'\\ncuda: Optional[str] = '13.0'`` -> ``{"version": "2.11.0+cu130", "cuda":
     "13.0", "git_version": None}``; a value that is not a plain, non-empty string literal is None."""
-    return pve_ct_venv.read_version_py(
-        text, TORCH_VERSION_KEYS, lambda source: pve_ct_venv.string_literal(source) or None
-    )
+    return ct_venv.read_version_py(text, TORCH_VERSION_KEYS, lambda source: ct_venv.string_literal(source) or None)
 
 
 def site_packages(venv):
-    """The venv's site-packages directory (pve_ct_venv.site_packages: the one of the minor its pyvenv.cfg names,
+    """The venv's site-packages directory (ct_venv.site_packages: the one of the minor its pyvenv.cfg names,
     or the only lib/pythonX.Y's when it names none), or None."""
-    config = pve_ct_venv.read_config(pve_ct_venv.read_small_text(os.path.join(venv, "pyvenv.cfg")) or "")
-    return pve_ct_venv.site_packages(venv, pve_ct_venv.config_minor(config))[0]
+    config = ct_venv.read_config(ct_venv.read_small_text(os.path.join(venv, "pyvenv.cfg")) or "")
+    return ct_venv.site_packages(venv, ct_venv.config_minor(config))[0]
 
 
 def probe(payload):
@@ -57,7 +55,7 @@ def probe(payload):
 
     ``{"venv", "exists" (pyvenv.cfg read), "python" (bin/python exists), "site_packages", "torch_version_py"
     (parse_torch_version_py() of torch/version.py, or None when there is none), "unsafe"
-    (``pve_ct_venv.venv_unsafe``)}``.
+    (``ct_venv.venv_unsafe``)}``.
     """
     venv = payload["venv"]
     answer = {
@@ -68,13 +66,13 @@ def probe(payload):
         "torch_version_py": None,
         # Why a user other than root could change the venv, whose python the verify module runs as root: the
         # fact pass makes it a problem, so verify is never pending and that python never runs.
-        "unsafe": pve_ct_venv.venv_unsafe(venv),
+        "unsafe": ct_venv.venv_unsafe(venv),
     }
     found = site_packages(venv)
     if found is None:
         return answer
     answer["site_packages"] = found
-    text = pve_ct_venv.read_small_text(os.path.join(found, "torch", "version.py"))
+    text = ct_venv.read_small_text(os.path.join(found, "torch", "version.py"))
     if text is not None:
         answer["torch_version_py"] = parse_torch_version_py(text)
     return answer

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from ansible_collections.pve_gpu.recover.plugins.module_utils.nvidia_smi import shown
-from ansible_collections.pve_gpu.recover.plugins.module_utils.pve_torch_build import variant
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import shown
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.torch_build import variant
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.answers import CUDA_VERSION, DRIVER_VERSION
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.verify.gpu_checks import make_check, plural, quoted
 

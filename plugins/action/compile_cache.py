@@ -1,0 +1,10 @@
+# Copyright: pve-gpu-recover contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""compile_cache's action: a real warm-up runs as an async job this action follows, its end seen at once
+(plugins/plugin_utils/long_step.py); anything else is Ansible's normal action."""
+
+from __future__ import annotations
+
+from ansible_collections.pve_gpu.recover.plugins.plugin_utils.long_step import LongStepAction as ActionModule
+
+__all__ = ["ActionModule"]
