@@ -27,12 +27,14 @@ COUNTS = (
     "memory_used_mib",
     "memory_total_mib",
     "ecc_uncorrected_volatile",
+    "ecc_uncorrected_aggregate",
     "pcie_link_gen",
     "pcie_link_gen_max",
     "pcie_link_width",
     "pcie_link_width_max",
 )
 FLAGS = ("remapped_rows_pending", "remapped_rows_failure", "retired_pages_pending", "persistence_mode")
+MAX_XIDS = 32  # distinct Xid codes kept per GPU (node/xid.py keeps as many)
 LARGEST = 2**53  # a count beyond any GPU's (and beyond a float's exact integers) is not one
 
 
@@ -53,6 +55,23 @@ def recovery_code(value):
     return RECOVERY_ACTIONS.get(value.strip(), UNKNOWN_ACTION)
 
 
+def xid_events(value):
+    """``[{xid, count, last_timestamp}]`` as the node read them (a code, a count, a time or None); None when the
+    node's kernel log was not read; anything else is dropped."""
+    if not isinstance(value, list):
+        return None
+    events = []
+    for event in value[:MAX_XIDS]:
+        if not isinstance(event, dict):
+            continue
+        code, seen, last = count(event.get("xid")), count(event.get("count")), event.get("last_timestamp")
+        if code is None or seen is None:
+            continue
+        last = last if isinstance(last, (int, float)) and not isinstance(last, bool) and 0 < last < LARGEST else None
+        events.append({"xid": code, "count": seen, "last_timestamp": last})
+    return events
+
+
 def gpu_entry(gpu):
     """One GPU of a report as the summary keeps it, or None when it has no index and GPU UUID to be named by."""
     if not isinstance(gpu, dict):
@@ -64,6 +83,7 @@ def gpu_entry(gpu):
     entry.update({key: count(gpu.get(key)) for key in COUNTS})
     entry.update({key: flag(gpu.get(key)) for key in FLAGS})
     entry["recovery_action"] = recovery_code(gpu.get("recovery_action"))
+    entry["xid_events"] = xid_events(gpu.get("xid_events"))
     return entry
 
 

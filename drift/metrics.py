@@ -36,6 +36,7 @@ import os
 
 from drift.errors import DriftError, missing_package
 from drift.failures import label as kind_label
+from drift.gpus import xid_events
 
 try:
     from prometheus_client import CollectorRegistry, Gauge, Info, generate_latest
@@ -54,6 +55,7 @@ CHECKED = ("in_spec", "drift")  # a run that got these checked the target: its v
 FAILURES = ("failed", "busy", "unreachable")
 TARGET = ("target", "node", "vmid")  # the labels of every series of a target
 GPU = (*TARGET, "index", "uuid", "name")  # ... and of every series of one of its GPUs
+XID = (*GPU, "xid")  # ... and of its Xid errors, one series per code the node's kernel logged for it
 MIB = 1024 * 1024
 # Every family the runner writes: name (without the prefix) -> (type, labels, help). The dashboard's and the alert
 # rules' tests check every query against the textfile rendered from these.
@@ -132,6 +134,11 @@ FAMILIES = {
         GPU,
         "Uncorrected ECC errors since the driver loaded (ecc.errors.uncorrected.volatile.total); a reset clears it.",
     ),
+    "gpu_ecc_uncorrected_aggregate_errors": (
+        "gauge",
+        GPU,
+        "Uncorrected ECC errors in the GPU's life (ecc.errors.uncorrected.aggregate.total); no reset clears it.",
+    ),
     "gpu_remapped_rows_pending": (
         "gauge",
         GPU,
@@ -158,12 +165,23 @@ FAMILIES = {
     "gpu_pcie_link_width": ("gauge", GPU, "Current PCIe link width (lanes)."),
     "gpu_pcie_link_width_max": ("gauge", GPU, "Widest PCIe link of the GPU in its slot (lanes)."),
     "gpu_persistence_mode": ("gauge", GPU, "1 when persistence mode is on (the driver stays loaded between jobs)."),
+    "gpu_xid_errors": (
+        "gauge",
+        XID,
+        "Xid errors of the GPU with this code in the node's kernel log (since its boot, as far as the log reaches).",
+    ),
+    "gpu_xid_last_timestamp_seconds": (
+        "gauge",
+        XID,
+        "Unix time the node's kernel last logged an Xid error of the GPU with this code.",
+    ),
 }
 # A GPU family -> (the summary's key, how its value becomes the sample's).
 GPU_VALUES = {
     "gpu_memory_used_bytes": ("memory_used_mib", MIB),
     "gpu_memory_total_bytes": ("memory_total_mib", MIB),
     "gpu_ecc_uncorrected_volatile_errors": ("ecc_uncorrected_volatile", 1),
+    "gpu_ecc_uncorrected_aggregate_errors": ("ecc_uncorrected_aggregate", 1),
     "gpu_remapped_rows_pending": ("remapped_rows_pending", 1),
     "gpu_remapped_rows_failure": ("remapped_rows_failure", 1),
     "gpu_retired_pages_pending": ("retired_pages_pending", 1),
@@ -301,6 +319,22 @@ def text(value):
     return "" if value is None else str(value)
 
 
+def set_gpu(metrics, where, gpu):
+    """The samples of one GPU of a target (``where``: its labels)."""
+    labels = dict(where, index=text(gpu.get("index")), uuid=gpu["uuid"], name=text(gpu.get("name")))
+    metrics["gpu_info"].labels(**labels).set(1)
+    metrics["gpu_read_timestamp_seconds"].labels(**labels).set(number(gpu.get("read")))
+    for family, (key, scale) in GPU_VALUES.items():
+        value = gpu.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):  # no value: no sample, never 0
+            metrics[family].labels(**labels).set(int(value) * scale)
+    for event in xid_events(gpu.get("xid_events")) or []:  # the state file's too, as the report's
+        xid = dict(labels, xid=str(event["xid"]))
+        metrics["gpu_xid_errors"].labels(**xid).set(event["count"])
+        if event["last_timestamp"] is not None:
+            metrics["gpu_xid_last_timestamp_seconds"].labels(**xid).set(event["last_timestamp"])
+
+
 def registry_of(summary, targets):
     """A prometheus_client registry holding every family of FAMILIES for ``summary`` and its ``targets``."""
     registry = CollectorRegistry(auto_describe=True)
@@ -326,13 +360,7 @@ def registry_of(summary, targets):
         metrics["last_success_timestamp_seconds"].labels(**where).set(number(target["last_success"]))
         metrics["run_duration_seconds"].labels(**where).set(number(target["seconds"]))
         for gpu in target["gpus"]:
-            labels = dict(where, index=text(gpu.get("index")), uuid=gpu["uuid"], name=text(gpu.get("name")))
-            metrics["gpu_info"].labels(**labels).set(1)
-            metrics["gpu_read_timestamp_seconds"].labels(**labels).set(number(gpu.get("read")))
-            for family, (key, scale) in GPU_VALUES.items():
-                value = gpu.get(key)
-                if isinstance(value, (int, float)) and math.isfinite(value):  # no value: no sample, never 0
-                    metrics[family].labels(**labels).set(int(value) * scale)
+            set_gpu(metrics, where, gpu)
     metrics["runner_last_run_timestamp_seconds"].set(summary["finished_timestamp"])
     metrics["runner_exit_code"].set(summary["exit_code"])
     metrics["runner_duration_seconds"].set(number(summary.get("duration_seconds")))

@@ -17,7 +17,9 @@ Settings (JSON; every key optional):
 * ``runbook_url``: where monitoring/runbook.md is served; each alert's ``runbook_url`` is it plus ``#<alert>`` in
   lower case (the runbook's section). Empty (the default): no ``runbook_url``, the ``runbook`` line says what to do;
 * ``alerts``: per alert, ``severity``, ``for`` and (the age alerts) ``after``: a duration (``45m``) or a number of
-  periods (``3``, ``1.5``); ``enabled: false`` leaves the alert out.
+  periods (``3``, ``1.5``); ``enabled: false`` leaves the alert out;
+* ``xids``: the Xid codes PveGpuRecoverGpuXid alerts on (default: those after which NVIDIA's guide says to reset
+  the GPU or reboot the node, XIDS); every code is exported either way.
 
 monitoring/prometheus/pve_gpu_recover.rules.yml is this program's output for the defaults (a unit test holds them
 equal); the role drift_timer writes it from its variables (``drift_timer_rules``, ``drift_timer_rules_dest``).
@@ -47,7 +49,11 @@ MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\\n]|\\.)*"\s*'
 SELECTOR = re.compile(rf"^(?:{MATCHER}(?:,{MATCHER})*)?,?\s*$")
 URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^\s#\"'{}]+$")
 SEVERITY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$")
-DEFAULTS = {"period": "1h", "selector": "", "runbook_url": "", "alerts": {}}
+# The Xids after which NVIDIA's "XID Errors" guide has the GPU reset or the node rebooted: 48 double-bit ECC, 61 and
+# 62 internal micro-controller, 64 row remapper failure, 74 NVLink, 79 fallen off the bus, 95 uncontained ECC,
+# 119 and 120 GSP, 140 unrecovered ECC. Application faults (13, 31, 43, 45) and notices (63, 94) are exported only.
+XIDS = [48, 61, 62, 64, 74, 79, 95, 119, 120, 140]
+DEFAULTS = {"period": "1h", "selector": "", "runbook_url": "", "alerts": {}, "xids": XIDS}
 
 
 # -- durations ---------------------------------------------------------------------------------------------------
@@ -320,6 +326,24 @@ ALERTS = {
         ),
         "runbook": "Start nvidia-persistenced on the node (systemctl enable --now nvidia-persistenced).",
     },
+    "PveGpuRecoverGpuXid": {
+        "severity": "critical",
+        "for": 0.5,
+        "after": 2,
+        "why": "The node's kernel logged an Xid error of the GPU after which it needs a reset or the node a reboot "
+        "(the setting xids) within two periods: a later check resolves it, the log keeps the count.",
+        "expr": lambda r, a: (
+            "time() - " + r.m("gpu_xid_last_timestamp_seconds", f'xid=~"{a["xids"]}"') + f" < {a['after']}"
+        ),
+        "summary": lambda a: "{{ $labels.target }}: GPU {{ $labels.index }} had Xid {{ $labels.xid }}",
+        "description": lambda a: (
+            "The node's kernel logged Xid {{ $labels.xid }} of GPU {{ $labels.index }} ({{ $labels.uuid }}) of "
+            + WHERE
+            + " {{ $value | humanizeDuration }} ago."
+        ),
+        "runbook": "Look up the Xid in NVIDIA's XID guide and dmesg on the node; drain the GPU's jobs, then reset it "
+        "(nvidia-smi --gpu-reset -i UUID) or reboot the node.",
+    },
 }
 ALERT_KEYS = ("severity", "for", "after", "enabled")
 
@@ -342,6 +366,13 @@ def settings_of(overrides=None):
         value = settings[key]
         if not isinstance(value, str) or (value and not pattern.match(value)):
             raise RulesError(f"{key} is {value!r}: expected {expected}, or empty")
+    xids = settings["xids"]
+    if (
+        not isinstance(xids, list)
+        or not xids
+        or not all(isinstance(x, int) and not isinstance(x, bool) and 0 < x < 100000 for x in xids)
+    ):
+        raise RulesError(f"xids is {xids!r}: expected a list of Xid codes such as [48, 79, 95]")
     alerts = settings["alerts"]
     if not isinstance(alerts, dict):
         raise RulesError(f"alerts is {alerts!r}: expected a mapping of alert names to their settings")
@@ -363,6 +394,7 @@ def alert_values(name, settings):
     spec, given = ALERTS[name], settings["alerts"].get(name) or {}
     period = settings["period_seconds"]
     values = {"severity": given.get("severity", spec["severity"]), "enabled": given.get("enabled", True) is not False}
+    values["xids"] = "|".join(str(code) for code in sorted(set(settings["xids"])))
     for key in ("for", "after"):
         if key in spec:
             values[key] = span(given.get(key, spec[key]), period, f"alerts.{name}.{key}")

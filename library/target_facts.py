@@ -228,8 +228,10 @@ ansible_facts:
           and C(error_kind=wedged) when a read never answered within the target's budget (a hung mount, a process
           stuck in the driver; the pass goes on without it and releases the lock).
         - C(preflight) adds C(checks) (name, ok, detail), C(gpus) (every field of the GPU query, as the target
-          numbers them), C(gpu_uuids), C(devices), C(node_driver_version), C(target_driver_version),
-          C(nvml_library_versions), C(space), C(python_version), C(hostname) and C(nvidia_smi_error).
+          numbers them, and C(xid_events), the Xids the node's kernel log holds for the GPU's PCI address, each
+          with xid, count and last_timestamp, or None when the node's log cannot be read), C(gpu_uuids),
+          C(devices), C(node_driver_version), C(target_driver_version), C(nvml_library_versions), C(space),
+          C(python_version), C(hostname) and C(nvidia_smi_error).
         - C(gpu_processes) adds C(processes) (what a run would end), C(protected) (left alone) and C(blockers)
           (other owners' or protected processes holding memory on the target's GPUs, with the reason),
           C(guarded) (the holders C(gpu_processes_guard) names, told attended too), C(kept_gpus) (the GPUs the

@@ -46,6 +46,7 @@ def written(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("reports")
     sick = dict(H200_GPU, index=1, uuid=SICK_UUID, recovery_action="Reset", retired_pages_pending=True)
+    sick.update(ecc_uncorrected_aggregate=2, xid_events=[{"xid": 79, "count": 1, "last_timestamp": 1796600000.0}])
     drifting = fact_pass(
         preflight=step_facts(gpus=[H200_GPU, sick]),
         training_venv=step_facts(["torch 2.11.0+cu130 -> 2.11.0+cu128"], needs_window=["pid 4242 runs from it"]),
@@ -142,8 +143,10 @@ def test_the_defaults_keep_the_hourly_thresholds_and_the_runners_own_alerts_are_
         "PveGpuRecoverGpuResetPending": "30m",
         "PveGpuRecoverGpuPcieLinkDegraded": "1h30m",
         "PveGpuRecoverGpuPersistenceOff": "1h30m",
+        "PveGpuRecoverGpuXid": "30m",
     }
     assert "> 21600" in found["PveGpuRecoverTargetNotChecked"]["expr"]
+    assert '{xid=~"48|61|62|64|74|79|95|119|120|140"} < 7200' in found["PveGpuRecoverGpuXid"]["expr"]
     assert "> 7200" in found["PveGpuRecoverRunnerNotRunning"]["expr"]
     assert {found[name]["labels"]["severity"] for name in RUNNER_ALERTS} == {"warning"}
     # No runbook_url until a setting says where the runbook is served (no link to a page that does not exist).
@@ -187,6 +190,8 @@ def test_a_setting_that_cannot_make_rules_is_refused_naming_it():
         ({"alerts": {"PveGpuRecoverDrift": {"after": 3}}}, "PveGpuRecoverDrift has no age threshold"),
         ({"alerts": {"PveGpuRecoverDrift": {"for": 0}}}, "for is 0: expected a positive number of periods"),
         ({"perod": "1h"}, "unknown setting(s) perod"),
+        ({"xids": ["79"]}, "xids is ['79']: expected a list of Xid codes"),
+        ({"xids": []}, "xids is []: expected a list of Xid codes"),
     ):
         with pytest.raises(rules.RulesError) as error:
             rules.render(settings)
@@ -213,6 +218,7 @@ CHANGED = {
         "PveGpuRecoverNeedsWindow": {"for": "12h"},
         "PveGpuRecoverGpuPersistenceOff": {"enabled": False},
     },
+    "xids": [79, 13],  # an application's fault alerted on too, here
 }
 # When each alert of CHANGED must fire, not before: (quiet at, firing at), as a person counts it for a 15-minute
 # timer (3 runs of drift = 45 min; 2 runs of a failure = 22m30s; a GPU's reading kept half a period = 7m30s), and
@@ -277,6 +283,17 @@ CHANGED_ALERTS = {
             "summary": "ct200: GPU 0 needs a recovery action (1)",
             "description": "The driver asks for recovery action 1 (1 GPU reset, 2 node reboot, 3 drain peer-to-peer, 4 "
             f"drain and reset, -1 another) on GPU 0 ({H200_GPU['uuid']}, NVIDIA H200) of {CT200}.",
+        },
+    ),
+    # Logged at 1 s; alerted on for two periods (30 min) once it was seen for half of one.
+    "PveGpuRecoverGpuXid": (
+        "7m",
+        "8m",
+        f'pve_gpu_recover_gpu_xid_last_timestamp_seconds{{target="ct200",node="pve1",vmid="200",index="0",'
+        f'uuid="{H200_GPU["uuid"]}",name="NVIDIA H200",xid="13"}}',
+        {
+            "summary": "ct200: GPU 0 had Xid 13",
+            "description": f"The node's kernel logged Xid 13 of GPU 0 ({H200_GPU['uuid']}) of {CT200} 7m 59s ago.",
         },
     ),
 }
@@ -389,6 +406,7 @@ def test_rules_written_for_a_15_minute_timer_a_selector_and_other_severities_pas
     text = rules.render(CHANGED)
     found = {rule["alert"]: rule for rule in rules_of(text)}
     assert "PveGpuRecoverGpuPersistenceOff" not in found
+    assert 'xid=~"13|79"} < 1800' in found["PveGpuRecoverGpuXid"]["expr"]
     assert found["PveGpuRecoverTargetFailed"]["labels"]["severity"] == "page"
     assert found["PveGpuRecoverDrift"]["expr"] == 'pve_gpu_recover_drift{job="drift"} == 1'
     assert found["PveGpuRecoverTargetNotChecked"]["expr"] == (

@@ -54,6 +54,7 @@ GPU_FIELDS = (
     ("pcie.link.gen.max", "pcie_link_gen_max", "int"),
     ("pcie.link.width.max", "pcie_link_width_max", "int"),
     ("gpu_recovery_action", "recovery_action", "str"),
+    ("ecc.errors.uncorrected.aggregate.total", "ecc_uncorrected_aggregate", "int"),
 )
 # Fields older drivers do not know (exit 2 "is not a valid field"): dropped and asked again once, then None.
 OPTIONAL_GPU_FIELDS = ("remapped_rows.failure", "gpu_recovery_action")

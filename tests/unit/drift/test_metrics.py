@@ -298,6 +298,7 @@ def test_each_gpu_of_a_target_is_exported_with_its_health_as_the_fact_pass_read_
         index=1,
         uuid="GPU-11111111-2222-3333-4444-555555555555",
         ecc_uncorrected_volatile=3,
+        ecc_uncorrected_aggregate=7,
         remapped_rows_pending=True,
         remapped_rows_failure=True,
         recovery_action="Reboot",
@@ -339,6 +340,9 @@ def test_each_gpu_of_a_target_is_exported_with_its_health_as_the_fact_pass_read_
     # The H200 has no retired pages (Hopper remaps rows): no value, so no sample, never a 0 that means "fine".
     assert H200_GPU["retired_pages_pending"] is None
     assert families[PREFIX + "gpu_retired_pages_pending"]["samples"] == []
+    # Lifetime ECC: the sick GPU's 7; the H200's report predates the field (no value, so no sample).
+    aggregate = gpu_samples(families, "gpu_ecc_uncorrected_aggregate_errors")
+    assert {index: value for index, (_, value) in aggregate.items()} == {"1": 7}
 
 
 def test_a_target_that_fails_keeps_its_gpus_last_readings_and_a_checked_one_shows_only_what_it_read(runner, tmp_path):

@@ -5,8 +5,8 @@
 Its probe part (``preflight_probe``) reads, inside the target: the NVIDIA device nodes, the NVML library
 files, the kernel module version file, free disk where the venvs go, and one ``nvidia-smi --query-gpu`` with
 every field the report and verify need (so no step asks nvidia-smi inside the CT again in a converged run).
-The node side reads the node's own kernel module version. :func:`evaluate` is pure: every verdict and message
-is unit tested.
+The node side reads the node's own kernel module version and the Xid errors its kernel log holds for each GPU
+(node/xid.py; the GPUs' ``xid_events``). :func:`evaluate` is pure: every verdict and message is unit tested.
 """
 # "_" is the throwaway name (PEP 8, ruff); ansible-test's pylint config bans it.
 # pylint: disable=disallowed-name
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import xid as node_xid
 from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import (
     GPU_FIELDS,
     OPTIONAL_GPU_FIELDS,
@@ -25,6 +26,7 @@ from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi im
     parse_library_version,
     query_gpu_argv,
 )
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.shared_reads import node_read
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import probe as preflight_probe
 
 NAME = "preflight"
@@ -49,9 +51,10 @@ SPEC = {
     "expected_gpu_count": {"type": "int"},
     "kernel_version_file": {"type": "path", "default": KERNEL_VERSION_FILE},
     "library_globs": {"type": "list", "elements": "str", "default": list(LIBRARY_GLOBS)},
+    "kernel_log": {"type": "path", "default": node_xid.KERNEL_LOG},
 }
 # Settings no role variable gives (registry.settings_from_variables): where the driver's files are is the node's.
-ROLE_VARIABLES = {"kernel_version_file": None, "library_globs": None}
+ROLE_VARIABLES = {"kernel_version_file": None, "library_globs": None, "kernel_log": None}
 SPEC_DEFAULTS = {name: option.get("default") for name, option in SPEC.items()}
 PROBE = preflight_probe
 # Asked without the fields an older driver may not know when it rejects them (exit 2).
@@ -130,6 +133,11 @@ def parse_probe(answer):
     }
 
 
+# read_node needs neither the probe's answer nor other steps' facts: it runs beside the probe (the kernel log of a
+# busy node is thousands of records, one read each).
+NODE_READ_NEEDS_ANSWER = False
+
+
 def read_node_driver_version(path):
     """Version of the NVIDIA kernel module loaded on this node (the module runs there), or None."""
     try:
@@ -140,14 +148,21 @@ def read_node_driver_version(path):
 
 
 def read_node(spec, target, answer, context):
-    """Node-side part: the node's kernel module version (what the driver inside is compared with)."""
-    return {"driver_version": read_node_driver_version(spec["kernel_version_file"])}
+    """Node-side part: the node's kernel module version (what the driver inside is compared with) and the Xids of
+    its kernel log (read once for the node's CTs of this module execution)."""
+    path = spec["kernel_log"]
+    return {
+        "driver_version": read_node_driver_version(spec["kernel_version_file"]),
+        "xids": node_read(context, ("xids", path), lambda: node_xid.read_xids(path)),
+    }
 
 
 def evaluate_step(spec, answer, node, context):
     """The preflight facts of the fact pass: checks, problems (a non-empty list stops the run), the GPUs."""
     target = context["target"]
     facts = parse_probe(answer)
+    for gpu in facts["gpus"]:  # the node's log, by the GPU's PCI address (a CT's GPU keeps the node's)
+        gpu["xid_events"] = node_xid.gpu_xids(node.get("xids"), gpu.get("bus_id"))
     checks = evaluate(
         target["label"],
         target["node"],

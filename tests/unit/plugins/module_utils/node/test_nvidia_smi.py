@@ -275,8 +275,9 @@ def csv_header(fields):
 def test_an_old_driver_without_optional_fields_is_asked_again_once():
     full = smi.query_gpu_argv(smi.GPU_FIELDS)
     without = [f for f in smi.GPU_FIELDS if f[0] != "gpu_recovery_action"]
-    # The captured row, then remapped_rows.failure, pcie.link.gen.max, pcie.link.width.max.
-    row = capture_block("capture-1.log", "query-gpu csv").splitlines()[1] + ", No, 5, 16"
+    # The captured row, then remapped_rows.failure, pcie.link.gen.max, pcie.link.width.max and the aggregate ECC
+    # count (nvsmi_q_x_idle.xml's aggregate dram_uncorrectable).
+    row = capture_block("capture-1.log", "query-gpu csv").splitlines()[1] + ", No, 5, 16, 0"
     run = FakeRun(
         [
             (full, 2, 'Field "gpu_recovery_action" is not a valid field to query.\n\n'),
@@ -299,7 +300,8 @@ def test_a_required_bad_field_is_not_retried():
 
 
 def test_the_project_query_on_a_real_h200():
-    # bench/hardware_run.sh, 2026-12-02: the exact query gpu_info makes, on an H200 (driver 580.159.04).
+    # bench/hardware_run.sh, 2026-12-02: the exact query gpu_info makes, on an H200 (driver 580.159.04); its last
+    # column, the aggregate ECC count, added in 3.0.0 (tests/fixtures/h200/README.md).
     gpus = smi.parse_gpus((H200 / "nvsmi_query_gpu_project.csv").read_text())
     assert gpus == [
         dict(
@@ -311,6 +313,7 @@ def test_the_project_query_on_a_real_h200():
             pcie_link_gen_max=5,
             pcie_link_width_max=16,
             recovery_action="None",
+            ecc_uncorrected_aggregate=0,
         )
     ]
 

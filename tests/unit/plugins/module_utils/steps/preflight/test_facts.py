@@ -5,13 +5,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node import xid as node_xid
 from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import NvidiaSmiError
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.shared_reads import SharedReads
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
 
 from tests.conftest import ROOT
 
 ANCHORS = yaml.safe_load((ROOT / "tests/unit/library/test_target_facts.yaml").read_text())["anchors"]
 CONTEXT = {"target": {"label": "CT 200 on pve1", "node": "pve1", "vmid": 200}}
+XID_LOG = (ROOT / "tests" / "fixtures" / "kmsg" / "xid.kmsg").read_text()
+real_read = node_xid.read_kernel_log
 SPEC = dict(preflight_facts.SPEC_DEFAULTS, expected_gpu_count=2)
 
 
@@ -62,11 +66,35 @@ def test_an_nvidia_smi_answer_cut_at_the_cap_is_named_not_parsed():
     assert any("nvidia-smi printed more than 4 MiB" in p and "output was cut" in p for p in facts["problems"])
 
 
-def test_the_node_part_reads_the_node_kernel_module(tmp_path: Path):
+def test_the_node_part_reads_the_node_kernel_module_and_its_xids_once_for_its_cts(tmp_path: Path, monkeypatch):
     version = tmp_path / "version"
     version.write_text((ROOT / "tests/fixtures/h200/proc_driver_nvidia_version.txt").read_text())
-    spec = dict(SPEC, kernel_version_file=str(version))
-    assert preflight_facts.read_node(spec, None, None, CONTEXT) == {"driver_version": "580.159.04"}
+    spec = dict(SPEC, kernel_version_file=str(version), kernel_log=str(ROOT / "tests/fixtures/kmsg/xid.kmsg"))
+    reads = []
+    monkeypatch.setattr(node_xid, "read_kernel_log", lambda path: reads.append(path) or real_read(path))
+    context = dict(CONTEXT, shared=SharedReads())
+    first = preflight_facts.read_node(spec, None, None, context)
+    assert first["driver_version"] == "580.159.04"
+    assert set(first["xids"]) == {"0000:1b:00", "0000:3b:00", "0000:00:06"}
+    other_ct = dict(context, target=dict(CONTEXT["target"], vmid=201))  # same node, same module execution
+    assert preflight_facts.read_node(spec, None, None, other_ct)["xids"] is first["xids"]
+    assert reads == [spec["kernel_log"]]
+    unreadable = dict(spec, kernel_log=str(tmp_path / "none"))
+    assert preflight_facts.read_node(unreadable, None, None, dict(CONTEXT, shared=SharedReads()))["xids"] is None
+
+
+def test_each_gpu_carries_the_xids_the_node_logged_for_its_pci_address():
+    node = {"driver_version": "580.159.04", "xids": node_xid.parse_xids(XID_LOG, 1796600000)}
+    facts = preflight_facts.evaluate_step(dict(SPEC, expected_gpu_count=None), ANCHORS["healthy"], node, CONTEXT)
+    by_bus = {gpu["bus_id"]: gpu["xid_events"] for gpu in facts["gpus"]}
+    assert by_bus == {
+        "00000000:00:06.0": [{"xid": 13, "count": 1, "last_timestamp": 1796609300.0}],
+        "00000000:00:07.0": [],  # the user facility's line is not the driver's
+    }
+    unread = preflight_facts.evaluate_step(
+        dict(SPEC, expected_gpu_count=None), ANCHORS["healthy"], {"driver_version": "580.159.04", "xids": None}, CONTEXT
+    )
+    assert [gpu["xid_events"] for gpu in unread["gpus"]] == [None, None]
 
 
 # -- disk: a warning before a failure (issue 25 item 13) -------------------------------------------------------

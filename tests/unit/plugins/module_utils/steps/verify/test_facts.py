@@ -17,6 +17,7 @@ import sys
 import pytest
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible_collections.pve_gpu.recover.plugins.module_utils.node.nvidia_smi import GPU_FIELDS
+from ansible_collections.pve_gpu.recover.plugins.module_utils.node.shared_reads import SharedReads
 from ansible_collections.pve_gpu.recover.plugins.module_utils.node.target import probe_name
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps import registry as step_registry
 from ansible_collections.pve_gpu.recover.plugins.module_utils.steps.preflight import facts as preflight_facts
@@ -599,7 +600,7 @@ def test_evaluated_last_it_sees_every_step_before_it_and_a_malformed_part_is_a_p
         "space": {"path": "/opt", "existing": "/opt", "free_bytes": 10**12},
     }
     answers = {"preflight": {"answer": preflight_answer}, "verify": {"answer": venv_answer()}}
-    ctx = dict(context(), steps={})
+    ctx = dict(context(), steps={}, shared=SharedReads())  # as the fact pass's context has it
     facts = step_registry.evaluate_steps(specs, None, answers, ctx)
     assert list(facts) == ["preflight", "gpu_processes", "verify"]
     assert facts["verify"]["pending"] is True  # the GPU step has work in this run
