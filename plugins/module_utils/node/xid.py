@@ -23,6 +23,8 @@ XID = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA
 # nvidia-smi's pci.bus_id: ``00000000:3B:00.0``.
 BUS_ID = re.compile(r"^([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.[0-7]$")
 MAX_CODES = 32  # distinct Xid codes kept per GPU
+# Records lost to a kernel that logs faster than they are read (EPIPE) before the read stops with what it has.
+MAX_LOST = 1000
 
 
 def pci_key(domain, bus, device):
@@ -43,15 +45,16 @@ def read_kernel_log(path=KERNEL_LOG, limit=MAX_BYTES):
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         return None
-    chunks, size = [], 0
+    chunks, size, lost = [], 0, 0
     try:
-        while size < limit:
+        while size < limit and lost < MAX_LOST:
             try:
                 chunk = os.read(fd, 65536)  # /dev/kmsg: one record; a file (tests): the next bytes
             except BlockingIOError:
                 break  # the end of the buffer
             except OSError as error:
                 if error.errno == errno.EPIPE:
+                    lost += 1
                     continue
                 if not chunks:
                     return None

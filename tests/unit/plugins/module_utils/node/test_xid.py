@@ -65,3 +65,20 @@ def test_the_machines_own_kernel_log_reads_as_records():
     assert all(line.startswith(" ") or line.split(";", 1)[0].count(",") >= 3 for line in text.splitlines())
     assert xid.boot_time() is not None
     assert isinstance(xid.read_xids(), dict)
+
+
+def test_a_kernel_that_logs_faster_than_the_read_does_not_keep_it_reading(monkeypatch):
+    """Each EPIPE is a record overwritten before it was read: the read skips it, as dmesg does, but stops after
+    MAX_LOST of them with what it has instead of chasing a flood."""
+    reads = []
+
+    def overwritten(fd, size):
+        reads.append(fd)
+        if len(reads) == 1:
+            return b"4,1,1,-;NVRM: Xid (PCI:0000:1b:00): 79, pid=1, name=x, GPU has fallen off the bus.\n"
+        raise OSError(xid.errno.EPIPE, "Broken pipe")
+
+    monkeypatch.setattr(xid.os, "read", overwritten)
+    text = xid.read_kernel_log(str(KMSG))
+    assert xid.parse_xids(text, BOOTED)["0000:1b:00"][79]["count"] == 1
+    assert len(reads) == 1 + xid.MAX_LOST
